@@ -1,0 +1,71 @@
+"""Typed model configuration and the named model shapes.
+
+Only shapes and numerics live here; training hyper-parameters belong to
+`experiments.config`. Presets above `medium` are only ever compiled abstractly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256  # byte-level tokens
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 4
+    d_ff: int = 512
+    max_len: int = 128  # longest context the model is trained / sampled with
+    rope_base: float = 10_000.0
+    norm_eps: float = 1e-6
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"  # none | full | save_dots
+    # Unrolling the short layer scan removes the loop overhead that dominates tiny models on CPU.
+    scan_unroll: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field and what is allowed."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads}: must divide d_model={self.d_model}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"n_heads={self.n_heads}: d_model/n_heads={self.head_dim} must be even for rotary"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}: allowed {', '.join(REMAT_POLICIES)}")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r}: allowed {', '.join(DTYPES)}")
+        if self.scan_unroll < 1:
+            raise ValueError(f"scan_unroll={self.scan_unroll}: must be >= 1")
+
+
+# Shapes. The large ones follow GPT-3-style width/depth ratios with a byte vocabulary and are
+# sized to land within 1% of the ZeRO paper's model sizes (see tests/test_model.py).
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=128, max_len=32),
+    "small": ModelConfig(d_model=128, n_layers=3, n_heads=4, d_ff=512, max_len=128, scan_unroll=3),
+    "medium": ModelConfig(d_model=384, n_layers=11, n_heads=6, d_ff=1536, max_len=512),
+    "1.3b": ModelConfig(d_model=2048, n_layers=26, n_heads=16, d_ff=8192, max_len=2048,
+                        compute_dtype="bfloat16", remat="full"),
+    "7.5b": ModelConfig(d_model=4096, n_layers=37, n_heads=32, d_ff=16384, max_len=2048,
+                        compute_dtype="bfloat16", remat="full"),
+    "128b": ModelConfig(d_model=12288, n_layers=71, n_heads=96, d_ff=49152, max_len=2048,
+                        compute_dtype="bfloat16", remat="full"),
+    "1t": ModelConfig(d_model=25600, n_layers=127, n_heads=160, d_ff=102400, max_len=2048,
+                      compute_dtype="bfloat16", remat="full"),
+}

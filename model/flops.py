@@ -1,0 +1,29 @@
+"""Exact parameter count and training FLOPs per token of `DecoderLM`, from the config alone."""
+
+from __future__ import annotations
+
+from model.config import ModelConfig
+
+
+def param_count(cfg: ModelConfig) -> int:
+    d, f, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    per_layer = 4 * d * d + 2 * d * f + 2 * d  # q,k,v,o + up,down + two RMSNorm scales
+    return L * per_layer + V * d + d * V + d  # + embedding, head, final norm
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (the embedding lookup is a gather)."""
+    d, f, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    return L * (4 * d * d + 2 * d * f) + d * V
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """Forward+backward FLOPs per token: 6 per matmul parameter, plus causal attention.
+
+    Attention scores and the weighted sum cost 2·T·d multiply-adds per token and layer for the
+    full square; causality halves the useful part, so we count 6·L·T·d (PaLM appendix B counts
+    the full square, 12·L·T·d; we count only the causal half that is actually needed). Rematerial-
+    isation is not counted: this is model FLOPs, the numerator of MFU.
+    """
+    T = seq_len or cfg.max_len
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * T * cfg.d_model

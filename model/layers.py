@@ -1,0 +1,92 @@
+"""The building blocks every model in `model/` is made of.
+
+Each parameter carries logical axis names (`embed`, `mlp`, `heads`, `vocab`, ...) as NNX
+metadata; `parallel/` maps them to mesh axes. Nothing here names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def param(value: jax.Array, axes: Axes) -> nnx.Param:
+    """A parameter annotated with logical axis names.
+
+    Eager sharding is off: where a parameter lives is decided by `parallel/` (abstract init,
+    then a jitted init with the strategy's shardings), never at construction time.
+    """
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Dense(nnx.Module):
+    """y = x @ W (+ b), W stored as [in, out] in `param_dtype`, multiplied in `compute_dtype`.
+
+    Every linear map of the models goes through this class, so `quant/` can replace it (or its
+    kernel) without the model knowing.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, axes: Axes, rngs: nnx.Rngs,
+                 param_dtype="float32", compute_dtype="float32", use_bias: bool = False,
+                 init_scale: float = 1.0):
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        # Fan-in scaled normal init (std = scale / sqrt(in)).
+        init = nnx.initializers.normal(stddev=init_scale / in_features**0.5)
+        self.kernel = param(
+            init(rngs.params(), (in_features, out_features), dtype_of(param_dtype)), axes
+        )
+        self.bias = (
+            param(jnp.zeros((out_features,), dtype_of(param_dtype)), axes[-1:])
+            if use_bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = dtype_of(self.compute_dtype)
+        y = jnp.dot(x.astype(dt), self.kernel[...].astype(dt))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dt)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype="float32", axes: Axes = ("embed",)):
+        self.eps = eps
+        self.scale = param(jnp.ones((dim,), dtype_of(param_dtype)), axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in fp32 whatever the compute dtype: the mean of squares is precision-sensitive.
+        x32 = x.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, param_dtype="float32",
+                 compute_dtype="float32"):
+        self.compute_dtype = compute_dtype
+        init = nnx.initializers.normal(stddev=1.0)
+        self.embedding = param(
+            init(rngs.params(), (vocab, dim), dtype_of(param_dtype)), ("vocab", "embed")
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.compute_dtype))
+
+
+def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding (rotate-half convention), computed in fp32."""
+    half = x_BxTxNxH.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions_BxT[..., None].astype(jnp.float32) * freqs  # B,T,H/2
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)

@@ -1,0 +1,143 @@
+"""Decoder-only transformer language model (pre-norm, RMSNorm, rotary attention, GELU MLP).
+
+The blocks are created with `nnx.vmap`, so every block parameter is stacked on a leading
+`layers` axis, and they run under one `lax.scan`. The scan body accepts a `layer_hook` that
+sees each layer's parameters right before use: `parallel/` uses it to all-gather a layer's
+shards (ZeRO-3) without this file knowing about meshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from model.config import ModelConfig
+from model.layers import Dense, Embed, RMSNorm, dtype_of, rotary
+
+LayerHook = Callable[[nnx.State], nnx.State]
+HOOKED_PARAMS = "hooked_layer_params"  # checkpoint name of a layer's params after the hook
+# A KV cache: {"k": [layers, B, S, N, H], "v": [layers, B, S, N, H]}.
+KVCache = dict[str, jax.Array]
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, dt = cfg.d_model, dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        self.q = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
+        self.k = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
+        self.v = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
+        # Residual-branch outputs start small (GPT-2 style 1/sqrt(2L)) so deep stacks train stably.
+        self.o = Dense(d, d, axes=("heads", "embed"), rngs=rngs,
+                       init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
+
+    def __call__(self, x_BxTxD, positions_BxT, cache=None, cache_index=None):
+        cfg = self.cfg
+        B, T, _ = x_BxTxD.shape
+        split = lambda y: y.reshape(B, T, cfg.n_heads, cfg.head_dim)
+        q = rotary(split(self.q(x_BxTxD)), positions_BxT, cfg.rope_base)
+        k = rotary(split(self.k(x_BxTxD)), positions_BxT, cfg.rope_base)
+        v = split(self.v(x_BxTxD))
+        if cache is None:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            new_cache = None
+        else:
+            # Write this chunk's keys/values at cache_index, attend over everything written so far.
+            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype),
+                                                        cache_index, axis=1)
+            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
+                                                        cache_index, axis=1)
+            S = k_all.shape[1]
+            mask = jnp.arange(S)[None, :] <= positions_BxT[:, :, None]  # B,T,S
+            out = jax.nn.dot_product_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+                                               mask=mask[:, None, :, :])
+            new_cache = {"k": k_all, "v": v_all}
+        return self.o(out.reshape(B, T, cfg.d_model)), new_cache
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        self.up = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), rngs=rngs, **dt)
+        self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), rngs=rngs,
+                          init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.mlp = Mlp(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, cache=None, cache_index=None):
+        h, new_cache = self.attn(self.attn_norm(x), positions, cache, cache_index)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+class DecoderLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs, param_dtype=cfg.param_dtype,
+                           compute_dtype=cfg.compute_dtype)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs,
+                          param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+
+    def __call__(self, tokens_BxT: jax.Array, *, positions_BxT: jax.Array | None = None,
+                 cache: KVCache | None = None, cache_index: jax.Array | int = 0,
+                 layer_hook: LayerHook | None = None):
+        """Logits [B, T, vocab] in fp32 (and the updated cache when one is given)."""
+        cfg = self.cfg
+        B, T = tokens_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
+        x = self.embed(tokens_BxT)
+        block_def, stacked = nnx.split(self.blocks)
+
+        def layer(x, xs):
+            layer_params, layer_cache = xs
+            if layer_hook is not None:
+                layer_params = jax.tree.map(
+                    lambda p: checkpoint_name(p, HOOKED_PARAMS), layer_hook(layer_params))
+            block = nnx.merge(block_def, layer_params)
+            return block(x, positions_BxT, layer_cache, cache_index)
+
+        policy = _REMAT.get(cfg.remat)
+        if policy is None and layer_hook is not None:
+            # What a hook produced (e.g. all-gathered weights) is never kept for the backward
+            # pass, whatever the remat setting: it is produced again when needed.
+            policy = jax.checkpoint_policies.save_anything_except_these_names(HOOKED_PARAMS)
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        x, new_cache = jax.lax.scan(layer, x, (stacked, cache),
+                                    unroll=min(cfg.scan_unroll, cfg.n_layers))
+        logits = self.head(self.final_norm(x)).astype(jnp.float32)
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, length: int | None = None, dtype=None) -> KVCache:
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, length or cfg.max_len, cfg.n_heads, cfg.head_dim)
+        dt = dtype or dtype_of(cfg.compute_dtype)
+        return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}

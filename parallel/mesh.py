@@ -1,0 +1,38 @@
+"""Device mesh construction: ("data", "fsdp") over the available devices."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+MESH_AXES = ("data", "fsdp")
+
+
+def parse_mesh(spec: str | None, n_devices: int) -> dict[str, int]:
+    """'data=2,fsdp=4' -> {'data': 2, 'fsdp': 4}; None -> all devices on fsdp."""
+    if not spec:
+        return {"data": 1, "fsdp": n_devices}
+    sizes = {"data": 1, "fsdp": 1}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"mesh={spec!r}: expected comma-separated data=A,fsdp=B with "
+                             f"positive integers")
+        sizes[name] = int(value)
+    if sizes["data"] * sizes["fsdp"] != n_devices:
+        raise ValueError(f"mesh={spec!r}: data*fsdp={sizes['data'] * sizes['fsdp']} must equal "
+                         f"the device count {n_devices}")
+    return sizes
+
+
+def make_mesh(n_devices: int | None = None, spec: str | None = None) -> Mesh:
+    available = jax.devices()
+    n = n_devices or len(available)
+    if n > len(available):
+        raise ValueError(f"devices={n}: only {len(available)} available "
+                         f"({available[0].platform}); on CPU pass --devices before JAX starts")
+    sizes = parse_mesh(spec, n)
+    devices = np.asarray(available[:n]).reshape(sizes["data"], sizes["fsdp"])
+    return Mesh(devices, MESH_AXES)

@@ -1,0 +1,36 @@
+"""The one table from logical axis names (spoken by `model/`) to mesh axes.
+
+Mesh axes: `data` (replicate parameters, split the batch) and `fsdp` (split the batch *and*
+shard whatever the strategy shards). Every parameter of the models has an `embed` dimension,
+so sharding `embed` over `fsdp` shards every parameter.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")  # the batch is split over every device
+
+# Where a parameter-like leaf (params, grads, optimizer moments) is split when it is sharded.
+SHARDED_RULES: dict[str, str | None] = {
+    "embed": "fsdp",
+    "layers": None,
+    "vocab": None,
+    "heads": None,
+    "mlp": None,
+}
+
+
+def spec_for(logical_axes: P, sharded: bool) -> P:
+    """PartitionSpec of one leaf: replicated, or with its logical axes mapped through the rules."""
+    if not sharded:
+        return P()
+    return P(*(SHARDED_RULES.get(a) if a else None for a in logical_axes))
+
+
+def sharded_dim(logical_axes: P) -> int | None:
+    """Index of the dimension that `fsdp` shards, or None if the leaf stays whole."""
+    for i, a in enumerate(logical_axes):
+        if a and SHARDED_RULES.get(a) == "fsdp":
+            return i
+    return None

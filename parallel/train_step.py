@@ -1,0 +1,247 @@
+"""One jitted training step per strategy, with the collectives written out by hand.
+
+dp/zero1/zero2/zero3 run under `jax.shard_map`: every device sees its local batch rows and its
+local view of the state, and each reduction or gather is an explicit `lax` collective, so the
+mechanism can be read here and counted in the compiled program. zero3_auto is the same state
+layout left to the compiler (plain jit + sharding annotations).
+
+The loss is the mean next-token NLL over the global batch; gradients are accumulated over
+`micro_steps` micro-batches inside the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model import ModelConfig
+from model.layers import dtype_of
+from model.loss import nll_sum
+from parallel.rules import BATCH_AXES, sharded_dim
+from parallel.state import state_specs, to_shardings
+from parallel.strategies import Strategy
+
+FSDP = "fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    global_batch: int
+    seq_len: int
+    micro_steps: int = 1
+    clip_norm: float = 1.0
+
+
+def batch_spec() -> P:
+    """Batch arrays are [micro_steps, global_batch, seq_len + 1], rows split over every device."""
+    return P(None, BATCH_AXES)
+
+
+def _gather_dims(axes: dict) -> dict:
+    """For each leaf, the dimension sharded over fsdp (or None)."""
+    return jax.tree.map(sharded_dim, axes, is_leaf=lambda x: isinstance(x, P))
+
+
+def _gather(x, dim, dtype):
+    """All-gather one parameter shard, in the compute dtype (the cast runs before the wire)."""
+    if dim is None:
+        return x.astype(dtype)
+    return lax.all_gather(x.astype(dtype), FSDP, axis=dim, tiled=True)
+
+
+def make_layer_hook(dtype) -> Callable[[nnx.State], nnx.State]:
+    """Gather-then-release for one layer: called inside the scan, right before the layer runs.
+
+    A leaf's metadata still names the stacked `layers` axis first; the slice the scan hands us has
+    lost that dimension, so the gather dimension is found among the remaining names.
+    """
+
+    def gather_var(var: nnx.Variable):
+        names = var.get_metadata()["out_sharding"][1:]
+        return var.replace(_gather(var[...], sharded_dim(P(*names)), dtype))
+
+    def hook(layer_state: nnx.State) -> nnx.State:
+        return jax.tree.map(gather_var, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    return hook
+
+
+def _global_norm_sq(grads, dims, sharded: bool):
+    """Squared global norm; shards are disjoint, so their partial sums add up over fsdp."""
+    leaves, dim_leaves = jax.tree.leaves(grads), jax.tree.leaves(dims, is_leaf=lambda x: x is None)
+    whole = sum((jnp.sum(jnp.square(g.astype(jnp.float32)))
+                 for g, d in zip(leaves, dim_leaves, strict=True) if not (sharded and d is not None)),
+                jnp.zeros((), jnp.float32))
+    if not sharded:
+        return whole
+    parts = sum((jnp.sum(jnp.square(g.astype(jnp.float32)))
+                 for g, d in zip(leaves, dim_leaves, strict=True) if d is not None),
+                jnp.zeros((), jnp.float32))
+    return whole + lax.psum(parts, FSDP)
+
+
+def _clip(grads, norm_sq, clip_norm):
+    norm = jnp.sqrt(norm_sq)
+    scale = jnp.minimum(1.0, clip_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), norm
+
+
+def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: ModelConfig,
+                    strategy: Strategy, mesh: Mesh, tx: optax.GradientTransformation,
+                    step_cfg: StepConfig):
+    """Returns (jitted step(state, batch) -> (state, metrics), state shardings, batch sharding)."""
+    specs = state_specs(abstract_state, axes, strategy, tx)
+    shardings = to_shardings(specs, mesh)
+    batch_sharding = NamedSharding(mesh, batch_spec())
+    denom = step_cfg.global_batch * step_cfg.seq_len * step_cfg.micro_steps
+    builder = _explicit_step if strategy.explicit else _auto_step
+    fn = builder(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom)
+    step = jax.jit(fn, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
+    return step, shardings, batch_sharding
+
+
+def _finish(state, target, adam, params, mixed, metrics):
+    opt = {"adam": adam}
+    if mixed:
+        opt["master"] = target
+    return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+
+def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):
+    name = strategy.name
+    dims = _gather_dims(axes)
+    cdt, pdt = dtype_of(model_cfg.compute_dtype), dtype_of(model_cfg.param_dtype)
+    mixed = model_cfg.param_dtype != "float32"
+    hook = make_layer_hook(cdt) if name == "zero3" else None
+    is_dim = lambda x: x is None or isinstance(x, int)
+
+    def loss_fn(params, tokens):
+        if name == "zero3":  # non-layer params (embedding, final norm, head) are gathered whole
+            params = {k: v if k == "blocks" else jax.tree.map(
+                lambda x, d: _gather(x, d, cdt), v, dims[k], is_leaf=None)
+                for k, v in params.items()}
+        model = nnx.merge(graphdef, params)
+        logits = model(tokens[:, :-1], layer_hook=hook)
+        return nll_sum(logits, tokens[:, 1:]) / denom
+
+    def scatter(g, d):  # gradient leaves leave as a reduce-scatter over fsdp
+        return lax.psum(g, BATCH_AXES) if d is None else lax.psum_scatter(
+            g, FSDP, scatter_dimension=d, tiled=True)
+
+    def local_step(state, batch):
+        params = state["params"]
+        if name == "zero3":
+            # Autodiff transposes each all_gather into a psum_scatter: gradients arrive sharded.
+            diff_params = params
+        else:
+            # Differentiate w.r.t. a device-varying copy so gradients stay local (unreduced) until
+            # we reduce them ourselves: once per step (dp, zero1) or per micro-step (zero2).
+            diff_params = lax.pcast(params, BATCH_AXES, to="varying")
+
+        def micro(carry, tokens):
+            acc, loss_acc = carry
+            loss, g = jax.value_and_grad(loss_fn)(diff_params, tokens)
+            if name == "zero2":
+                g = jax.tree.map(scatter, g, dims, is_leaf=is_dim)
+            return (jax.tree.map(jnp.add, acc, g), loss_acc + loss), None
+
+        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), _local_grad_shape(
+            name, params, dims))
+        # The accumulator must carry the same device-variance as the gradients it sums: zero3's
+        # arrive reduced over `data` and sharded over fsdp; the others are still local.
+        acc0 = lax.pcast(acc0, FSDP if name == "zero3" else BATCH_AXES, to="varying")
+        (grads, loss), _ = lax.scan(micro, (acc0, lax.pcast(jnp.zeros((), jnp.float32),
+                                                           BATCH_AXES, to="varying")), batch)
+        loss = lax.psum(loss, BATCH_AXES)
+        if name == "dp":
+            grads = lax.psum(grads, BATCH_AXES)
+        elif name == "zero1":
+            grads = jax.tree.map(scatter, grads, dims, is_leaf=is_dim)
+        if name in ("zero1", "zero2"):  # shards are replicated across `data` (free when size 1)
+            grads = jax.tree.map(lambda g, d: g if d is None else lax.psum(g, "data"), grads, dims,
+                                 is_leaf=is_dim)
+        sharded = name != "dp"
+        grads, gnorm = _clip(grads, _global_norm_sq(grads, dims, sharded), step_cfg.clip_norm)
+
+        if mixed:
+            target = state["opt"]["master"]
+        elif name in ("zero1", "zero2"):  # this device's slice of the replicated params
+            target = jax.tree.map(_local_slice, params, dims, is_leaf=is_dim)
+        else:
+            target = params
+        updates, adam = tx.update(grads, state["opt"]["adam"], target)
+        target = optax.apply_updates(target, updates)
+        if name in ("zero1", "zero2"):  # re-assemble the whole parameters on every device
+            new_params = jax.tree.map(
+                lambda t, d: t.astype(pdt) if d is None else lax.all_gather(
+                    t.astype(pdt), FSDP, axis=d, tiled=True, to="invarying"),
+                target, dims, is_leaf=is_dim)
+        else:
+            new_params = jax.tree.map(lambda t: t.astype(pdt), target)
+        return _finish(state, target, adam, new_params, mixed, {"loss": loss, "grad_norm": gnorm})
+
+    return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, batch_spec()),
+                         out_specs=(specs, P()))
+
+
+def _local_grad_shape(name, params, dims):
+    """Shape of the gradient accumulator: sharded for zero2/zero3, whole otherwise."""
+    if name in ("zero2",):
+        return jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(_shard_shape(p.shape, d), p.dtype),
+                            params, dims, is_leaf=lambda x: x is None or isinstance(x, int))
+    return params
+
+
+def _shard_shape(shape, dim):
+    if dim is None:
+        return shape
+    n = lax.axis_size(FSDP)
+    return tuple(s // n if i == dim else s for i, s in enumerate(shape))
+
+
+def _local_slice(x, dim):
+    if dim is None:
+        return x
+    size = x.shape[dim] // lax.axis_size(FSDP)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(FSDP) * size, size, axis=dim)
+
+
+def _auto_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):
+    """zero3_auto: global-view code; shardings are annotations, the compiler adds collectives."""
+    mixed = model_cfg.param_dtype != "float32"
+    pdt = dtype_of(model_cfg.param_dtype)
+    grad_shardings = to_shardings(specs["params"], mesh)
+
+    def loss_fn(params, tokens):
+        return nll_sum(nnx.merge(graphdef, params)(tokens[:, :-1]), tokens[:, 1:]) / denom
+
+    def step(state, batch):
+        params = state["params"]
+
+        def micro(carry, tokens):
+            acc, loss_acc = carry
+            loss, g = jax.value_and_grad(loss_fn)(params, tokens)
+            g = jax.lax.with_sharding_constraint(g, grad_shardings)
+            return (jax.tree.map(jnp.add, acc, g), loss_acc + loss), None
+
+        acc0 = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
+                                                grad_shardings)
+        (grads, loss), _ = lax.scan(micro, (acc0, jnp.zeros((), jnp.float32)), batch)
+        dims = jax.tree.map(lambda _: None, params)
+        grads, gnorm = _clip(grads, _global_norm_sq(grads, dims, False), step_cfg.clip_norm)
+        target = state["opt"]["master"] if mixed else params
+        updates, adam = tx.update(grads, state["opt"]["adam"], target)
+        target = optax.apply_updates(target, updates)
+        new_params = jax.tree.map(lambda t: t.astype(pdt), target)
+        return _finish(state, target, adam, new_params, mixed, {"loss": loss, "grad_norm": gnorm})
+
+    return step
