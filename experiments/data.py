@@ -105,9 +105,11 @@ class SequenceSampler:
 
 
 def validation_batches(rows: np.ndarray, global_batch: int, max_batches: int) -> list[np.ndarray]:
-    """The fixed validation set: the first max_batches full batches in file order."""
+    """The fixed validation set: max_batches full batches of rows spread evenly over the split
+    (so every part of the validation files is represented, not just the first files)."""
     n = min(max_batches, len(rows) // global_batch)
     if n < 1:
         raise ValueError(f"batch_size={global_batch}: larger than the validation split "
                          f"({len(rows)} sequences)")
-    return [rows[i * global_batch:(i + 1) * global_batch] for i in range(n)]
+    picked = rows[np.linspace(0, len(rows) - 1, n * global_batch).astype(np.int64)]
+    return [picked[i * global_batch:(i + 1) * global_batch] for i in range(n)]

@@ -78,8 +78,8 @@ def _global_norm_sq(grads, dims, sharded: bool):
     """Squared global norm; shards are disjoint, so their partial sums add up over fsdp."""
     leaves, dim_leaves = jax.tree.leaves(grads), jax.tree.leaves(dims, is_leaf=lambda x: x is None)
     whole = sum((jnp.sum(jnp.square(g.astype(jnp.float32)))
-                 for g, d in zip(leaves, dim_leaves, strict=True) if not (sharded and d is not None)),
-                jnp.zeros((), jnp.float32))
+                 for g, d in zip(leaves, dim_leaves, strict=True)
+                 if not (sharded and d is not None)), jnp.zeros((), jnp.float32))
     if not sharded:
         return whole
     parts = sum((jnp.sum(jnp.square(g.astype(jnp.float32)))

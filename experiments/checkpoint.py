@@ -1,0 +1,56 @@
+"""Orbax checkpoints of a training run: state (sharded arrays) + JSON metadata.
+
+Layout under WORKDIR/checkpoints/<step>/:
+  state/  the train state pytree {"params", "opt", "step"} (Orbax StandardSave, sharded arrays)
+  meta/   JSON: step, data position, RNG key data, the model config it was written with
+
+A checkpoint restores onto any mesh and strategy: the target shardings come from the reader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: str | Path, keep: int = 2, read_only: bool = False,
+            async_save: bool = True) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           read_only=read_only,
+                                           enable_async_checkpointing=async_save)
+    return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options,
+                                 item_names=("state", "meta"))
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None:
+    """Starts an asynchronous save (the arrays are copied before this returns)."""
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            meta=ocp.args.JsonSave(meta)))
+
+
+def abstract_target(abstract_state, shardings):
+    """ShapeDtypeStructs carrying the *reader's* shardings: Orbax reshards on restore."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_state, shardings)
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, shardings,
+            params_only: bool = False) -> tuple[dict, dict]:
+    """(state, meta). With params_only, reads just the parameters (evaluation, sampling)."""
+    target = abstract_target(abstract_state, shardings)
+    if params_only:
+        target = {"params": target["params"]}
+        item = ocp.args.PyTreeRestore(
+            item=target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)
+    else:
+        item = ocp.args.StandardRestore(target)
+    out = mngr.restore(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]

@@ -1,0 +1,33 @@
+"""Process start-up shared by the launchers: fake CPU devices, then (optionally) jax.distributed.
+
+`start(devices)` must run before anything imports JAX. Multi-process runs use JAX's own runtime:
+when SHARDQ_COORDINATOR (set by `experiments.launch_local`) or a cluster scheduler's environment
+(SLURM, Open MPI, TPU pods: jax.distributed auto-detects them when SHARDQ_DISTRIBUTED=1) is
+present, `jax.distributed.initialize` joins the job, with gloo for CPU collectives.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_CPU_DEVICES = 8
+
+
+def start(devices: int | None) -> None:
+    from parallel.devices import request_cpu_devices
+
+    request_cpu_devices(devices or DEFAULT_CPU_DEVICES)
+    coordinator = os.environ.get("SHARDQ_COORDINATOR")
+    if coordinator or os.environ.get("SHARDQ_DISTRIBUTED") == "1":
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs = {}
+        if coordinator:
+            kwargs = dict(coordinator_address=coordinator,
+                          num_processes=int(os.environ["SHARDQ_NUM_PROCESSES"]),
+                          process_id=int(os.environ["SHARDQ_PROCESS_ID"]))
+        timeout = os.environ.get("SHARDQ_INIT_TIMEOUT_S")
+        if timeout:
+            kwargs["initialization_timeout"] = int(timeout)
+        jax.distributed.initialize(**kwargs)

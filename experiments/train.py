@@ -1,0 +1,50 @@
+"""Train a language model on a (fake or real) device mesh.
+
+  python -m experiments.train --workdir runs/small --preset small --steps 1500 --devices 8
+
+Writes WORKDIR/config.json, WORKDIR/metrics.jsonl (one JSON object per logged step) and Orbax
+checkpoints under WORKDIR/checkpoints/. Prints a JSON summary on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from experiments import runtime
+from experiments.config import PRESETS, add_override_flags, config_from_args, fail
+
+PROG = "experiments.train"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="where config, metrics and checkpoints go")
+    p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--resume", action="store_true", help="continue the run in WORKDIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_override_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        fail(PROG, str(e))
+    runtime.start(cfg.train.devices)
+    from experiments.trainer import ConfigError, train_and_evaluate
+
+    try:
+        summary = train_and_evaluate(cfg, args.workdir, resume=args.resume,
+                                     progress=not args.no_progress)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

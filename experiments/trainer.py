@@ -1,0 +1,255 @@
+"""`train_and_evaluate(config, workdir)`: the training loop every launcher calls.
+
+Everything that can be wrong with the input is checked in `prepare()` before anything is
+written, so bad input leaves no trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from experiments import checkpoint as ckpt
+from experiments.config import Config, dumps
+from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
+from experiments.optim import learning_rate, make_optimizer
+from model import ModelConfig, param_count, train_flops_per_token
+from model.loss import nll_sum
+from parallel.mesh import make_mesh
+from parallel.rules import BATCH_AXES
+from parallel.state import abstract_model, check_divisible, init_state
+from parallel.strategies import Strategy
+from parallel.train_step import StepConfig, make_train_step
+
+# Fields a resumed run may change; everything else must match the checkpointed run.
+RESUMABLE_CHANGES = {"steps", "strategy", "mesh", "devices", "eval_every", "eval_batches",
+                     "log_every", "ckpt_every", "keep_ckpts"}
+
+
+class ConfigError(ValueError):
+    """Bad input: the launcher prints it on one line and exits with status 2."""
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: object
+    abstract_state: dict
+    step_fn: object
+    shardings: dict
+    batch_sharding: NamedSharding
+    sampler: SequenceSampler
+    val: list
+
+
+def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
+    cfg_file = workdir / "config.json"
+    holds_run = cfg_file.exists() or (workdir / "checkpoints").exists()
+    if holds_run and not resume:
+        raise ConfigError(f"workdir={str(workdir)!r}: already holds a run; pass --resume to "
+                          f"continue it or choose an empty folder")
+    if resume and cfg_file.exists():
+        old = Config.from_json(json.loads(cfg_file.read_text()))
+        if old.model != cfg.model:
+            diff = [f.name for f in dataclasses.fields(ModelConfig)
+                    if getattr(old.model, f.name) != getattr(cfg.model, f.name)]
+            raise ConfigError(f"resume: the model in {cfg_file} differs in {', '.join(diff)}; "
+                              f"a checkpoint only resumes with the model it was written with")
+        for f in dataclasses.fields(old.train):
+            if f.name not in RESUMABLE_CHANGES and \
+                    getattr(old.train, f.name) != getattr(cfg.train, f.name):
+                raise ConfigError(f"resume: {f.name}={getattr(cfg.train, f.name)!r} differs from "
+                                  f"the run's {getattr(old.train, f.name)!r}; allowed to change: "
+                                  f"{', '.join(sorted(RESUMABLE_CHANGES))}")
+
+
+def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> Run:
+    """Validate the whole configuration against data and devices; build (not run) the step."""
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.train
+    try:
+        mesh = make_mesh(t.devices, t.mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_dev, n_proc = mesh.size, jax.process_count()
+    micro_batch = t.batch_size // t.micro_steps
+    if micro_batch % n_dev:
+        raise ConfigError(f"batch_size={t.batch_size}: each micro-batch ({micro_batch} sequences) "
+                          f"must divide over the {n_dev} devices of the mesh")
+    if micro_batch % n_proc:
+        raise ConfigError(f"batch_size={t.batch_size}: must divide over {n_proc} processes")
+    strategy = Strategy(t.strategy)
+    graphdef, axes, abstract_params = abstract_model(cfg.model)
+    try:
+        check_divisible(abstract_params, axes, mesh, strategy)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        train_bytes, val_bytes = load_corpus(t.data, t.val_percent)
+        rows = pack(train_bytes, cfg.model.max_len)
+        val = validation_batches(pack(val_bytes, cfg.model.max_len), micro_batch, t.eval_batches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if workdir is not None:
+        _check_workdir(cfg, workdir, resume)
+
+    tx = make_optimizer(t)
+    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, t.seed))
+    step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
+                          micro_steps=t.micro_steps, clip_norm=t.clip_norm)
+    step_fn, shardings, batch_sharding = make_train_step(
+        graphdef, axes, abstract_state, cfg.model, strategy, mesh, tx, step_cfg)
+    return Run(cfg, mesh, graphdef, abstract_state, step_fn, shardings, batch_sharding,
+               SequenceSampler(rows, t.seed), val)
+
+
+def init_sharded_state(run: Run) -> dict:
+    """Jitted init straight into the strategy's shardings (no device holds what it shouldn't)."""
+    tx = make_optimizer(run.cfg.train)
+    return jax.jit(lambda: init_state(run.cfg.model, tx, run.cfg.train.seed),
+                   out_shardings=run.shardings)()
+
+
+def global_batch(run: Run, rows_fn) -> jax.Array:
+    """Assemble this process's rows into one global array sharded over the batch axes."""
+    t = run.cfg.train
+    local = rows_fn(t.batch_size, jax.process_index(), jax.process_count())
+    local = local.reshape(t.micro_steps, -1, local.shape[-1])
+    shape = (t.micro_steps, t.batch_size // t.micro_steps, local.shape[-1])
+    return jax.make_array_from_process_local_data(run.batch_sharding, local, shape)
+
+
+def make_eval_fn(run: Run):
+    """Mean NLL (nats/byte) of params over the fixed validation batches."""
+    sharding = NamedSharding(run.mesh, P(BATCH_AXES))
+    graphdef = run.graphdef
+
+    @jax.jit
+    def nll(params, tokens):
+        from flax import nnx
+
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return nll_sum(logits, tokens[:, 1:])
+
+    def evaluate(params) -> float:
+        total, count = 0.0, 0
+        for rows in run.val:
+            n_proc, i = jax.process_count(), jax.process_index()
+            per = len(rows) // n_proc
+            tokens = jax.make_array_from_process_local_data(
+                sharding, rows[i * per:(i + 1) * per], rows.shape)
+            total += float(nll(params, tokens))
+            count += rows.shape[0] * (rows.shape[1] - 1)
+        return total / count
+
+    return evaluate
+
+
+def _append_jsonl(path: Path, row: dict) -> None:
+    if jax.process_index() == 0:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    if jax.process_index() == 0:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
+                       progress: bool = True) -> dict:
+    workdir = Path(workdir)
+    run = prepare(cfg, workdir, resume)
+    t = cfg.train
+    workdir.mkdir(parents=True, exist_ok=True)
+    mngr = ckpt.manager(workdir, keep=t.keep_ckpts)
+    metrics_path = workdir / "metrics.jsonl"
+
+    start = 0
+    latest = mngr.latest_step() if resume else None
+    if latest is not None:
+        state, meta = ckpt.restore(mngr, latest, run.abstract_state, run.shardings)
+        run.sampler.position = int(meta["data_position"])
+        start = int(meta["step"])
+        _truncate_metrics(metrics_path, start)
+    else:
+        state = init_sharded_state(run)
+        if metrics_path.exists():
+            metrics_path.unlink()
+    _write_atomic(workdir / "config.json", dumps(cfg))
+
+    evaluate = make_eval_fn(run)
+    schedule = learning_rate(t)
+    tokens_per_step = t.batch_size * cfg.model.max_len
+    flops_per_token = train_flops_per_token(cfg.model)
+    def meta(step: int) -> dict:
+        key = jax.random.fold_in(jax.random.key(t.seed), step)  # the run's RNG at this step
+        return {"step": step, "data_position": run.sampler.position, "seed": t.seed,
+                "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
+                "model": dataclasses.asdict(cfg.model)}
+
+    bar = tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
+               dynamic_ncols=True, desc="train")
+    last_t, last_step, val_loss = time.perf_counter(), start, None
+    t0 = time.perf_counter()
+    for step in range(start + 1, t.steps + 1):
+        batch = global_batch(run, run.sampler.next_batch)
+        state, metrics = run.step_fn(state, batch)
+        if step % t.log_every == 0 or step == t.steps:
+            loss = float(metrics["loss"])  # waits for the step
+            now = time.perf_counter()
+            tps = tokens_per_step * (step - last_step) / (now - last_t)
+            row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                   "lr": float(schedule(step - 1)), "tokens_per_s": tps,
+                   "model_tflops_per_s": tps * flops_per_token / 1e12,
+                   "elapsed_s": now - t0}
+            _append_jsonl(metrics_path, row)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+            last_t, last_step = now, step
+        if step % t.eval_every == 0 or step == t.steps:
+            val_loss = evaluate(state["params"])
+            _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
+                                         "val_bits_per_byte": val_loss / np.log(2)})
+            bar.write(f"step {step}: val loss {val_loss:.4f}, {val_loss / np.log(2):.3f} bits/byte")
+        if step % t.ckpt_every == 0 or step == t.steps:
+            ckpt.save(mngr, step, state, meta(step))
+        bar.update(1)
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    train_s = time.perf_counter() - t0
+    if val_loss is None:  # nothing left to train: report the restored state
+        val_loss = evaluate(state["params"])
+    return {"step": t.steps, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
+            "train_seconds": train_s, "params": param_count(cfg.model),
+            "devices": run.mesh.size, "strategy": t.strategy}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from: they will be logged again."""
+    if not path.exists() or jax.process_index() != 0:
+        return
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    _write_atomic(path, "".join(r + "\n" for r in rows))
+
+
+def param_bytes(params) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+

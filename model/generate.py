@@ -1,0 +1,47 @@
+"""Autoregressive generation with a KV cache (greedy or temperature / top-k sampling)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
+                 top_k: int) -> jax.Array:
+    if temperature <= 0.0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits = logits_BxV / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
+             temperature: float = 0.0, top_k: int = 0, cache_dtype=None) -> jax.Array:
+    """[B, T + max_new_tokens] tokens: the prompt, then what the model wrote.
+
+    The prompt is run once (prefill) to fill the cache; each new token then costs one
+    single-position forward pass over the cached keys and values.
+    """
+    model = nnx.merge(graphdef, params)
+    B, T = prompt_BxT.shape
+    total = T + max_new_tokens
+    if total > model.cfg.max_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: prompt ({T}) + new tokens must fit "
+                         f"the context of {model.cfg.max_len}")
+    cache = model.init_cache(B, total, cache_dtype)
+    logits, cache = model(prompt_BxT, cache=cache, cache_index=0)
+    key, sub = jax.random.split(key)
+    first = sample_token(logits[:, -1], sub, temperature, top_k)
+
+    def step(carry, i):
+        token, cache, key = carry
+        logits, cache = model(token[:, None], cache=cache, cache_index=T + i)
+        key, sub = jax.random.split(key)
+        nxt = sample_token(logits[:, -1], sub, temperature, top_k)
+        return (nxt, cache, key), token
+
+    (_, _, _), out = jax.lax.scan(step, (first, cache, key), jnp.arange(max_new_tokens))
+    return jnp.concatenate([prompt_BxT, out.T], axis=1)

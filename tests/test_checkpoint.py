@@ -1,0 +1,77 @@
+"""Orbax checkpoints: round trip, exact resume, restore onto other device counts and strategies."""
+
+import dataclasses
+import json
+
+import pytest
+
+from experiments import checkpoint as ckpt
+from experiments.config import Config
+from experiments.restore import restore_params
+from experiments.trainer import ConfigError, train_and_evaluate
+from tests.helpers import TINY, max_tree_diff
+
+
+def tiny(tmp_path, **train):
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():  # a small real-text corpus keeps these runs quick
+        corpus.write_text(open(json.__file__).read() * 4)
+    base = dict(steps=6, ckpt_every=3, eval_every=3, log_every=1, data=str(corpus), devices=8)
+    return dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, **(base | train)))
+
+
+def losses(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_continues_exactly(tmp_path):
+    cfg = tiny(tmp_path)
+    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3))
+    train_and_evaluate(short, tmp_path / "split", progress=False)
+    resumed = train_and_evaluate(cfg, tmp_path / "split", resume=True, progress=False)
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    assert resumed["val_loss"] == full["val_loss"]
+    mngr = ckpt.manager(tmp_path / "split", read_only=True)
+    assert ckpt.read_meta(mngr, 6)["data_position"] == 6 * cfg.train.batch_size
+    _, a, _ = restore_params(tmp_path / "full", cfg)
+    _, b, _ = restore_params(tmp_path / "split", cfg)
+    assert max_tree_diff(a, b) == 0.0
+
+
+@pytest.mark.parametrize("strategy,devices", [("zero3", 4), ("zero1", 2), ("dp", 1),
+                                              ("zero3_auto", 8)])
+def test_checkpoint_restores_on_other_meshes(tmp_path, strategy, devices):
+    cfg = tiny(tmp_path, steps=3, strategy="zero3")
+    train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    _, ref, _ = restore_params(tmp_path / "run", cfg)
+    run, params, step = restore_params(tmp_path / "run", cfg, strategy=strategy, devices=devices)
+    assert step == 3
+    assert max_tree_diff(params, ref) == 0.0
+    leaf = params["blocks"]["mlp"]["up"]["kernel"]
+    assert len(leaf.sharding.device_set) == devices
+    assert leaf.sharding == run.shardings["params"]["blocks"]["mlp"]["up"]["kernel"]
+
+
+def test_keeps_only_the_last_n(tmp_path):
+    cfg = tiny(tmp_path, steps=9, ckpt_every=3, keep_ckpts=2)
+    train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    assert ckpt.manager(tmp_path / "run", read_only=True).all_steps() == [6, 9]
+
+
+def test_resume_refuses_an_incompatible_model(tmp_path):
+    cfg = tiny(tmp_path, steps=3)
+    train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=64))
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(ConfigError, match="differs in d_model"):
+        train_and_evaluate(wider, tmp_path / "run", resume=True, progress=False)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_config_json_round_trips(tmp_path):
+    cfg = tiny(tmp_path)
+    assert Config.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg

@@ -1,0 +1,90 @@
+"""The launchers as a user runs them: exit codes, one-line errors, nothing written on bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(module, *args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln
+             and not ln.startswith("  ")]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--preset", "huge"], ["preset='huge'", "tiny"]),
+    (["--strategy", "zero4"], ["strategy='zero4'", "zero3"]),
+    (["--steps", "0"], ["steps=0", "positive"]),
+    (["--n-heads", "3"], ["n_heads=3", "divide d_model"]),
+    (["--batch-size", "12"], ["batch_size=12", "8 devices"]),
+    (["--mesh", "data=3,fsdp=3"], ["mesh='data=3,fsdp=3'", "device count 8"]),
+    (["--data", "/nonexistent/corpus"], ["data='/nonexistent/corpus'", "no such file"]),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, fragments):
+    workdir = tmp_path / "run"
+    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", *args)
+    one_line_error(proc, *fragments)
+    assert not workdir.exists()
+
+
+def test_empty_data_folder_and_occupied_workdir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    workdir = tmp_path / "run"
+    one_line_error(cli("train", "--workdir", str(workdir), "--preset", "tiny", "--data",
+                       str(tmp_path / "empty")), "holds no text")
+    assert not workdir.exists()
+    workdir.mkdir()
+    (workdir / "config.json").write_text("{}")
+    one_line_error(cli("train", "--workdir", str(workdir), "--preset", "tiny"),
+                   "already holds a run", "--resume")
+    assert os.listdir(workdir) == ["config.json"]
+
+
+@pytest.mark.parametrize("module", ["train", "evaluate", "sample"])
+def test_help(module):
+    proc = cli(module, "--help")
+    assert proc.returncode == 0 and "--workdir" in proc.stdout
+
+
+def test_train_evaluate_sample_end_to_end(tmp_path):
+    workdir = tmp_path / "run"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(open(json.__file__).read() * 4)
+    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "4",
+               "--data", str(corpus), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"config.json", "metrics.jsonl", "checkpoints"} <= set(os.listdir(workdir))
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 for r in rows if "loss" in r)
+
+    proc = cli("evaluate", "--workdir", str(workdir), "--json", "--devices", "2")
+    assert proc.returncode == 0, proc.stderr
+    ev = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ev["step"] == 4 and ev["param_bytes"] == 41120 * 4
+    assert ev["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert ev["bits_per_byte"] == pytest.approx(ev["val_loss"] / 0.6931471805599453)
+
+    proc = cli("sample", "--workdir", str(workdir), "--prompt", "def ", "--max-new-tokens",
+               "10", "--json")
+    assert proc.returncode == 0, proc.stderr
+    text = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
+    assert text.startswith("def ")
+    one_line_error(cli("sample", "--workdir", str(workdir), "--max-new-tokens", "500"),
+                   "max_new_tokens=500", "context of 32")
+    one_line_error(cli("evaluate", "--workdir", str(tmp_path / "nothing")), "no config.json")

@@ -1,0 +1,133 @@
+"""The decoder LM against references: formula, full forward, its own un-jitted/un-remat twin."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import MODEL_PRESETS, DecoderLM, ModelConfig, param_count, train_flops_per_token
+from model.flops import matmul_params
+from model.loss import nll_sum
+from parallel.state import abstract_model
+from tests.helpers import TINY, with_model
+
+
+def _model(cfg=None, seed=0):
+    return DecoderLM(cfg or TINY.model, rngs=nnx.Rngs(seed))
+
+
+def test_shapes_and_exact_param_count():
+    m = _model()
+    tokens = jnp.zeros((3, 16), jnp.int32)
+    assert m(tokens).shape == (3, 16, 256)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n == param_count(TINY.model) == 41120
+
+
+@pytest.mark.parametrize("name", list(MODEL_PRESETS))
+def test_every_preset_counts_exactly_without_allocating(name):
+    cfg = MODEL_PRESETS[name]
+    _, _, abstract = abstract_model(cfg)  # eval_shape: shapes only, even for 1T parameters
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == param_count(cfg)
+
+
+@pytest.mark.parametrize("name,target", [("1.3b", 1.3e9), ("7.5b", 7.5e9), ("128b", 128e9),
+                                         ("1t", 1e12)])
+def test_large_presets_match_zero_paper_sizes(name, target):
+    assert abs(param_count(MODEL_PRESETS[name]) / target - 1) < 0.01
+
+
+def test_small_and_tiny_sizes():
+    assert param_count(MODEL_PRESETS["tiny"]) < 1_000_000
+    assert 15e6 < param_count(MODEL_PRESETS["medium"]) < 25e6
+
+
+def test_flops_formula_counts_matmuls():
+    cfg = TINY.model
+    # 6 FLOPs per matmul parameter per token plus causal attention.
+    assert train_flops_per_token(cfg) == 6 * matmul_params(cfg) + 6 * cfg.n_layers * \
+        cfg.max_len * cfg.d_model
+    assert matmul_params(cfg) == param_count(cfg) - cfg.vocab_size * cfg.d_model - \
+        (2 * cfg.n_layers + 1) * cfg.d_model
+
+
+def test_causality():
+    m = _model()
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (2, 20)).astype(np.int32)
+    b = a.copy()
+    b[:, 12:] = rng.integers(0, 256, (2, 8))
+    la, lb = m(jnp.asarray(a)), m(jnp.asarray(b))
+    np.testing.assert_allclose(la[:, :12], lb[:, :12], atol=1e-6)
+    assert np.abs(np.asarray(la[:, 12:] - lb[:, 12:])).max() > 1e-3
+
+
+def _loss_and_grad(cfg, tokens, jit=True):
+    graphdef, params = nnx.split(_model(cfg))
+    params = params.to_pure_dict()
+
+    def loss(p):
+        return nll_sum(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].size
+
+    f = jax.value_and_grad(loss)
+    return (jax.jit(f) if jit else f)(params)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_and_jit_do_not_change_loss_or_grads(remat):
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 17)), jnp.int32)
+    ref_loss, ref_grad = _loss_and_grad(TINY.model, tokens, jit=False)
+    loss, grad = _loss_and_grad(with_model(remat=remat), tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-6)
+
+
+def test_scan_unroll_does_not_change_loss():
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 17)), jnp.int32)
+    a, _ = _loss_and_grad(TINY.model, tokens)
+    b, _ = _loss_and_grad(with_model(scan_unroll=2), tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    m = _model()
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)), jnp.int32)
+    full = m(tokens)
+    cache = m.init_cache(2, 12)
+    logits, cache = m(tokens[:, :7], cache=cache, cache_index=0)
+    steps = [logits]
+    for i in range(7, 12):
+        step_logits, cache = m(tokens[:, i:i + 1], cache=cache, cache_index=i)
+        steps.append(step_logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_params_and_is_close():
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 17)), jnp.int32)
+    ref, _ = _loss_and_grad(TINY.model, tokens)
+    bf, grads = _loss_and_grad(with_model(compute_dtype="bfloat16"), tokens)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert abs(float(bf) - float(ref)) < 0.05
+
+
+def test_every_parameter_has_logical_axes_and_no_mesh_axis():
+    _, axes, abstract = abstract_model(TINY.model)
+    names = {"vocab", "embed", "mlp", "heads", "layers"}
+    for spec, leaf in zip(jax.tree.leaves(axes), jax.tree.leaves(abstract), strict=True):
+        assert len(spec) == leaf.ndim
+        assert set(spec) <= names
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n_heads", 3, "n_heads=3: must divide d_model"),
+    ("d_model", 0, "d_model=0"),
+    ("remat", "some", "remat='some'"),
+    ("compute_dtype", "float16", "compute_dtype='float16'"),
+])
+def test_bad_model_config_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(ModelConfig(), **{field: value}).validate()
