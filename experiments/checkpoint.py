@@ -9,6 +9,7 @@ A checkpoint restores onto any mesh and strategy: the target shardings come from
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -17,11 +18,21 @@ import orbax.checkpoint as ocp
 
 def manager(workdir: str | Path, keep: int = 2, read_only: bool = False,
             async_save: bool = True) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           read_only=read_only,
-                                           enable_async_checkpointing=async_save)
-    return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options,
-                                 item_names=("state", "meta"))
+    if read_only:  # these settings are what Orbax forces (and warns about) for read-only use
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                               save_interval_steps=0)
+    else:
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=async_save)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    if read_only:  # Orbax warns that a read-only directory is read-only; that is the point here
+        absl.setLevel(logging.ERROR)
+    try:
+        return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options,
+                                     item_names=("state", "meta"))
+    finally:
+        absl.setLevel(level)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None:

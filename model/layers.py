@@ -17,6 +17,11 @@ def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+def _lead(v: jax.Array, ndim: int) -> jax.Array:
+    """Give a per-feature vector explicit leading axes (we run with rank promotion off)."""
+    return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
 def param(value: jax.Array, axes: Axes) -> nnx.Param:
     """A parameter annotated with logical axis names.
 
@@ -52,7 +57,7 @@ class Dense(nnx.Module):
         dt = dtype_of(self.compute_dtype)
         y = jnp.dot(x.astype(dt), self.kernel[...].astype(dt))
         if self.bias is not None:
-            y = y + self.bias[...].astype(dt)
+            y = y + _lead(self.bias[...].astype(dt), y.ndim)
         return y
 
 
@@ -65,7 +70,7 @@ class RMSNorm(nnx.Module):
         # Normalise in fp32 whatever the compute dtype: the mean of squares is precision-sensitive.
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * inv * _lead(self.scale[...].astype(jnp.float32), x.ndim)).astype(x.dtype)
 
 
 class Embed(nnx.Module):
@@ -85,7 +90,7 @@ def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.A
     """Rotary position embedding (rotate-half convention), computed in fp32."""
     half = x_BxTxNxH.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions_BxT[..., None].astype(jnp.float32) * freqs  # B,T,H/2
+    angles = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]  # B,T,H/2
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -57,7 +57,7 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
                                                         cache_index, axis=1)
             S = k_all.shape[1]
-            mask = jnp.arange(S)[None, :] <= positions_BxT[:, :, None]  # B,T,S
+            mask = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]  # B,T,S
             out = jax.nn.dot_product_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
                                                mask=mask[:, None, :, :])
             new_cache = {"k": k_all, "v": v_all}

@@ -28,7 +28,7 @@ def is_mixed(cfg: ModelConfig) -> bool:
 def logical_specs(state: nnx.State) -> dict:
     """Pure dict of PartitionSpecs holding each parameter's *logical* axis names."""
     out: dict = {}
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -40,11 +40,11 @@ def abstract_model(cfg: ModelConfig):
     """(graphdef, logical specs, abstract pure params) without allocating anything."""
     model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    return graphdef, logical_specs(state), state.to_pure_dict()
+    return graphdef, logical_specs(state), nnx.to_pure_dict(state)
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:
-    return nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(seed))))
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> dict:

@@ -67,7 +67,7 @@ def test_causality():
 
 def _loss_and_grad(cfg, tokens, jit=True):
     graphdef, params = nnx.split(_model(cfg))
-    params = params.to_pure_dict()
+    params = nnx.to_pure_dict(params)
 
     def loss(p):
         return nll_sum(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].size

@@ -42,7 +42,7 @@ def test_mixed_precision_tracks_fp32(reference, strategy):
     bf16 = with_model(param_dtype="bfloat16", compute_dtype="bfloat16")
     single, _ = run_steps("dp", 1, BATCHES, model=bf16)
     losses, _ = run_steps(strategy, 8, BATCHES, model=bf16)
-    assert np.abs(losses - ref_losses).max() < 0.05
+    assert (np.abs(losses - ref_losses) / ref_losses).max() < 0.02  # bf16-rounded init too
     assert np.abs(losses - single).max() < 5e-3
 
 
