@@ -35,6 +35,7 @@ class TrainConfig:
     ckpt_every: int = 200
     keep_ckpts: int = 2
     strategy: str = "dp"
+    prefetch: bool = False  # zero3 only: gather layer i+1 while layer i computes
     mesh: str | None = None  # "data=A,fsdp=B"; default: every device on fsdp
     devices: int | None = None  # fake this many CPU devices (default 8 on a CPU-only machine)
     data: str | None = None  # text file or folder; default: the Python standard library sources
@@ -54,6 +55,8 @@ class TrainConfig:
                              f"batch_size={self.batch_size}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
+        if self.prefetch and self.strategy != "zero3":
+            raise ValueError(f"prefetch=True: only for strategy zero3, not {self.strategy!r}")
         if self.devices is not None and self.devices < 1:
             raise ValueError(f"devices={self.devices}: must be a positive integer")
         if not 0 < self.val_percent < 100:
@@ -100,6 +103,14 @@ def _field_type(cls, field: dataclasses.Field):
     return args[0] if args else hint
 
 
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+
+
 def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
     """One --flag per config field (`--d-model 256`, `--lr 1e-3`), defaulting to the preset."""
     group = parser.add_argument_group("config overrides (default: the preset's value)")
@@ -107,8 +118,10 @@ def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
+            kind = _field_type(cls, f)
             group.add_argument("--" + f.name.replace("_", "-"), dest=f"override_{f.name}",
-                               type=_field_type(cls, f), default=None, metavar=f.name.upper())
+                               type=_parse_bool if kind is bool else kind, default=None,
+                               metavar=f.name.upper())
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

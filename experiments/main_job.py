@@ -5,7 +5,7 @@
 
 Budget on a 2-core CPU: the whole job (training, checkpoint, reload, evaluation) within 10
 minutes, reaching validation bits-per-byte <= 2.5 on the default corpus. Writes WORKDIR/summary.json
-and WORKDIR/loss.png next to the run's config.json and metrics.jsonl.
+and WORKDIR/summary.png (loss curve) next to the run's config.json and metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workdir", default=None)
     p.add_argument("--preset", default="small")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--record", default=None,
+                   help="also write the summary (and loss plot) here, e.g. "
+                        "experiments/results/main_job.json for the README")
     add_override_flags(p)
     args = p.parse_args(argv)
     try:
@@ -67,15 +70,17 @@ def main(argv: list[str] | None = None) -> dict:
         and t_end - t0 <= BUDGET_S,
         "backend": jax.default_backend(),
     }
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = f"{cfg.preset}: {summary['bits_per_byte']:.3f} bits/byte in {summary['job_s']:.0f} s"
-    loss_curve(workdir / "metrics.jsonl", workdir / "loss.png", title)
+    for path in [workdir / "summary.json"] + ([Path(args.record)] if args.record else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        loss_curve(workdir / "metrics.jsonl", path.with_suffix(".png"), title)
     print(f"\nmain job: {cfg.preset} ({summary['params']:,} params) on {summary['devices']} "
           f"devices, {step} steps\n  validation {summary['bits_per_byte']:.3f} bits/byte "
           f"(target <= {TARGET_BITS_PER_BYTE}) after reload from the Orbax checkpoint\n"
           f"  job time {summary['job_s']:.0f} s (train {summary['train_s']:.0f} s, reload + "
           f"evaluate {summary['reload_eval_s']:.1f} s; budget {BUDGET_S} s)\n"
-          f"  wrote {workdir}/summary.json, metrics.jsonl, loss.png")
+          f"  wrote {workdir}/summary.json, summary.png, metrics.jsonl")
     print(json.dumps(summary))
     return summary
 

@@ -27,7 +27,7 @@ def start(devices: int | None) -> None:
             kwargs = dict(coordinator_address=coordinator,
                           num_processes=int(os.environ["SHARDQ_NUM_PROCESSES"]),
                           process_id=int(os.environ["SHARDQ_PROCESS_ID"]))
-        timeout = os.environ.get("SHARDQ_INIT_TIMEOUT_S")
-        if timeout:
-            kwargs["initialization_timeout"] = int(timeout)
+        # Bounded waits: a peer that never arrives or dies mid-run fails the job, not hangs it.
+        kwargs["initialization_timeout"] = int(os.environ.get("SHARDQ_INIT_TIMEOUT_S", "120"))
+        kwargs["heartbeat_timeout_seconds"] = int(os.environ.get("SHARDQ_HEARTBEAT_S", "60"))
         jax.distributed.initialize(**kwargs)

@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
                                      progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
-    print(json.dumps(summary))
+    import jax
+
+    if jax.process_index() == 0:
+        print(json.dumps(summary))
     return summary
 
 

@@ -31,8 +31,8 @@ from parallel.strategies import Strategy
 from parallel.train_step import StepConfig, make_train_step
 
 # Fields a resumed run may change; everything else must match the checkpointed run.
-RESUMABLE_CHANGES = {"steps", "strategy", "mesh", "devices", "eval_every", "eval_batches",
-                     "log_every", "ckpt_every", "keep_ckpts"}
+RESUMABLE_CHANGES = {"steps", "strategy", "prefetch", "mesh", "devices", "eval_every",
+                     "eval_batches", "log_every", "ckpt_every", "keep_ckpts"}
 
 
 class ConfigError(ValueError):
@@ -81,7 +81,8 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         raise ConfigError(str(e)) from None
     t = cfg.train
     try:
-        mesh = make_mesh(t.devices, t.mesh)
+        # `devices` counts this process's devices; the mesh spans every process's.
+        mesh = make_mesh(t.devices * jax.process_count() if t.devices else None, t.mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     n_dev, n_proc = mesh.size, jax.process_count()
@@ -105,11 +106,15 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         raise ConfigError(str(e)) from None
     if workdir is not None:
         _check_workdir(cfg, workdir, resume)
+    if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("shardq: input checked")
 
     tx = make_optimizer(t)
     abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, t.seed))
     step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
-                          micro_steps=t.micro_steps, clip_norm=t.clip_norm)
+                          micro_steps=t.micro_steps, clip_norm=t.clip_norm, prefetch=t.prefetch)
     step_fn, shardings, batch_sharding = make_train_step(
         graphdef, axes, abstract_state, cfg.model, strategy, mesh, tx, step_cfg)
     return Run(cfg, mesh, graphdef, abstract_state, step_fn, shardings, batch_sharding,
@@ -225,7 +230,9 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
             val_loss = evaluate(state["params"])
             _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
                                          "val_bits_per_byte": val_loss / np.log(2)})
-            bar.write(f"step {step}: val loss {val_loss:.4f}, {val_loss / np.log(2):.3f} bits/byte")
+            if jax.process_index() == 0:
+                bar.write(f"step {step}: val loss {val_loss:.4f}, "
+                          f"{val_loss / np.log(2):.3f} bits/byte")
         if step % t.ckpt_every == 0 or step == t.steps:
             ckpt.save(mngr, step, state, meta(step))
         bar.update(1)

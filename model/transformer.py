@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.layers import Dense, Embed, RMSNorm, dtype_of, rotary
 
 LayerHook = Callable[[nnx.State], nnx.State]
+LayerRunner = Callable[..., jax.Array]
 HOOKED_PARAMS = "hooked_layer_params"  # checkpoint name of a layer's params after the hook
 # A KV cache: {"k": [layers, B, S, N, H], "v": [layers, B, S, N, H]}.
 KVCache = dict[str, jax.Array]
@@ -107,14 +108,28 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens_BxT: jax.Array, *, positions_BxT: jax.Array | None = None,
                  cache: KVCache | None = None, cache_index: jax.Array | int = 0,
-                 layer_hook: LayerHook | None = None):
-        """Logits [B, T, vocab] in fp32 (and the updated cache when one is given)."""
+                 layer_hook: LayerHook | None = None, layer_runner: LayerRunner | None = None):
+        """Logits [B, T, vocab] in fp32 (and the updated cache when one is given).
+
+        `layer_runner(run_layer, stacked_params, x, positions) -> x` replaces the default scan
+        over layers entirely (e.g. a ZeRO-3 runner that prefetches the next layer's weights);
+        `run_layer(layer_params, x, positions)` applies one block.
+        """
         cfg = self.cfg
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
         x = self.embed(tokens_BxT)
         block_def, stacked = nnx.split(self.blocks)
+        if layer_runner is not None:
+            if cache is not None:
+                raise ValueError("layer_runner: a KV cache needs the default layer scan")
+
+            def run_layer(layer_params, x, positions):
+                return nnx.merge(block_def, layer_params)(x, positions)[0]
+
+            x = layer_runner(run_layer, stacked, x, positions_BxT)
+            return self.head(self.final_norm(x)).astype(jnp.float32)
 
         def layer(x, xs):
             layer_params, layer_cache = xs

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from model import ModelConfig
 from model.layers import dtype_of
 from model.loss import nll_sum
+from parallel.prefetch import prefetching_runner
 from parallel.rules import BATCH_AXES, sharded_dim
 from parallel.state import state_specs, to_shardings
 from parallel.strategies import Strategy
@@ -38,6 +39,7 @@ class StepConfig:
     seq_len: int
     micro_steps: int = 1
     clip_norm: float = 1.0
+    prefetch: bool = False  # zero3: gather layer i+1 while layer i computes
 
 
 def batch_spec() -> P:
@@ -57,21 +59,46 @@ def _gather(x, dim, dtype):
     return lax.all_gather(x.astype(dtype), FSDP, axis=dim, tiled=True)
 
 
-def make_layer_hook(dtype) -> Callable[[nnx.State], nnx.State]:
-    """Gather-then-release for one layer: called inside the scan, right before the layer runs.
+def _per_layer_leaf(fn) -> Callable[[nnx.State], nnx.State]:
+    """Apply fn(value, fsdp_dim) to every parameter of one layer's state.
 
-    A leaf's metadata still names the stacked `layers` axis first; the slice the scan hands us has
-    lost that dimension, so the gather dimension is found among the remaining names.
+    A leaf's metadata still names the stacked `layers` axis first; one layer's slice has lost
+    that dimension, so the fsdp dimension is found among the remaining names.
     """
 
-    def gather_var(var: nnx.Variable):
+    def one(var: nnx.Variable):
         names = var.get_metadata()["out_sharding"][1:]
-        return var.replace(_gather(var[...], sharded_dim(P(*names)), dtype))
+        return var.replace(fn(var[...], sharded_dim(P(*names))))
 
-    def hook(layer_state: nnx.State) -> nnx.State:
-        return jax.tree.map(gather_var, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return lambda layer_state: jax.tree.map(one, layer_state,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-    return hook
+
+def make_layer_hook(dtype) -> Callable[[nnx.State], nnx.State]:
+    """Gather-then-release for one layer: called inside the scan, right before the layer runs."""
+    return _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
+
+
+def _varies_over(x, axis: str) -> bool:
+    """Whether shard_map's type system says x may differ across `axis` (not yet reduced)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older releases call it `vma`
+    return axis in (mat.varying if mat is not None else aval.vma)
+
+
+def make_layer_scatter(dtype) -> Callable[[nnx.State], nnx.State]:
+    """A whole layer's weight gradient -> this device's shard, summed over every device."""
+
+    def scatter(g, d):
+        g = lax.psum(g, FSDP) if d is None else lax.psum_scatter(g, FSDP, scatter_dimension=d,
+                                                                  tiled=True)
+        # Shards are replicated across `data`, so their gradient is summed over it. The vjp that
+        # produced g already did so if the weights entered it typed as replicated over `data`.
+        if _varies_over(g, "data"):
+            g = lax.psum(g, "data")
+        return g.astype(dtype)
+
+    return _per_layer_leaf(scatter)
 
 
 def _global_norm_sq(grads, dims, sharded: bool):
@@ -122,6 +149,8 @@ def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cf
     cdt, pdt = dtype_of(model_cfg.compute_dtype), dtype_of(model_cfg.param_dtype)
     mixed = model_cfg.param_dtype != "float32"
     hook = make_layer_hook(cdt) if name == "zero3" else None
+    runner = (prefetching_runner(hook, make_layer_scatter(pdt))
+              if name == "zero3" and step_cfg.prefetch else None)
     is_dim = lambda x: x is None or isinstance(x, int)
 
     def loss_fn(params, tokens):
@@ -130,7 +159,10 @@ def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cf
                 lambda x, d: _gather(x, d, cdt), v, dims[k], is_leaf=None)
                 for k, v in params.items()}
         model = nnx.merge(graphdef, params)
-        logits = model(tokens[:, :-1], layer_hook=hook)
+        if runner is not None:
+            logits = model(tokens[:, :-1], layer_runner=runner)
+        else:
+            logits = model(tokens[:, :-1], layer_hook=hook)
         return nll_sum(logits, tokens[:, 1:]) / denom
 
     def scatter(g, d):  # gradient leaves leave as a reduce-scatter over fsdp

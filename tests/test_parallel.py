@@ -26,7 +26,8 @@ def test_one_step_loss_is_pinned(reference):
 PINNED_LOSSES = [6.1311635971, 6.0823807716]
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3", "zero3_auto"])
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3", "zero3_prefetch",
+                                      "zero3_auto"])
 @pytest.mark.parametrize("devices,mesh", [(2, None), (8, None), (8, "data=2,fsdp=4")])
 def test_sharded_training_matches_single_device(reference, strategy, devices, mesh):
     ref_losses, ref_params = reference

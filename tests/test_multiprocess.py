@@ -1,0 +1,77 @@
+"""JAX's multi-process runtime on loopback: 2 processes x 4 devices == 1 process x 8 devices."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def losses(workdir):
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(open(json.__file__).read() * 4)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero3", "dp"])
+def test_two_processes_train_like_one(tmp_path, strategy):
+    data = corpus(tmp_path)
+    common = ["--preset", "tiny", "--steps", "4", "--strategy", strategy, "--data", data,
+              "--no-progress"]
+    multi = subprocess.run(
+        [sys.executable, "-m", "experiments.launch_local", "--processes", "2",
+         "--devices-per-process", "4", "--", "--workdir", str(tmp_path / "mp"), *common],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    single = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--workdir", str(tmp_path / "sp"),
+         "--devices", "8", *common], cwd=ROOT, env=ENV, capture_output=True, text=True,
+        timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = losses(tmp_path / "mp"), losses(tmp_path / "sp")
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+    # The multi-process checkpoint restores in a single process.
+    ev = subprocess.run([sys.executable, "-m", "experiments.evaluate", "--workdir",
+                         str(tmp_path / "mp"), "--json", "--devices", "2"], cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert json.loads(ev.stdout.splitlines()[-1])["step"] == 4
+
+
+@pytest.mark.slow
+def test_a_dead_process_stops_the_job_quickly(tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "experiments.launch_local", "--processes", "2",
+         "--devices-per-process", "4", "--", "--workdir", str(tmp_path / "run"), "--preset",
+         "tiny", "--steps", "100000", "--data", corpus(tmp_path), "--no-progress"],
+        cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.5)
+    assert metrics.exists(), "training never started"
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert len(children) == 2
+    victim = max(children, key=int)  # the second process started
+    killed_at = time.time()
+    os.kill(int(victim), 9)
+    try:
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert time.time() - killed_at < 60
+    assert "exited with status -9" in err and "stopped the other 1" in err
