@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--devices", type=int, default=None, help="fake CPU devices (default 8)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per strategy")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--strategies", default="dp,zero1,zero2,zero3,zero3_auto")
+    p.add_argument("--strategies", default="dp,zero1,zero2,zero3,zero3_prefetch,zero3_auto",
+                   help="zero3_prefetch = zero3 with the next layer's gather issued early")
     p.add_argument("--out", default="experiments/results/strategy_speed.json")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -44,17 +45,18 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
     from experiments.trainer import global_batch, init_sharded_state, prepare
-    from parallel.strategies import STRATEGIES
+    from parallel.strategies import VARIANTS, parse_variant
 
     names = args.strategies.split(",")
     for n in names:
-        if n not in STRATEGIES:
-            fail(PROG, f"strategies: {n!r} is not one of {', '.join(STRATEGIES)}")
+        if n not in VARIANTS:
+            fail(PROG, f"strategies: {n!r} is not one of {', '.join(VARIANTS)}")
     base = PRESETS[args.preset]
     runs, states = {}, {}
     for name in names:
+        strategy, prefetch = parse_variant(name)
         cfg = dataclasses.replace(base, train=dataclasses.replace(
-            base.train, strategy=name, devices=args.devices))
+            base.train, strategy=strategy.name, devices=args.devices, prefetch=prefetch))
         run = prepare(cfg)
         runs[name], states[name] = run, init_sharded_state(run)
     batch = global_batch(runs[names[0]], runs[names[0]].sampler.next_batch)

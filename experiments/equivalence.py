@@ -2,11 +2,12 @@
 
   python -m experiments.equivalence --devices 8 --steps 20 --json
 
-For each strategy (dp, zero1, zero2, zero3, zero3 with prefetch, zero3_auto), each device count 1, 2, 4, 8 and a
-2x4 (data x fsdp) hybrid mesh, in fp32 and in mixed precision (bf16 working params/compute, fp32
-master weights), reports the largest per-step loss difference and the largest final-parameter
-difference against the single-device dp run of the same precision. Batches are real text from
-the default corpus. Writes experiments/results/equivalence.json (--out) and prints its JSON last.
+For each strategy (dp, zero1, zero2, zero3, zero3_prefetch, zero3_auto), each device count
+1, 2, 4, 8 and a 2x4 (data x fsdp) hybrid mesh, in fp32 and in mixed precision (bf16 working
+params and compute, fp32 master weights), reports the largest per-step loss difference and the
+largest final-parameter difference against the single-device dp run of the same precision.
+Batches are real text from the default corpus. Writes experiments/results/equivalence.json
+(--out) and prints its JSON last.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ FP32_TOLERANCE = 1e-5
 def run_steps(strategy: str, devices: int, batches, mesh: str | None, model, train):
     """Per-step losses and final params (host numpy) of len(batches) training steps.
 
-    `strategy` may be "zero3_prefetch": zero3 with the next layer's gather issued early.
+    `strategy` is one of parallel.strategies.VARIANTS (zero3_prefetch included).
     """
     import jax
     import numpy as np
@@ -35,18 +36,18 @@ def run_steps(strategy: str, devices: int, batches, mesh: str | None, model, tra
     from experiments.optim import make_optimizer
     from parallel.mesh import make_mesh
     from parallel.state import abstract_model, init_state
-    from parallel.strategies import Strategy
+    from parallel.strategies import parse_variant
     from parallel.train_step import StepConfig, make_train_step
 
+    strategy, prefetch = parse_variant(strategy)
     tx = make_optimizer(train)
     graphdef, axes, _ = abstract_model(model)
     abstract_state = jax.eval_shape(lambda: init_state(model, tx, train.seed))
     micro, batch, length = batches[0].shape
     step, shardings, batch_sharding = make_train_step(
-        graphdef, axes, abstract_state, model, Strategy(strategy.removesuffix("_prefetch")),
-        make_mesh(devices, mesh), tx,
+        graphdef, axes, abstract_state, model, strategy, make_mesh(devices, mesh), tx,
         StepConfig(global_batch=batch, seq_len=length - 1, micro_steps=micro,
-                   clip_norm=train.clip_norm, prefetch=strategy.endswith("_prefetch")))
+                   clip_norm=train.clip_norm, prefetch=prefetch))
     state = jax.jit(lambda: init_state(model, tx, train.seed), out_shardings=shardings)()
     losses = []
     for b in batches:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
     from experiments.data import SequenceSampler, load_corpus, pack
-    from parallel.strategies import STRATEGIES
+    from parallel.strategies import VARIANTS
 
     base = PRESETS[args.preset]
     train = base.train
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     precisions = {"float32": base.model, "bfloat16": dataclasses.replace(
         base.model, param_dtype="bfloat16", compute_dtype="bfloat16")}
     results = []
-    strategies = [*STRATEGIES, "zero3_prefetch"]
-    cells = [(d, s, n, m) for d in precisions for s in strategies for n, m in meshes]
+    cells = [(d, s, n, m) for d in precisions for s in VARIANTS for n, m in meshes]
     t0 = time.perf_counter()
     refs = {d: run_steps("dp", 1, batches, None, precisions[d], train) for d in precisions}
     for dtype, strategy, n, mesh in tqdm(cells, desc="equivalence"):

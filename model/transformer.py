@@ -141,9 +141,10 @@ class DecoderLM(nnx.Module):
 
         policy = _REMAT.get(cfg.remat)
         if policy is None and layer_hook is not None:
-            # What a hook produced (e.g. all-gathered weights) is never kept for the backward
-            # pass, whatever the remat setting: it is produced again when needed.
-            policy = jax.checkpoint_policies.save_anything_except_these_names(HOOKED_PARAMS)
+            # A hook may say what of its work must not be kept for the backward pass (ZeRO-3:
+            # the gathered weights, which are gathered again instead); "full" and "save_dots"
+            # never keep them anyway.
+            policy = getattr(layer_hook, "remat_policy", None)
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         x, new_cache = jax.lax.scan(layer, x, (stacked, cache),

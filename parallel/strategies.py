@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "zero3_auto")
+# Names the experiments accept: a strategy, or zero3 with the next layer's gather issued early.
+VARIANTS = (*STRATEGIES, "zero3_prefetch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,3 +43,11 @@ class Strategy:
     def explicit(self) -> bool:
         """Collectives written by hand under shard_map (all but zero3_auto)."""
         return self.name != "zero3_auto"
+
+
+def parse_variant(name: str) -> tuple[Strategy, bool]:
+    """'zero3_prefetch' -> (Strategy('zero3'), True); a plain strategy -> (it, False)."""
+    if name not in VARIANTS:
+        raise ValueError(f"strategy={name!r}: allowed {', '.join(VARIANTS)}")
+    prefetch = name == "zero3_prefetch"
+    return Strategy("zero3" if prefetch else name), prefetch

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from model import ModelConfig
 from model.layers import dtype_of
 from model.loss import nll_sum
+from model.transformer import HOOKED_PARAMS
 from parallel.prefetch import prefetching_runner
 from parallel.rules import BATCH_AXES, sharded_dim
 from parallel.state import state_specs, to_shardings
@@ -74,9 +75,25 @@ def _per_layer_leaf(fn) -> Callable[[nnx.State], nnx.State]:
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+# Primitives whose outputs are (views of) gathered weights: cheap to redo, costly to keep.
+_GATHER_PRIMITIVES = frozenset({"all_gather", "pvary", "pcast"})
+
+
+def _keep_all_but_gathered(prim, *_, **params) -> bool:
+    """Remat policy for remat="none" under zero3: keep every activation, no gathered weight."""
+    if prim.name in _GATHER_PRIMITIVES:
+        return False
+    return not (prim.name == "name" and params.get("name") == HOOKED_PARAMS)
+
+
 def make_layer_hook(dtype) -> Callable[[nnx.State], nnx.State]:
-    """Gather-then-release for one layer: called inside the scan, right before the layer runs."""
-    return _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
+    """Gather-then-release for one layer: called inside the scan, right before the layer runs.
+
+    Its `remat_policy` makes the backward pass gather the layer again rather than keep it.
+    """
+    hook = _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
+    hook.remat_policy = _keep_all_but_gathered
+    return hook
 
 
 def _varies_over(x, axis: str) -> bool:

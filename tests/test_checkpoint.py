@@ -75,3 +75,18 @@ def test_resume_refuses_an_incompatible_model(tmp_path):
 def test_config_json_round_trips(tmp_path):
     cfg = tiny(tmp_path)
     assert Config.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_resume_under_another_strategy_and_device_count(tmp_path):
+    """Written by zero3 on 8 devices, continued by zero2 on 4: same losses as one dp run."""
+    cfg = tiny(tmp_path)
+    train_and_evaluate(cfg, tmp_path / "ref", progress=False)
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3,
+                                                               strategy="zero3"))
+    train_and_evaluate(first, tmp_path / "mixed", progress=False)
+    rest = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="zero2",
+                                                              devices=4))
+    train_and_evaluate(rest, tmp_path / "mixed", resume=True, progress=False)
+    ref, mixed = losses(tmp_path / "ref"), losses(tmp_path / "mixed")
+    assert ref.keys() == mixed.keys()
+    assert max(abs(ref[k] - mixed[k]) for k in ref) <= 1e-5
