@@ -1,10 +1,16 @@
 """Evaluate a trained checkpoint on the validation split.
 
   python -m experiments.evaluate --workdir runs/small --json
+  python -m experiments.evaluate --workdir runs/small --quant w8a8 --json
 
 Restores the latest (or --step) Orbax checkpoint onto the requested mesh and prints validation
 loss (nats/byte) and bits per byte; with --json the last line is one JSON object with at least
 val_loss, bits_per_byte, param_bytes and step.
+
+--quant MODE evaluates the int8 model: the checkpoint `experiments.quantize` wrote under
+WORKDIR/quant/MODE, or (if there is none) a model quantised in memory with that mode's defaults.
+param_bytes then counts the parameters as stored (int8 values and their scales), and
+quantized_fraction the share of the float parameters that are int8.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=None, help=f"layout to restore into: {STRATEGIES}")
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--quant", default="none",
+                   help="evaluate the int8 model: none (default), w8, w8a8-tensor, w8a8, "
+                        "w8a8-static, smoothquant, w8a8-outlier, auto")
     return p
 
 
@@ -36,6 +45,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.devices is not None and args.devices < 1:
         fail(PROG, f"devices={args.devices}: must be a positive integer")
+    from experiments.quantize import MODES
+
+    if args.quant != "none" and args.quant not in MODES:
+        fail(PROG, f"quant={args.quant!r}: allowed none, {', '.join(MODES)}")
     runtime.start(args.devices)
     from experiments.restore import load_config, restore_params
     from experiments.trainer import ConfigError, make_eval_fn, param_bytes
@@ -48,11 +61,19 @@ def main(argv: list[str] | None = None) -> dict:
         if args.eval_batches:
             over["eval_batches"] = args.eval_batches
         run, params, step = restore_params(args.workdir, cfg, **over)
+        quantized_fraction, source = 0.0, None
+        if args.quant != "none":
+            from experiments.quantize import load_or_quantize
+
+            run, params, quantized_fraction, source = load_or_quantize(
+                args.workdir, run, params, args.quant, step)
     except ConfigError as e:
         fail(PROG, str(e))
     val_loss = make_eval_fn(run)(params)
     out = {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / math.log(2),
-           "param_bytes": param_bytes(params), "devices": run.mesh.size,
+           "param_bytes": param_bytes(params), "quant": args.quant,
+           "quantized_fraction": quantized_fraction, "quant_source": source,
+           "devices": run.mesh.size,
            "strategy": run.cfg.train.strategy, "eval_tokens": sum(
                r.shape[0] * (r.shape[1] - 1) for r in run.val)}
     if args.json:

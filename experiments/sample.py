@@ -3,7 +3,8 @@
   python -m experiments.sample --workdir runs/small --prompt "def " --max-new-tokens 100
   python -m experiments.sample --workdir runs/small --prompt "import " --temperature 0.8 --top-k 40
 
---temperature 0 (default) is greedy decoding.
+--temperature 0 (default) is greedy decoding. --quant MODE generates with the int8 model (the
+checkpoint `experiments.quantize` wrote under WORKDIR/quant/MODE, else quantised in memory).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quant", default="none",
+                   help="generate with the int8 model: none (default), w8, w8a8-tensor, w8a8, "
+                        "w8a8-static, smoothquant, w8a8-outlier, auto")
     return p
 
 
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> str:
         fail(PROG, f"temperature={args.temperature}: must be >= 0 (0 = greedy)")
     if not args.prompt:
         fail(PROG, "prompt: must not be empty")
+    from experiments.quantize import MODES
+
+    if args.quant != "none" and args.quant not in MODES:
+        fail(PROG, f"quant={args.quant!r}: allowed none, {', '.join(MODES)}")
     runtime.start(1)
     import jax
     import numpy as np
@@ -49,8 +57,12 @@ def main(argv: list[str] | None = None) -> str:
 
     try:
         cfg = load_config(args.workdir)
-        run, params, _ = restore_params(args.workdir, cfg, args.step, devices=1, mesh=None,
-                                        strategy="dp")
+        run, params, step = restore_params(args.workdir, cfg, args.step, devices=1, mesh=None,
+                                           strategy="dp")
+        if args.quant != "none":
+            from experiments.quantize import load_or_quantize
+
+            run, params, _, _ = load_or_quantize(args.workdir, run, params, args.quant, step)
         prompt = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)[None]
         if prompt.shape[1] + args.max_new_tokens > cfg.model.max_len:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: prompt ({prompt.shape[1]} "

@@ -1,0 +1,154 @@
+"""int8 vs float: matmul throughput on several shapes, and end-to-end decoding tokens/s.
+
+  python -m experiments.bench_int8 --json
+  python -m experiments.bench_int8 --preset medium --json     # bigger model, for a GPU
+
+Matmuls: float32 and bfloat16 dots, the bare int8 x int8 -> int32 dot, and the whole int8 Dense
+product (per-token activation quantisation + int32 dot + dequantisation). Decoding: greedy
+generation with a KV cache, float vs w8 (weight-only) vs w8a8 on a randomly initialised model
+(speed does not depend on the weights' values; w8/w8a8 need no calibration). Runs unchanged on
+CPU or GPU and reports the backend and device kind. Writes experiments/results/int8_bench.json.
+
+Expect little or no int8 speed-up on a CPU without int8 dot instructions (DESIGN.md); on a GPU
+the int8 dot wins on large shapes, and batch-1 decoding gains mainly from moving fewer bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from experiments.config import fail
+
+PROG = "experiments.bench_int8"
+OUT = Path(__file__).parent / "results" / "int8_bench.json"
+SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 2048))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small", help="model shape for decoding: tiny, small, "
+                                                     "medium")
+    p.add_argument("--batch", type=int, default=1, help="decoding batch (sequences)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--big", action="store_true", help="add 4096^3 and 8192^3 matmuls (GPU)")
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return p
+
+
+def timed(fn, *args, repeats: int) -> float:
+    """Best wall time of `repeats` calls after a compile-and-warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_matmuls(shapes, repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from quant import quantizers as qz
+    from quant.dense import int8_matmul, quantized_product
+
+    rows = []
+    for m, k, n in shapes:
+        kx, kw = jax.random.split(jax.random.key(0))
+        x = jax.random.normal(kx, (m, k), jnp.float32)
+        w = jax.random.normal(kw, (k, n), jnp.float32)
+        s_w = qz.weight_scale(w)
+        w_q, x_q = qz.quantize(w, s_w), qz.quantize(x, qz.token_scale(x))
+        cases = {
+            "float32": (jax.jit(jnp.dot), x, w),
+            "bfloat16": (jax.jit(jnp.dot), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)),
+            "int8_dot": (jax.jit(int8_matmul), x_q, w_q),
+            "int8_dense": (jax.jit(lambda a, b, s: quantized_product(a, b, s, "token")),
+                           x, w_q, s_w),
+        }
+        row = {"m": m, "k": k, "n": n}
+        for name, (fn, *args) in cases.items():
+            sec = timed(fn, *args, repeats=repeats)
+            row[f"{name}_ms"] = sec * 1e3
+            row[f"{name}_tops"] = 2 * m * k * n / sec / 1e12
+        row["int8_dot_speedup_vs_f32"] = row["float32_ms"] / row["int8_dot_ms"]
+        row["int8_dense_speedup_vs_f32"] = row["float32_ms"] / row["int8_dense_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_decoding(preset: str, batch: int, new_tokens: int, repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model import MODEL_PRESETS, DecoderLM
+    from model.generate import generate
+    from quant.convert import QuantConfig, apply_plan, make_plan
+    from quant.pipeline import param_bytes
+
+    cfg = MODEL_PRESETS[preset]
+    prompt_len = min(16, cfg.max_len // 2)
+    new_tokens = min(new_tokens, cfg.max_len - prompt_len)
+    prompt = jnp.ones((batch, prompt_len), jnp.int32)
+    rows = []
+    for mode in ("none", "w8", "w8a8"):
+        model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+        if mode != "none":
+            qcfg = QuantConfig(mode=mode)
+            model = apply_plan(model, make_plan(qcfg, model), qcfg)
+        graphdef, state = nnx.split(model)
+        params = nnx.to_pure_dict(state)
+        gen = jax.jit(generate, static_argnums=(0, 3))
+        sec = timed(gen, graphdef, params, prompt, new_tokens, jax.random.key(0),
+                    repeats=repeats)
+        rows.append({"mode": mode, "preset": preset, "batch": batch, "new_tokens": new_tokens,
+                     "seconds": sec, "tokens_per_s": batch * new_tokens / sec,
+                     "param_bytes": param_bytes(params)})
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup_vs_float"] = r["tokens_per_s"] / base
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.preset not in ("tiny", "small", "medium"):
+        fail(PROG, f"preset={args.preset!r}: allowed tiny, small, medium")
+    for name in ("batch", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
+    import jax
+
+    shapes = SHAPES + (((4096, 4096, 4096), (8192, 8192, 8192)) if args.big else ())
+    dev = jax.devices()[0]
+    out = {"backend": jax.default_backend(), "device_kind": dev.device_kind,
+           "jax_version": jax.__version__,
+           "matmuls": bench_matmuls(shapes, args.repeats),
+           "decoding": bench_decoding(args.preset, args.batch, args.new_tokens, args.repeats)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    summary = {"backend": out["backend"], "device_kind": out["device_kind"],
+               "int8_dot_speedup": {f"{r['m']}x{r['k']}x{r['n']}":
+                                    round(r["int8_dot_speedup_vs_f32"], 2)
+                                    for r in out["matmuls"]},
+               "decode_tokens_per_s": {r["mode"]: round(r["tokens_per_s"], 1)
+                                       for r in out["decoding"]},
+               "written": args.out}
+    print(json.dumps(summary) if args.json else summary)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Every int8 mode on one trained run: validation loss, bits/byte, bytes in memory and on disk.
+
+  python -m experiments.quant_table --workdir runs/main
+
+Quantises the run in each mode (writing WORKDIR/quant/MODE like `experiments.quantize`),
+evaluates it on the run's validation batches, and writes the table to
+experiments/results/quant_eval.json (one row per mode, the float model first). Besides the
+modes, two variants: naive per-tensor W8A8 (per-tensor weights *and* activations) and w8a8 with
+the embedding and output head quantised too (the smallest checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from experiments import runtime
+from experiments.config import fail
+
+PROG = "experiments.quant_table"
+OUT = Path(__file__).parent / "results" / "quant_eval.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--modes", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--out", default=str(OUT))
+    return p
+
+
+def variants(args) -> list[tuple[str, str, dict]]:
+    """(row name, mode, QuantConfig overrides)."""
+    from experiments.quantize import MODES
+
+    rows = [(m, m, {}) for m in MODES]
+    rows += [("w8a8-tensor-naive", "w8a8-tensor", {"weights": "tensor"}),
+             ("w8a8+head+embed", "w8a8", {"rules": ("blocks/*", "head", "embed")})]
+    if args.modes:
+        keep = set(args.modes.split(","))
+        rows = [r for r in rows if r[0] in keep]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    runtime.start(None)
+    import dataclasses
+
+    import jax
+
+    from experiments.quantize import quantize_run, write_checkpoint
+    from experiments.restore import load_config, restore_params
+    from experiments.trainer import ConfigError, make_eval_fn
+    from quant import checkpoint as qckpt
+    from quant.convert import QuantConfig, QuantError, quantized_fraction
+    from quant.pipeline import dense_bytes, param_bytes
+
+    try:
+        cfg = load_config(args.workdir)
+        run, params, step = restore_params(args.workdir, cfg, mesh=None)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    params = jax.device_get(params)
+    float_loss = make_eval_fn(run)(params)
+    with tempfile.TemporaryDirectory() as tmp:
+        float_disk = qckpt.save_float_reference(Path(tmp) / "float", params)
+    rows = [{"mode": "none", "val_loss": float_loss, "bits_per_byte": float_loss / math.log(2),
+             "rel_to_float": 0.0, "param_bytes": param_bytes(params), "quantized_fraction": 0.0,
+             "disk_bytes": float_disk}]
+    for name, mode, over in variants(args):
+        t0 = time.perf_counter()
+        qcfg = QuantConfig(**{"mode": mode, "calib_batches": args.calib_batches,
+                              "alpha": args.alpha, **over})
+        try:
+            graphdef, qparams, plan, report, meta = quantize_run(run, params, qcfg,
+                                                                 {"source_step": step})
+        except QuantError as e:
+            fail(PROG, str(e))
+        out = write_checkpoint(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
+        quant_s = time.perf_counter() - t0
+        loss = make_eval_fn(dataclasses.replace(run, graphdef=graphdef))(qparams)
+        qb, fb = dense_bytes(qparams, plan)
+        disk = qckpt.disk_bytes(out / "ckpt")
+        rows.append({"mode": name, "quant_mode": mode, "val_loss": loss,
+                     "bits_per_byte": loss / math.log(2),
+                     "rel_to_float": (loss - float_loss) / float_loss,
+                     "param_bytes": param_bytes(qparams),
+                     "quantized_fraction": quantized_fraction(params, plan),
+                     "dense_bytes_ratio": qb / fb, "disk_bytes": disk,
+                     "disk_ratio_vs_fp32": float_disk / disk,
+                     "float_layers": sum(len(e.get("float_layers", [])) for e in plan.values()),
+                     "max_layer_rel_err": max(r["rel_err"] for r in report["layers"]
+                                              if r.get("rel_err") is not None),
+                     "quantize_seconds": quant_s})
+        print(json.dumps(rows[-1]), flush=True)
+    table = {"workdir": str(Path(args.workdir).absolute()), "step": step,
+             "preset": cfg.preset, "calib_batches": args.calib_batches, "alpha": args.alpha,
+             "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in run.val),
+             "backend": jax.default_backend(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    print(json.dumps({"written": args.out, "modes": len(rows)}))
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The int8 checkpoint layout (Orbax), readable straight onto a sharded mesh.
+
+  WORKDIR/quant/MODE/
+    ckpt/params/   Orbax StandardSave of the quantised parameters, a pure dict by module path:
+                   QuantDense: kernel_q int8 [layers, in, out], kernel_scale float32
+                   [layers, out] (per tensor: [layers, 1]), act_scale float32 [layers] (static
+                   mode), kernel_float + keep_float (auto mode, layers kept in float);
+                   QuantEmbed: embedding_q int8 [vocab, embed], row_scale float32 [vocab];
+                   everything else (norm scales, unquantised Dense) as in the float model.
+    ckpt/meta/     Orbax JSON: format, quantisation config, plan (per module: activation mode,
+                   outlier threshold, float layers), model config, source step, calibration
+                   data (sampler seed, start position, batches x batch size).
+    report.json    per-layer error report (also written by experiments.quantize).
+
+The quantised model's structure is rebuilt from the model config and the plan; the reader's
+shardings come from the logical axes each parameter carries, so int8 kernels load sharded like
+zero3 parameters (their `embed` dimension over mesh axis `fsdp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from model import DecoderLM, ModelConfig
+from parallel.rules import spec_for
+from parallel.state import logical_specs
+from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
+
+FORMAT = "shardq-int8/1"
+
+
+def quant_dir(workdir: str | Path, mode: str) -> Path:
+    return Path(workdir).absolute() / "quant" / mode
+
+
+def save(path: str | Path, qparams: dict, meta: dict) -> None:
+    """Write (replacing) the checkpoint at path/ckpt. Refuses NaNs before touching the disk."""
+    check_finite(qparams, "quantised parameter")
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(path / "ckpt", args=ocp.args.Composite(
+            params=ocp.args.StandardSave(qparams),
+            meta=ocp.args.JsonSave({"format": FORMAT, **meta})), force=True)
+
+
+def read_meta(path: str | Path) -> dict:
+    ckpt = Path(path).absolute() / "ckpt"
+    if not ckpt.is_dir():
+        raise QuantError(f"{str(path)!r}: holds no quantised checkpoint; run experiments.quantize")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        meta = ckptr.restore(ckpt, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if meta.get("format") != FORMAT:
+        raise QuantError(f"{str(path)!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
+         sharded: bool = True):
+    """(quantised graphdef, params, meta). With a mesh, params land sharded (or replicated)."""
+    meta = read_meta(path)
+    if meta["model"] != _model_json(model_cfg):
+        diff = sorted(k for k in meta["model"] if meta["model"][k] != _model_json(model_cfg).get(k))
+        raise QuantError(f"{str(path)!r}: written for a different model (differs in "
+                         f"{', '.join(diff) or 'fields'}); quantise this run again")
+    qcfg = QuantConfig.from_json(meta["quant_config"])
+    graphdef, abstract = build_abstract(lambda: DecoderLM(model_cfg, rngs=nnx.Rngs(0)),
+                                        meta["plan"], qcfg)
+    specs = logical_specs(abstract)
+    shapes = nnx.to_pure_dict(abstract)
+    if mesh is not None:
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                              sharding=NamedSharding(mesh, spec_for(s, sharded))),
+            shapes, specs)
+    else:
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            params = ckptr.restore(Path(path).absolute() / "ckpt", args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(target)))["params"]
+    except (ValueError, KeyError, TypeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise QuantError(f"{str(path)!r}: does not match the model ({first[:200]})") from None
+    return graphdef, params, meta
+
+
+def _model_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def disk_bytes(path: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def save_float_reference(path: str | Path, params: dict) -> int:
+    """Write the float params in the same Orbax layout and return its size on disk (bytes)."""
+    path = Path(path).absolute()
+    shutil.rmtree(path, ignore_errors=True)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(path, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    return disk_bytes(path)

@@ -1,0 +1,218 @@
+"""Model surgery: which Dense/Embed modules become int8 (rules on paths), and the swap itself.
+
+A *plan* is the JSON-serialisable description of a quantised model: for each selected module
+path, how its product is computed. The plan plus the float model's shapes are enough to rebuild
+the quantised model's structure (`build_abstract`), which is how a checkpoint is read back.
+
+Paths are the module paths of `DecoderLM` joined by "/": "blocks/attn/q", "blocks/mlp/down",
+"head", "embed". Rules are fnmatch patterns; the default selects every Dense of the blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.layers import Dense, Embed
+from quant import quantizers as qz
+from quant.dense import QuantDense, QuantEmbed
+
+# mode -> (activation quantisation, SmoothQuant folding, LLM.int8() outliers, auto precision)
+MODES: dict[str, tuple[str, bool, bool, bool]] = {
+    "w8": ("none", False, False, False),
+    "w8a8-tensor": ("tensor", False, False, False),
+    "w8a8": ("token", False, False, False),
+    "w8a8-static": ("static", False, False, False),
+    "smoothquant": ("token", True, False, False),
+    "w8a8-outlier": ("token", False, True, False),
+    "auto": ("token", True, False, True),
+}
+ALL_MODES = ("none",) + tuple(MODES)
+DEFAULT_RULES = ("blocks/*",)
+# Which norm feeds which Dense: SmoothQuant folds 1/s into the norm scale, s into the kernels.
+NORM_FEEDS = {"blocks/attn_norm": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
+              "blocks/mlp_norm": ("blocks/mlp/up",)}
+
+
+class QuantError(ValueError):
+    """Bad input for quantisation: launchers print it on one line and exit 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    mode: str = "w8a8"
+    weights: str = "channel"  # channel | tensor
+    clip_search: bool = False
+    alpha: float = 0.5  # SmoothQuant migration strength
+    outlier_threshold: float = 6.0
+    error_budget: float = 0.02  # auto: relative RMS output error above which a layer stays float
+    rules: tuple[str, ...] = DEFAULT_RULES
+    calib_batches: int = 8
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise QuantError(f"mode={self.mode!r}: allowed {', '.join(ALL_MODES)}")
+        if self.weights not in ("channel", "tensor"):
+            raise QuantError(f"weights={self.weights!r}: allowed channel, tensor")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise QuantError(f"alpha={self.alpha}: must be in [0, 1]")
+        if not self.outlier_threshold > 0:
+            raise QuantError(f"outlier_threshold={self.outlier_threshold}: must be positive")
+        if not self.error_budget > 0:
+            raise QuantError(f"error_budget={self.error_budget}: must be positive")
+        if self.calib_batches < 1:
+            raise QuantError(f"calib_batches={self.calib_batches}: must be a positive integer")
+
+    @property
+    def act(self) -> str:
+        return MODES[self.mode][0]
+
+    @property
+    def smooth(self) -> bool:
+        return MODES[self.mode][1]
+
+    @property
+    def outliers(self) -> bool:
+        return MODES[self.mode][2]
+
+    @property
+    def auto(self) -> bool:
+        return MODES[self.mode][3]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.act == "static" or self.smooth or self.auto
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "rules": list(self.rules)}
+
+    @staticmethod
+    def from_json(d: dict) -> QuantConfig:
+        return QuantConfig(**{**d, "rules": tuple(d["rules"])})
+
+
+def module_path(path: tuple) -> str:
+    return "/".join(str(k) for k in path)
+
+
+def linear_modules(model: nnx.Module) -> dict[str, nnx.Module]:
+    """Every Dense and Embed of the model by path (the candidates for quantisation)."""
+    return {module_path(p): n for p, n in nnx.iter_graph(model) if isinstance(n, (Dense, Embed))}
+
+
+def get_module(model: nnx.Module, path: str) -> nnx.Module:
+    node = model
+    for key in path.split("/"):
+        node = getattr(node, key)
+    return node
+
+
+def set_module(model: nnx.Module, path: str, new: nnx.Module) -> None:
+    *parents, last = path.split("/")
+    setattr(get_module(model, "/".join(parents)) if parents else model, last, new)
+
+
+def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
+    """{path: {"kind", "act", "outlier_threshold", "float_layers"}} for the selected modules."""
+    qcfg.validate()
+    candidates = linear_modules(model)
+    selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
+    if not selected:
+        raise QuantError(f"rules={list(qcfg.rules)}: select no module; candidates: "
+                         f"{', '.join(sorted(candidates))}")
+    plan = {}
+    for path in selected:
+        if isinstance(candidates[path], Embed):
+            plan[path] = {"kind": "embed"}
+            continue
+        plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
+                      "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None}
+    return plan
+
+
+def check_finite(tree, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(leaf))):
+            raise QuantError(f"{what} {jax.tree_util.keystr(path)}: holds non-finite values "
+                             f"(NaN or inf); refusing to quantise it")
+
+
+def _weight_scale(w: jax.Array, qcfg: QuantConfig) -> jax.Array:
+    if qcfg.clip_search:
+        return qz.clipped_weight_scale(w, qcfg.weights)
+    return qz.weight_scale(w, qcfg.weights)
+
+
+def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
+                   act_absmax: jax.Array | None = None) -> QuantDense:
+    """The int8 twin of one (possibly stacked) Dense under its plan entry.
+
+    act_absmax: calibrated per-layer absmax of the input ([layers] or []), for act="static".
+    """
+    w = dense.kernel[...]
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise QuantError(f"kernel dtype {w.dtype}: only float kernels (float32, bfloat16) can be "
+                         f"quantised")
+    axes = tuple(dense.kernel.get_metadata()["out_sharding"])
+    lead = w.shape[:-2]
+    scale = _weight_scale(w, qcfg)
+    act_scale = None
+    if entry["act"] == "static":
+        act_scale = (qz.scale_from_absmax(act_absmax) if act_absmax is not None
+                     else jnp.ones(lead, jnp.float32))
+    kernel_float = keep_float = None
+    if entry["float_layers"]:
+        keep = np.zeros(lead, np.int8)
+        keep.reshape(-1)[np.asarray(entry["float_layers"], np.int64)] = 1
+        kernel_float, keep_float = w, jnp.asarray(keep)
+    bias = dense.bias[...] if dense.bias is not None else None
+    return QuantDense(qz.quantize(w, scale), scale, kernel_axes=axes,
+                      compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
+                      outlier_threshold=entry["outlier_threshold"], kernel_float=kernel_float,
+                      keep_float=keep_float, bias=bias)
+
+
+def quantize_embed(embed: Embed) -> QuantEmbed:
+    table = embed.embedding[...]
+    scale = qz.scale_from_absmax(qz.absmax(table, axis=-1))  # one scale per token id
+    return QuantEmbed(qz.quantize(table, scale), scale,
+                      axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
+                      compute_dtype=embed.compute_dtype)
+
+
+def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
+               act_absmax: dict[str, jax.Array] | None = None) -> nnx.Module:
+    """Swap the planned modules for their int8 twins, in place; returns the model."""
+    act_absmax = act_absmax or {}
+    for path, entry in plan.items():
+        module = get_module(model, path)
+        if entry["kind"] == "embed":
+            set_module(model, path, quantize_embed(module))
+        else:
+            set_module(model, path, quantize_dense(module, entry, qcfg, act_absmax.get(path)))
+    return model
+
+
+def build_abstract(model_fn, plan: dict, qcfg: QuantConfig):
+    """(graphdef, abstract state) of the quantised model, without computing anything."""
+    return nnx.split(nnx.eval_shape(lambda: apply_plan(model_fn(), plan, qcfg)))
+
+
+def quantized_fraction(params_float: dict, plan: dict) -> float:
+    """Share of the float model's parameters (by count) that are stored as int8."""
+    total = sum(x.size for x in jax.tree.leaves(params_float))
+    n = 0
+    for path, entry in plan.items():
+        node = params_float
+        for key in path.split("/"):
+            node = node[key]
+        leaf = node["embedding"] if entry["kind"] == "embed" else node["kernel"]
+        per_layer = leaf.size // max(1, int(np.prod(leaf.shape[:-2]))) if leaf.ndim > 2 \
+            else leaf.size
+        n += leaf.size - per_layer * len(entry.get("float_layers", []))
+    return n / total

@@ -1,0 +1,127 @@
+"""The int8 twins of `model.layers.Dense` and `model.layers.Embed`.
+
+`QuantDense` holds an int8 kernel and float32 per-output-channel (or per-tensor) scales; its
+product is a real int8 x int8 -> int32 `lax.dot_general`, dequantised afterwards with the outer
+product of token and channel scales (ANCHORS §3). Parameters may carry leading stacked axes
+(`layers`): the model's layer scan slices them, so `__call__` always sees one layer.
+
+How activations are quantised is static (it lives in the graph definition, not the state):
+  act="none"    weight-only: float activations times dequantised int8 weights
+  act="token"   dynamic per-token scales (default)
+  act="tensor"  dynamic per-tensor scale
+  act="static"  one calibrated per-tensor scale per layer (`act_scale`)
+`outlier_threshold` adds the LLM.int8() split: input columns with any |x| >= threshold are
+multiplied in float, the rest in int8. `has_float` adds a per-layer switch to a float kernel
+(the automatic precision choice keeps over-budget layers there).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import Axes, dtype_of, param
+from quant import quantizers as qz
+
+ACT_MODES = ("none", "token", "tensor", "static")
+
+
+def int8_matmul(x_q: jax.Array, w_q: jax.Array) -> jax.Array:
+    """[tokens, in] int8 @ [in, out] int8 -> int32: without the int32 accumulator it wraps."""
+    return jax.lax.dot_general(x_q, w_q, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.int32)
+
+
+def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,
+                      act_scale: jax.Array | None = None) -> jax.Array:
+    """x [tokens, in] (float) times the int8 kernel; float32 result [tokens, out].
+
+    w_scale is [1, out] (or [1, 1] per tensor).
+    """
+    if act == "none":
+        return jnp.dot(x.astype(jnp.float32), w_q.astype(jnp.float32)) * w_scale
+    if act == "token":
+        s_x = qz.token_scale(x)  # [tokens, 1]
+    elif act == "tensor":
+        s_x = qz.tensor_scale(x).reshape(1, 1)
+    elif act == "static":
+        s_x = qz.scale_from_absmax(act_scale * qz.QMAX).reshape(1, 1)  # guards a zero scale
+    else:
+        raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
+    acc = int8_matmul(qz.quantize(x, s_x), w_q)
+    return acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
+
+
+class QuantDense(nnx.Module):
+    def __init__(self, kernel_q: jax.Array, kernel_scale: jax.Array, *, kernel_axes: Axes,
+                 compute_dtype: str, act: str = "token", act_scale: jax.Array | None = None,
+                 outlier_threshold: float | None = None, kernel_float: jax.Array | None = None,
+                 keep_float: jax.Array | None = None, bias: jax.Array | None = None):
+        if act not in ACT_MODES:
+            raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
+        if kernel_q.dtype != jnp.int8:
+            raise ValueError(f"kernel dtype {kernel_q.dtype}: QuantDense stores int8")
+        lead = tuple(kernel_axes[:-2])  # e.g. ("layers",) for stacked blocks
+        self.in_features, self.out_features = kernel_q.shape[-2:]
+        self.compute_dtype = compute_dtype
+        self.act = act
+        self.outlier_threshold = outlier_threshold
+        self.kernel_q = param(kernel_q, kernel_axes)
+        # [..., 1, out] squeezed to [..., out]; a per-tensor scale is stored as [..., 1].
+        self.kernel_scale = param(kernel_scale.reshape(kernel_scale.shape[:-2] + (-1,)),
+                                  lead + ((kernel_axes[-1],) if kernel_scale.shape[-1] > 1
+                                          else (None,)))
+        self.act_scale = param(act_scale, lead) if act == "static" else None
+        self.has_float = kernel_float is not None
+        self.kernel_float = param(kernel_float, kernel_axes) if self.has_float else None
+        self.keep_float = param(keep_float, lead) if self.has_float else None
+        self.bias = param(bias, kernel_axes[-1:]) if bias is not None else None
+
+    def _int_path(self, x2: jax.Array) -> jax.Array:
+        w_q = self.kernel_q[...]
+        w_scale = self.kernel_scale[...].reshape(1, -1)
+        act_scale = self.act_scale[...] if self.act_scale is not None else None
+        if self.outlier_threshold is None:
+            return quantized_product(x2, w_q, w_scale, self.act, act_scale)
+        # LLM.int8(): a column is an outlier if any token has |x| >= threshold in it.
+        col_max = jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=0, keepdims=True)  # [1, in]
+        outlier = col_max >= self.outlier_threshold
+        zero = jnp.zeros_like(x2)
+        regular = quantized_product(jnp.where(outlier, zero, x2), w_q, w_scale, self.act,
+                                    act_scale)
+        # The outlier columns meet dequantised weights in float. A fused kernel would gather
+        # just those columns; here a masked float matmul keeps shapes static.
+        w_deq = w_q.astype(jnp.float32) * w_scale
+        return regular + jnp.dot(jnp.where(outlier, x2, zero).astype(jnp.float32), w_deq)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = dtype_of(self.compute_dtype)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).astype(dt)
+        if self.has_float:
+            y = jax.lax.cond(self.keep_float[...] != 0,
+                             lambda v: jnp.dot(v, self.kernel_float[...].astype(dt)).astype(
+                                 jnp.float32),
+                             self._int_path, x2)
+        else:
+            y = self._int_path(x2)
+        y = y.astype(dt).reshape(lead + (self.out_features,))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dt).reshape((1,) * len(lead) + (-1,))
+        return y
+
+
+class QuantEmbed(nnx.Module):
+    """int8 embedding table with one float32 scale per row (per token id): gather, then scale."""
+
+    def __init__(self, table_q: jax.Array, row_scale: jax.Array, *, axes: Axes,
+                 compute_dtype: str):
+        self.compute_dtype = compute_dtype
+        self.embedding_q = param(table_q, axes)
+        self.row_scale = param(row_scale.reshape(-1), axes[:1])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        rows = jnp.take(self.embedding_q[...], tokens, axis=0).astype(jnp.float32)
+        scale = jnp.take(self.row_scale[...], tokens, axis=0)[..., None]
+        return (rows * scale).astype(dtype_of(self.compute_dtype))

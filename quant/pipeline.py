@@ -1,0 +1,73 @@
+"""Float parameters + calibration batches -> quantised model, plan and per-layer report.
+
+Passes over the calibration data (each a few eager batches):
+  1. (smoothquant, auto, w8a8-static) per-channel input ranges of the float model;
+     SmoothQuant folds its factors, static mode turns the ranges into per-layer scales;
+  2. (always) each int8 Dense against its float twin on the float model's inputs: the error
+     report, and for auto the layers kept in float (the model is then rebuilt with them).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from quant import auto as auto_precision
+from quant.calibrate import calibrate
+from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
+from quant.smoothquant import fold
+
+
+def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
+    """(quantised graphdef, quantised params (pure dict), plan, report)."""
+    qcfg.validate()
+    check_finite(params, "parameter")
+    plan = make_plan(qcfg, nnx.merge(graphdef, params))
+    report: dict = {"mode": qcfg.mode, "config": qcfg.to_json(), "calib_batches": len(batches)}
+    act_absmax = None
+    if qcfg.smooth or qcfg.act == "static":
+        stats = calibrate(graphdef, params, batches, outlier_threshold=qcfg.outlier_threshold)
+        if qcfg.smooth:
+            model = nnx.merge(graphdef, params)
+            factors = fold(model, stats["absmax"], qcfg.alpha)
+            params = nnx.to_pure_dict(nnx.state(model))
+            report["smoothing"] = {k: {"min": float(np.min(v)), "max": float(np.max(v))}
+                                   for k, v in factors.items()}
+            # The folded model's inputs are the old ones divided by s: calibrate again.
+            stats = calibrate(graphdef, params, batches,
+                              outlier_threshold=qcfg.outlier_threshold)
+        act_absmax = {p: np.max(a, axis=-1) for p, a in stats["absmax"].items()}
+
+    def build(plan):
+        return apply_plan(nnx.merge(graphdef, params), plan, qcfg, act_absmax)
+
+    qmodel = build(plan)
+    stats = calibrate(graphdef, params, batches, twins=qmodel,
+                      outlier_threshold=qcfg.outlier_threshold)
+    if qcfg.auto:
+        plan = auto_precision.choose_float_layers(plan, stats["rel_err"], qcfg.error_budget)
+        qmodel = build(plan)
+    report["layers"] = auto_precision.layer_rows(plan, stats)
+    qgraphdef, qstate = nnx.split(qmodel)
+    qparams = nnx.to_pure_dict(qstate)
+    check_finite(qparams, "quantised parameter")
+    return qgraphdef, qparams, plan, report
+
+
+def param_bytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def dense_bytes(qparams: dict, plan: dict) -> tuple[int, int]:
+    """(bytes of the quantised Dense kernels incl. scales, bytes of the same kernels in fp32)."""
+    q = f = 0
+    for path, entry in plan.items():
+        if entry["kind"] != "dense":
+            continue
+        node = qparams
+        for key in path.split("/"):
+            node = node[key]
+        q += param_bytes(node)  # everything the int8 Dense stores: scales, float fallback
+        f += node["kernel_q"].size * 4
+    return q, f

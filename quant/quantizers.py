@@ -1,0 +1,87 @@
+"""Symmetric absmax int8 quantizers (ANCHORS §3): s = absmax / 127, q = clip(round(x / s)).
+
+Every function here is pure and jit-friendly. Scales keep the reduced axes (keepdims) so that
+dequantisation is a plain same-rank product: the project runs with rank promotion off.
+An all-zero channel gets scale 1 (its values quantise to 0 either way), never a division by 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QMAX = 127  # symmetric: -127..127, so negating a quantised value never overflows
+
+
+def scale_from_absmax(absmax: jax.Array) -> jax.Array:
+    """float32 scale with the all-zero guard."""
+    absmax = absmax.astype(jnp.float32)
+    return jnp.where(absmax > 0, absmax / QMAX, jnp.ones_like(absmax))
+
+
+def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8 values of x under a (broadcast-compatible, same-rank) scale."""
+    q = jnp.round(x.astype(jnp.float32) / scale)
+    return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def absmax(x: jax.Array, axis) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+
+
+# --- weights [..., in, out]: the input axis (-2) is the one reduced by the matmul -------------
+
+def weight_scale(w: jax.Array, granularity: str = "channel") -> jax.Array:
+    """Per-output-channel [..., 1, out] (default) or per-tensor [..., 1, 1] scales.
+
+    Leading axes (the stacked `layers` axis) always keep their own scales.
+    """
+    if granularity == "channel":
+        return scale_from_absmax(absmax(w, axis=-2))
+    if granularity == "tensor":
+        return scale_from_absmax(absmax(w, axis=(-2, -1)))
+    raise ValueError(f"granularity={granularity!r}: allowed channel, tensor")
+
+
+def clipped_weight_scale(w: jax.Array, granularity: str = "channel",
+                         ratios: tuple[float, ...] = tuple(1.0 - 0.025 * i for i in range(17))
+                         ) -> jax.Array:
+    """Scale whose clipping ratio (of absmax) minimises the squared reconstruction error.
+
+    A smaller range clips the few largest weights but rounds the many small ones more finely;
+    the search tries each ratio and keeps, per channel (or tensor), the best. Ratio 1.0 is among
+    the candidates, so the result is never worse than plain absmax.
+    """
+    base = weight_scale(w, granularity)
+    axes = (-2,) if granularity == "channel" else (-2, -1)
+    w32 = w.astype(jnp.float32)
+
+    def err(r):
+        s = base * r
+        return jnp.sum(jnp.square(dequantize(quantize(w32, s), s) - w32), axis=axes,
+                       keepdims=True)
+
+    errs = jnp.stack([err(r) for r in ratios])  # [R, ..., 1, out]
+    best = jnp.asarray(ratios, jnp.float32)[jnp.argmin(errs, axis=0)]
+    return base * best
+
+
+# --- activations [tokens, in] ------------------------------------------------------------------
+
+def token_scale(x: jax.Array) -> jax.Array:
+    """Dynamic per-token (row) scales [..., tokens, 1], recomputed at every call."""
+    return scale_from_absmax(absmax(x, axis=-1))
+
+
+def tensor_scale(x: jax.Array) -> jax.Array:
+    """Dynamic per-tensor scale, a 0-d array."""
+    return scale_from_absmax(jnp.max(jnp.abs(x.astype(jnp.float32))))
+
+
+def round_trip(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """Fake-quantised x (for error measurements and tests only; inference uses int8 dots)."""
+    return dequantize(quantize(x, scale), scale, x.dtype)

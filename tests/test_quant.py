@@ -1,0 +1,309 @@
+"""int8 inference (quant/): quantiser bounds, int8 Dense vs float, the compiled integer dot,
+SmoothQuant folding, outliers, automatic precision, the int8 checkpoint, generation, bad input.
+
+References: the float model (same parameters), the rounding bound s/2 of symmetric absmax
+quantisation, and a float re-computation of the int8 product from the dequantised operands.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from model import DecoderLM
+from model.generate import generate
+from model.layers import Dense
+from parallel.mesh import make_mesh
+from quant import checkpoint as qckpt
+from quant import quantizers as qz
+from quant.calibrate import calibrate
+from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
+from quant.dense import QuantDense, quantized_product
+from quant.pipeline import dense_bytes, quantize
+from quant.smoothquant import fold
+from tests.helpers import TINY, synthetic_batches
+
+CFG = TINY.model
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    graphdef, state = nnx.split(DecoderLM(CFG, rngs=nnx.Rngs(0)))
+    return graphdef, jax.device_get(nnx.to_pure_dict(state))
+
+
+@pytest.fixture(scope="module")
+def batches():
+    """Three calibration batches and a held-out one (the last), [4, max_len + 1] tokens each."""
+    return [b[0] for b in synthetic_batches(4, 1, 4, CFG.max_len, seed=1)]
+
+
+def logits(graphdef, params, tokens):
+    return nnx.merge(graphdef, params)(jnp.asarray(tokens))
+
+
+# --- quantisers ------------------------------------------------------------------------------
+
+def adversarial_matrices():
+    rng = np.random.default_rng(0)
+    plain = rng.normal(size=(64, 48)).astype(np.float32)
+    outlier_cols = plain.copy()
+    outlier_cols[:, 3] *= 1000.0
+    zero_channel = plain.copy()
+    zero_channel[:, 5] = 0.0
+    zero_channel[7, :] = 0.0
+    huge = (plain * np.logspace(-30, 30, 48, dtype=np.float64)[None, :]).astype(np.float32)
+    return {"plain": plain, "outlier_cols": outlier_cols, "zero_channel": zero_channel,
+            "huge_range": huge, "all_zero": np.zeros_like(plain)}
+
+
+@pytest.mark.parametrize("name", list(adversarial_matrices()))
+@pytest.mark.parametrize("kind", ["channel", "token", "tensor"])
+def test_round_trip_within_half_a_step(name, kind):
+    x = jnp.asarray(adversarial_matrices()[name])
+    scale = {"channel": lambda: qz.weight_scale(x, "channel"),  # [1, out], reduces rows
+             "token": lambda: qz.token_scale(x),  # [rows, 1]
+             "tensor": lambda: qz.tensor_scale(x)}[kind]()
+    q = qz.quantize(x, scale)
+    back = qz.dequantize(q, scale)
+    assert q.dtype == jnp.int8 and bool(jnp.all(jnp.abs(q.astype(jnp.int32)) <= 127))
+    assert bool(jnp.all(jnp.isfinite(scale))) and bool(jnp.all(scale > 0))
+    assert bool(jnp.all(jnp.isfinite(back)))
+    # The symmetric absmax bound: |x - deq(q(x))| <= s/2 elementwise (plus float rounding).
+    bound = jnp.broadcast_to(scale, x.shape) * (0.5 + 1e-5)
+    assert bool(jnp.all(jnp.abs(back - x) <= bound))
+    if name == "plain":  # relative error of a well-behaved matrix is small
+        rel = float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x))
+        assert rel < {"channel": 0.01, "token": 0.01, "tensor": 0.012}[kind]
+
+
+def test_stacked_weights_get_scales_per_layer_and_channel():
+    w = jax.random.normal(jax.random.key(0), (3, 16, 8)) * jnp.arange(1.0, 4.0)[:, None, None]
+    assert qz.weight_scale(w).shape == (3, 1, 8)
+    assert qz.weight_scale(w, "tensor").shape == (3, 1, 1)
+    np.testing.assert_allclose(qz.weight_scale(w)[2], jnp.max(jnp.abs(w[2]), 0, keepdims=True)
+                               / 127, rtol=1e-6)
+
+
+def test_clipping_search_never_worse_than_absmax():
+    w = jnp.asarray(adversarial_matrices()["outlier_cols"])
+    w = w.at[0, :].multiply(30.0)  # one large weight per channel: clipping pays off there
+    mse = lambda s: float(jnp.mean(jnp.square(qz.round_trip(w, s) - w)))
+    plain, clipped = qz.weight_scale(w), qz.clipped_weight_scale(w)
+    assert mse(clipped) <= mse(plain)
+    assert bool(jnp.all(clipped <= plain + 1e-12))
+
+
+# --- the int8 Dense --------------------------------------------------------------------------
+
+def dense_pair(act, in_f=64, out_f=48, **kw):
+    dense = Dense(in_f, out_f, axes=("embed", "mlp"), rngs=nnx.Rngs(3))
+    w = dense.kernel[...]
+    s = qz.weight_scale(w)
+    qd = QuantDense(qz.quantize(w, s), s, kernel_axes=("embed", "mlp"), compute_dtype="float32",
+                    act=act, act_scale=jnp.asarray(4.0 / 127) if act == "static" else None, **kw)
+    return dense, qd
+
+
+@pytest.mark.parametrize("act,tol", [("none", 0.01), ("token", 0.02), ("tensor", 0.03),
+                                     ("static", 0.03)])
+def test_quant_dense_close_to_float_twin(act, tol):
+    dense, qd = dense_pair(act)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 64))
+    y, yq = dense(x), qd(x)
+    assert yq.shape == y.shape and yq.dtype == y.dtype
+    assert float(jnp.linalg.norm(yq - y) / jnp.linalg.norm(y)) < tol
+
+
+def test_int8_product_is_exact_integer_arithmetic():
+    """The int32 accumulation equals the float product of the dequantised operands."""
+    x = jax.random.normal(jax.random.key(2), (16, 256)) * 3
+    w = jax.random.normal(jax.random.key(3), (256, 32))
+    s_w = qz.weight_scale(w)
+    w_q = qz.quantize(w, s_w)
+    s_x = qz.token_scale(x)
+    ref = np.asarray(qz.quantize(x, s_x), np.float64) @ np.asarray(w_q, np.float64)
+    ref = ref * np.asarray(s_x) * np.asarray(s_w)
+    np.testing.assert_allclose(quantized_product(x, w_q, s_w, "token"), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_zero_rows_and_channels_do_not_divide_by_zero():
+    _, qd = dense_pair("token")
+    x = jnp.zeros((4, 64)).at[1].set(1.0)
+    y = qd(x)
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(y[0] == 0))
+
+
+def int8_dots(hlo: str) -> list[str]:
+    """dot instructions of a compiled HLO text with s32 results and two s8 operands."""
+    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"(%[\w.\-]+) = s32\[[^\]]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", line)
+        if m and types.get(m.group(2)) == "s8" and types.get(m.group(3)) == "s8":
+            found.append(line.strip())
+    return found
+
+
+def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
+    _, qd = dense_pair("token")
+    graphdef, state = nnx.split(qd)
+    fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+    x = jnp.ones((8, 64))
+    assert int8_dots(fn.lower(state, x).compile().as_text())
+    # ... and weight-only mode does not pretend to (its product is float).
+    _, w8 = dense_pair("none")
+    graphdef, state = nnx.split(w8)
+    assert not int8_dots(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+                         .lower(state, x).compile().as_text())
+
+
+def test_quantized_model_compiles_to_int8_dots_in_the_layer_scan(float_model, batches):
+    graphdef, params = float_model
+    g, q, plan, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:1])
+    hlo = jax.jit(lambda p, t: nnx.merge(g, p)(t)).lower(q, batches[0][:, :-1]).compile()
+    assert len(int8_dots(hlo.as_text())) >= 6  # q, k, v, o, up, down
+
+
+def test_outlier_columns_go_through_float():
+    _, plain = dense_pair("token")
+    _, split = dense_pair("token", outlier_threshold=6.0)
+    dense, _ = dense_pair("none")
+    x = jax.random.normal(jax.random.key(4), (32, 64)).at[:, 7].multiply(200.0)
+    err = lambda y: float(jnp.linalg.norm(y - dense(x)) / jnp.linalg.norm(dense(x)))
+    assert err(split(x)) < 0.5 * err(plain(x))
+
+
+# --- SmoothQuant, calibration, automatic precision --------------------------------------------
+
+def test_smoothquant_folding_leaves_the_float_function_unchanged(float_model, batches):
+    graphdef, params = float_model
+    stats = calibrate(graphdef, params, batches[:2])
+    model = nnx.merge(graphdef, params)
+    factors = fold(model, stats["absmax"], alpha=0.5)
+    assert any(abs(np.log(np.asarray(f))).max() > 0.1 for f in factors.values())  # it did move
+    folded = nnx.to_pure_dict(nnx.state(model))
+    tokens = batches[-1][:, :-1]
+    ref = logits(graphdef, params, tokens)
+    np.testing.assert_allclose(logits(graphdef, folded, tokens), ref, rtol=1e-4, atol=1e-4)
+    # The folded inputs are flatter across channels than the raw ones (what smoothing is for).
+    after = calibrate(graphdef, folded, batches[:2])["absmax"]["blocks/attn/q"]
+    before = stats["absmax"]["blocks/attn/q"]
+    spread = lambda a: float(np.mean(a.max(-1) / np.maximum(a.mean(-1), 1e-9)))
+    assert spread(after) < spread(before)
+
+
+@pytest.mark.parametrize("mode", ["w8", "w8a8-tensor", "w8a8", "w8a8-static", "smoothquant",
+                                  "w8a8-outlier", "auto"])
+def test_every_mode_tracks_the_float_model(float_model, batches, mode):
+    graphdef, params = float_model
+    g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode), batches[:2])
+    tokens = batches[-1][:, :-1]
+    ref, out = logits(graphdef, params, tokens), logits(g, q, tokens)
+    rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert rel < 0.02, rel
+    assert report["layers"] and all(r["rel_err"] < 0.05 for r in report["layers"])
+    qb, fb = dense_bytes(q, plan)
+    assert qb / fb < 0.29  # d=32: 4 scale bytes per 32 int8 bytes; 0.258 at d=128
+    assert 0.5 < quantized_fraction(params, plan) < 1
+
+
+def test_auto_keeps_over_budget_layers_in_float(float_model, batches):
+    graphdef, params = float_model
+    g, q, plan, report = quantize(graphdef, params,
+                                  QuantConfig(mode="auto", error_budget=0.006), batches[:2])
+    kept = [(r["module"], r["layer"]) for r in report["layers"] if r["precision"] == "float"]
+    assert kept and all(r["rel_err"] > 0.006 for r in report["layers"]
+                        if (r["module"], r["layer"]) in kept)
+    # With every layer kept float, the model is the float model again.
+    g_all, q_all, _, _ = quantize(graphdef, params,
+                                  QuantConfig(mode="auto", error_budget=1e-9), batches[:1])
+    tokens = batches[-1][:, :-1]
+    ref = logits(graphdef, params, tokens)
+    smooth_ref = logits(g_all, q_all, tokens)  # smoothed float: equal up to rounding
+    np.testing.assert_allclose(smooth_ref, ref, rtol=1e-4, atol=1e-4)
+    assert bool(jnp.all(jnp.isfinite(logits(g, q, tokens))))
+
+
+# --- checkpoint, sharding, generation ---------------------------------------------------------
+
+def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
+    graphdef, params = float_model
+    qcfg = QuantConfig(mode="w8a8-static", rules=("blocks/*", "head", "embed"))
+    g, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
+    meta = {"quant_config": qcfg.to_json(), "plan": plan, "model": dataclasses.asdict(CFG),
+            "source_step": 0}
+    qckpt.save(tmp_path / "q", q, meta)
+    mesh = make_mesh(8)
+    g2, q2, meta2 = qckpt.load(tmp_path / "q", CFG, mesh, sharded=True)
+    assert meta2["plan"] == plan
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(q2), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kernel = q2["blocks"]["attn"]["q"]["kernel_q"]
+    assert kernel.dtype == jnp.int8 and kernel.sharding.spec == P(None, "fsdp", None)
+    assert q2["blocks"]["mlp"]["down"]["kernel_q"].sharding.spec == P(None, None, "fsdp")
+    tokens = batches[-1][:, :-1]
+    np.testing.assert_allclose(logits(g2, q2, tokens), logits(g, q, tokens), rtol=1e-6)
+    float_disk = qckpt.save_float_reference(tmp_path / "f", params)
+    # tiny model: per-channel scales and Orbax metadata weigh (~2.4x); small reaches > 3.5x
+    assert float_disk / qckpt.disk_bytes(tmp_path / "q" / "ckpt") > 2.0
+
+
+def test_checkpoint_for_another_model_is_refused(tmp_path, float_model, batches):
+    graphdef, params = float_model
+    qcfg = QuantConfig(mode="w8")
+    _, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
+    qckpt.save(tmp_path / "q", q, {"quant_config": qcfg.to_json(), "plan": plan,
+                                   "model": dataclasses.asdict(CFG)})
+    other = dataclasses.replace(CFG, d_ff=64)
+    with pytest.raises(QuantError, match="different model"):
+        qckpt.load(tmp_path / "q", other)
+    with pytest.raises(QuantError, match="no quantised checkpoint"):
+        qckpt.load(tmp_path / "missing", CFG)
+
+
+def test_generation_with_a_quantized_model(float_model, batches):
+    graphdef, params = float_model
+    g, q, _, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:1])
+    prompt = jnp.asarray(batches[0][:2, :5])
+    out = jax.jit(generate, static_argnums=(0, 3))(g, q, prompt, 6, jax.random.key(0))
+    assert out.shape == (2, 11) and bool(jnp.all((out >= 0) & (out < 256)))
+    np.testing.assert_array_equal(out[:, :5], prompt)
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_non_finite_weights_are_refused(float_model, batches):
+    graphdef, params = float_model
+    bad = jax.tree.map(np.array, params)
+    bad["blocks"]["mlp"]["up"]["kernel"][0, 0, 0] = np.nan
+    with pytest.raises(QuantError, match="non-finite"):
+        quantize(graphdef, bad, QuantConfig(mode="w8a8"), batches[:1])
+
+
+def test_non_finite_calibration_activations_are_refused(float_model, batches):
+    graphdef, params = float_model
+    bad = jax.tree.map(np.array, params)
+    bad["blocks"]["attn_norm"]["scale"][0, 0] = np.inf  # finite tokens, non-finite activations
+    with pytest.raises(QuantError, match="calibration"):
+        calibrate(graphdef, bad, batches[:1])
+
+
+def test_unsupported_mode_rules_and_dtype_are_refused(float_model):
+    graphdef, params = float_model
+    model = nnx.merge(graphdef, params)
+    with pytest.raises(QuantError, match="mode='w4'"):
+        make_plan(QuantConfig(mode="w4"), model)
+    with pytest.raises(QuantError, match="select no module"):
+        make_plan(QuantConfig(rules=("nothing/*",)), model)
+    plan = make_plan(QuantConfig(rules=("head",)), model)
+    model.head.kernel.set_value(model.head.kernel[...].astype(jnp.int32))
+    with pytest.raises(QuantError, match="dtype int32"):
+        apply_plan(model, plan, QuantConfig())

@@ -1,0 +1,73 @@
+"""The int8 launchers as a user runs them: quantize -> evaluate/sample --quant, and bad input
+(one-line error, exit 2, nothing written)."""
+
+import json
+import os
+
+import pytest
+
+from tests.test_cli import cli, one_line_error
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qcli")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(open(json.__file__).read() * 4)
+    workdir = tmp / "run"
+    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "2",
+               "--data", str(corpus), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return workdir
+
+
+def test_quantize_then_evaluate_and_sample(trained):
+    proc = cli("quantize", "--workdir", str(trained), "--mode", "w8a8-static",
+               "--calib-batches", "2")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = trained / "quant" / "w8a8-static"
+    assert set(os.listdir(out)) == {"ckpt", "report.json"}
+    report = json.loads((out / "report.json").read_text())
+    assert report["calibration"]["batches"] == 2 and len(report["layers"]) == 6 * 2
+    assert summary["param_bytes"] < summary["float_param_bytes"]
+
+    proc = cli("evaluate", "--workdir", str(trained), "--quant", "w8a8-static", "--json",
+               "--strategy", "zero3")
+    assert proc.returncode == 0, proc.stderr
+    ev = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ev["quant_source"] == "checkpoint" and ev["param_bytes"] == summary["param_bytes"]
+    assert {"val_loss", "bits_per_byte", "quantized_fraction"} <= set(ev)
+    assert 0.5 < ev["quantized_fraction"] < 1
+
+    proc = cli("sample", "--workdir", str(trained), "--quant", "w8a8-static",
+               "--max-new-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["text"].startswith("def ")
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--mode", "w4a4"], ["mode='w4a4'", "w8a8"]),
+    (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "positive"]),
+    (["--mode", "smoothquant", "--alpha", "1.5"], ["alpha=1.5", "[0, 1]"]),
+    (["--mode", "w8a8", "--include", "nothing/*"], ["select no module"]),
+])
+def test_bad_input_exits_2_and_writes_nothing(trained, args, fragments):
+    before = set(os.listdir(trained / "quant")) if (trained / "quant").exists() else set()
+    one_line_error(cli("quantize", "--workdir", str(trained), *args), *fragments)
+    after = set(os.listdir(trained / "quant")) if (trained / "quant").exists() else set()
+    assert after == before
+
+
+def test_evaluate_refuses_unknown_mode_and_missing_run(tmp_path):
+    one_line_error(cli("evaluate", "--workdir", str(tmp_path), "--quant", "int4"),
+                   "quant='int4'")
+    one_line_error(cli("quantize", "--workdir", str(tmp_path / "none"), "--mode", "w8"),
+                   "no config.json")
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("module", ["quantize", "quant_table", "bench_int8"])
+def test_help(module):
+    proc = cli(module, "--help")
+    assert proc.returncode == 0 and "--" in proc.stdout
