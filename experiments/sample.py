@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none",
                    help="generate with the int8 model: none (default), w8, w8a8-tensor, w8a8, "
                         "w8a8-static, smoothquant, w8a8-outlier, auto")
+    p.add_argument("--kv-int8", action="store_true",
+                   help="keep the KV cache in int8 (per token and head scales)")
     return p
 
 
@@ -69,9 +71,12 @@ def main(argv: list[str] | None = None) -> str:
                               f"bytes) + new tokens must fit the context of {cfg.model.max_len}")
     except ConfigError as e:
         fail(PROG, str(e))
-    gen = jax.jit(generate, static_argnums=(0, 3, 5, 6))
+    make_cache = None
+    if args.kv_int8:
+        from quant.kv_cache import init_int8_cache as make_cache
+    gen = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7, 8))
     out = gen(run.graphdef, params, prompt, args.max_new_tokens, jax.random.key(args.seed),
-              args.temperature, args.top_k)
+              args.temperature, args.top_k, None, make_cache)
     text = bytes(np.asarray(out[0]).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     print(json.dumps({"text": text}) if args.json else text)
     return text

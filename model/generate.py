@@ -19,11 +19,13 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
 
 
 def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
-             temperature: float = 0.0, top_k: int = 0, cache_dtype=None) -> jax.Array:
+             temperature: float = 0.0, top_k: int = 0, cache_dtype=None,
+             make_cache=None) -> jax.Array:
     """[B, T + max_new_tokens] tokens: the prompt, then what the model wrote.
 
     The prompt is run once (prefill) to fill the cache; each new token then costs one
-    single-position forward pass over the cached keys and values.
+    single-position forward pass over the cached keys and values. `make_cache(cfg, batch,
+    length)` supplies another cache kind (e.g. `quant.kv_cache.init_int8_cache`).
     """
     model = nnx.merge(graphdef, params)
     B, T = prompt_BxT.shape
@@ -31,7 +33,8 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
     if total > model.cfg.max_len:
         raise ValueError(f"max_new_tokens={max_new_tokens}: prompt ({T}) + new tokens must fit "
                          f"the context of {model.cfg.max_len}")
-    cache = model.init_cache(B, total, cache_dtype)
+    cache = (make_cache(model.cfg, B, total) if make_cache is not None
+             else model.init_cache(B, total, cache_dtype))
     logits, cache = model(prompt_BxT, cache=cache, cache_index=0)
     key, sub = jax.random.split(key)
     first = sample_token(logits[:, -1], sub, temperature, top_k)

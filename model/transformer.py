@@ -16,13 +16,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
+from model.kv_cache import KVCache
 from model.layers import Dense, Embed, RMSNorm, dtype_of, rotary
 
 LayerHook = Callable[[nnx.State], nnx.State]
 LayerRunner = Callable[..., jax.Array]
 HOOKED_PARAMS = "hooked_layer_params"  # checkpoint name of a layer's params after the hook
-# A KV cache: {"k": [layers, B, S, N, H], "v": [layers, B, S, N, H]}.
-KVCache = dict[str, jax.Array]
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -53,15 +52,11 @@ class Attention(nnx.Module):
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far.
-            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype),
-                                                        cache_index, axis=1)
-            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
-                                                        cache_index, axis=1)
-            S = k_all.shape[1]
+            new_cache = cache.write(k, v, cache_index)
+            k_all, v_all = new_cache.read(q.dtype)
+            S = new_cache.length
             mask = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]  # B,T,S
-            out = jax.nn.dot_product_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
-                                               mask=mask[:, None, :, :])
-            new_cache = {"k": k_all, "v": v_all}
+            out = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[:, None, :, :])
         return self.o(out.reshape(B, T, cfg.d_model)), new_cache
 
 
@@ -156,4 +151,4 @@ class DecoderLM(nnx.Module):
         cfg = self.cfg
         shape = (cfg.n_layers, batch, length or cfg.max_len, cfg.n_heads, cfg.head_dim)
         dt = dtype or dtype_of(cfg.compute_dtype)
-        return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))

@@ -24,6 +24,7 @@ from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
 from quant.dense import QuantDense, quantized_product
+from quant.kv_cache import cache_bytes, init_int8_cache
 from quant.pipeline import dense_bytes, quantize
 from quant.smoothquant import fold
 from tests.helpers import TINY, synthetic_batches
@@ -307,3 +308,30 @@ def test_unsupported_mode_rules_and_dtype_are_refused(float_model):
     model.head.kernel.set_value(model.head.kernel[...].astype(jnp.int32))
     with pytest.raises(QuantError, match="dtype int32"):
         apply_plan(model, plan, QuantConfig())
+
+
+def test_int8_kv_cache_decodes_like_the_float_cache():
+    cfg = TINY.model
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
+    full = model(tokens)
+    cache = init_int8_cache(cfg, 2, 12)
+    logits, cache = model(tokens[:, :7], cache=cache, cache_index=0)
+    steps = [logits]
+    for i in range(7, 12):
+        step_logits, cache = model(tokens[:, i:i + 1], cache=cache, cache_index=i)
+        steps.append(step_logits)
+    assert cache.k.dtype == jnp.int8 and cache.k_scale.dtype == jnp.float32
+    # int8 keys/values (per token and head) perturb logits by well under the logits' spread.
+    err = float(jnp.max(jnp.abs(jnp.concatenate(steps, axis=1) - full)))
+    assert 0 < err < 0.05 * float(jnp.std(full))
+    head_dim = cfg.head_dim
+    assert cache_bytes(cache) == cache_bytes(model.init_cache(2, 12, jnp.float32)) * \
+        (1 + 4 / head_dim) / 4
+    out = generate(graphdef, params, tokens[:, :4], 8, jax.random.key(0),
+                   make_cache=init_int8_cache)
+    ref = generate(graphdef, params, tokens[:, :4], 8, jax.random.key(0))
+    assert out.shape == ref.shape == (2, 12)
+    assert float(jnp.mean(out == ref)) > 0.9  # greedy decoding barely changes
