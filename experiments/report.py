@@ -87,12 +87,59 @@ def comm_volume(d: dict) -> str:
     return "\n".join(rows)
 
 
+def zero_release(d: dict) -> str:
+    c = d["config"]
+    rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "
+            f"{c['devices'][0]} and {c['devices'][1]} devices, {c['dtype']}, remat {c['remat']}:",
+            "", "| strategy | peak growth per added layer | of which does not shrink with N_d | "
+            "one gathered layer | gathered layers kept | released |", "|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        growth = ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in r["growth_per_layer_bytes"].items())
+        rows.append(f"| {r['strategy']} | {growth} | "
+                    f"{r['unsharded_growth_per_layer_bytes'] / 1e6:.2f} MB | "
+                    f"{r['gathered_layer_bytes'] / 1e6:.2f} MB | "
+                    f"{r['kept_gathered_layers']:.2f} | {r['released']} |")
+    return "\n".join(rows)
+
+
+def quant_eval(d: dict) -> str:
+    rows = [f"`{d['preset']}` checkpoint at step {d['step']} ({d['workdir'].split('/')[-1]}), "
+            f"{d['eval_tokens']:,} validation tokens, {d['calib_batches']} calibration batches:",
+            "", "| mode | val loss | bits/byte | vs float | param bytes | Dense bytes / fp32 | "
+            "on disk vs fp32 |", "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
+        rows.append(f"| {r['mode']} | {r['val_loss']:.5f} | {r['bits_per_byte']:.4f} | "
+                    f"{r['rel_to_float'] * 100:+.3f}% | {r['param_bytes']:,} | {dense} | "
+                    f"{r['disk_ratio_vs_fp32']:.2f}× smaller |")
+    return "\n".join(rows)
+
+
+def int8_bench(d: dict) -> str:
+    rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}:", "",
+            "| m × k × n | fp32 ms | bf16 ms | int8 dot ms | int8 Dense ms (incl. quantize) | "
+            "int8 dot vs fp32 |", "|---|---|---|---|---|---|"]
+    for r in d["matmuls"]:
+        rows.append(f"| {r['m']}×{r['k']}×{r['n']} | {r['float32_ms']:.3f} | "
+                    f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
+                    f"{r['int8_dot_speedup_vs_f32']:.1f}× |")
+    rows += ["", "| decoding mode | tokens/s | × float | param bytes |", "|---|---|---|---|"]
+    for r in d["decoding"]:
+        rows.append(f"| {r['mode']} (batch {r['batch']}, {r['new_tokens']} tokens) | "
+                    f"{r['tokens_per_s']:,.0f} | {r['speedup_vs_float']:.2f} | "
+                    f"{r['param_bytes']:,} |")
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
     "strategy_speed": ("strategy_speed.json", strategy_speed),
     "zero_memory": ("zero_memory.json", zero_memory),
     "comm_volume": ("comm_volume.json", comm_volume),
+    "zero_release": ("zero_release.json", zero_release),
+    "quant_eval": ("quant_eval.json", quant_eval),
+    "int8_bench": ("int8_bench.json", int8_bench),
 }
 
 

@@ -1,0 +1,30 @@
+"""The README's promises: its two commands, and tables regenerated from experiments/results."""
+
+import re
+import subprocess
+from pathlib import Path
+
+from experiments import report
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_starts_with_the_two_commands():
+    blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
+    setup_and_main, setup_and_tests = blocks[0], blocks[1]
+    assert README.index("```bash") < README.index("\n## ")  # before any section
+    assert "pip install" in setup_and_main and "experiments.main_job" in setup_and_main
+    assert "pip install" in setup_and_tests and "pytest" in setup_and_tests
+    # .ci/run extracts and runs exactly this command.
+    awk = re.search(r"test_cmd=\$\(awk '(.*?)' README.md\)", (ROOT / ".ci" / "run").read_text())
+    extracted = subprocess.run(["awk", awk.group(1), "README.md"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    assert extracted == setup_and_tests
+
+
+def test_readme_tables_come_from_the_results_files(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert report.render(README) == README, "run: python -m experiments.report"
+    for name in report.SECTIONS:
+        assert f"<!-- report:{name} -->" in README
