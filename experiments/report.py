@@ -109,9 +109,11 @@ def quant_eval(d: dict) -> str:
             "on disk vs fp32 |", "|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
+        disk = r.get("disk_ratio_vs_fp32")
+        disk = "baseline" if disk is None else f"{disk:.2f}× smaller"
         rows.append(f"| {r['mode']} | {r['val_loss']:.5f} | {r['bits_per_byte']:.4f} | "
                     f"{r['rel_to_float'] * 100:+.3f}% | {r['param_bytes']:,} | {dense} | "
-                    f"{r['disk_ratio_vs_fp32']:.2f}× smaller |")
+                    f"{disk} |")
     return "\n".join(rows)
 
 
@@ -147,8 +149,9 @@ def render(readme: str) -> str:
     for name, (file, fn) in SECTIONS.items():
         data = _load(file)
         body = fn(data) if data else f"_(no {RESULTS / file} yet: run the command above)_"
-        pattern = re.compile(rf"(<!-- report:{name} -->\n).*?(\n<!-- /report:{name} -->)", re.S)
-        readme = pattern.sub(lambda m, b=body: m.group(1) + b + m.group(2), readme)
+        pattern = re.compile(rf"(<!-- report:{name} -->\n)(?:.*?\n)?(<!-- /report:{name} -->)",
+                             re.S)
+        readme = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), readme)
     return readme
 
 
