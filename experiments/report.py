@@ -133,6 +133,24 @@ def int8_bench(d: dict) -> str:
     return "\n".join(rows)
 
 
+def embed_fidelity(d: dict) -> str:
+    rows = [f"{d['n_sentences']} sentences ({d['n_calib']} other sentences for calibration), "
+            f"Python {d['python']}; float parameters {d['float_param_bytes']:,} bytes:", "",
+            "| mode | mean cosine | min cosine | top-1 agreement | top-10 overlap | param bytes |",
+            "|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['mode']} | {r['mean_cosine']:.5f} | {r['min_cosine']:.5f} | "
+                    f"{r['top1_agreement']:.3f} | {r['top10_overlap']:.3f} | "
+                    f"{r['param_bytes']:,} |")
+    speed = ", ".join(f"{k} {v:.0f}" for k, v in d["sentences_per_s"].items())
+    worst = max(d["outliers"], key=lambda o: o["top_over_median"])
+    rows += ["", f"Encoding throughput (sentences/s, this CPU): {speed}. Largest activation "
+             f"outlier: input of `{worst['input_of']}` in layer {worst['layer']}, channels "
+             f"{worst['top_channels']} up to {max(worst['top_absmax']):.1f} "
+             f"({worst['top_over_median']:.0f}× the median channel)."]
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -142,6 +160,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "zero_release": ("zero_release.json", zero_release),
     "quant_eval": ("quant_eval.json", quant_eval),
     "int8_bench": ("int8_bench.json", int8_bench),
+    "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
 }
 
 

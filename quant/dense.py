@@ -76,7 +76,7 @@ class QuantDense(nnx.Module):
         self.has_float = kernel_float is not None
         self.kernel_float = param(kernel_float, kernel_axes) if self.has_float else None
         self.keep_float = param(keep_float, lead) if self.has_float else None
-        self.bias = param(bias, kernel_axes[-1:]) if bias is not None else None
+        self.bias = param(bias, lead + tuple(kernel_axes[-1:])) if bias is not None else None
 
     def _int_path(self, x2: jax.Array) -> jax.Array:
         w_q = self.kernel_q[...]
