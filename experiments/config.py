@@ -40,6 +40,7 @@ class TrainConfig:
     devices: int | None = None  # fake this many CPU devices (default 8 on a CPU-only machine)
     data: str | None = None  # text file or folder; default: the Python standard library sources
     val_percent: int = 5
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop the run, or skip that step
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "micro_steps", "eval_every", "eval_batches",
@@ -59,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"prefetch=True: only for strategy zero3, not {self.strategy!r}")
         if self.devices is not None and self.devices < 1:
             raise ValueError(f"devices={self.devices}: must be a positive integer")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
         if not 0 < self.val_percent < 100:
             raise ValueError(f"val_percent={self.val_percent}: must be in 1..99")
 

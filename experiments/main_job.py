@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     import jax
 
+    from experiments.guards import NonFiniteError
     from experiments.plots import loss_curve
     from experiments.restore import restore_params
     from experiments.trainer import ConfigError, make_eval_fn, param_bytes, train_and_evaluate
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
         trained = train_and_evaluate(cfg, workdir, progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
+    except NonFiniteError as e:
+        fail(PROG, str(e), code=1)
     t_train = time.perf_counter()
     # Reload from the Orbax checkpoint in a fresh layout and evaluate what was *stored*.
     run, params, step = restore_params(workdir, cfg)

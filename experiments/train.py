@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         fail(PROG, str(e))
     runtime.start(cfg.train.devices)
+    from experiments.guards import NonFiniteError
     from experiments.trainer import ConfigError, train_and_evaluate
 
     try:
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
+    except NonFiniteError as e:
+        fail(PROG, str(e), code=1)
     import jax
 
     if jax.process_index() == 0:

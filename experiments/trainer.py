@@ -21,6 +21,7 @@ from tqdm import tqdm
 from experiments import checkpoint as ckpt
 from experiments.config import Config, dumps
 from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
+from experiments.guards import FiniteWatch, Preemption
 from experiments.optim import learning_rate, make_optimizer
 from model import ModelConfig, param_count, train_flops_per_token
 from model.loss import nll_sum
@@ -32,7 +33,7 @@ from parallel.train_step import StepConfig, make_train_step
 
 # Fields a resumed run may change; everything else must match the checkpointed run.
 RESUMABLE_CHANGES = {"steps", "strategy", "prefetch", "mesh", "devices", "eval_every",
-                     "eval_batches", "log_every", "ckpt_every", "keep_ckpts"}
+                     "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
 
 
 class ConfigError(ValueError):
@@ -212,39 +213,53 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                dynamic_ncols=True, desc="train")
     last_t, last_step, val_loss = time.perf_counter(), start, None
     t0 = time.perf_counter()
-    for step in range(start + 1, t.steps + 1):
-        batch = global_batch(run, run.sampler.next_batch)
-        state, metrics = run.step_fn(state, batch)
-        if step % t.log_every == 0 or step == t.steps:
-            loss = float(metrics["loss"])  # waits for the step
-            now = time.perf_counter()
-            tps = tokens_per_step * (step - last_step) / (now - last_t)
-            row = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                   "lr": float(schedule(step - 1)), "tokens_per_s": tps,
-                   "model_tflops_per_s": tps * flops_per_token / 1e12,
-                   "elapsed_s": now - t0}
-            _append_jsonl(metrics_path, row)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-            last_t, last_step = now, step
-        if step % t.eval_every == 0 or step == t.steps:
-            val_loss = evaluate(state["params"])
-            _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
-                                         "val_bits_per_byte": val_loss / np.log(2)})
-            if jax.process_index() == 0:
-                bar.write(f"step {step}: val loss {val_loss:.4f}, "
-                          f"{val_loss / np.log(2):.3f} bits/byte")
-        if step % t.ckpt_every == 0 or step == t.steps:
-            ckpt.save(mngr, step, state, meta(step))
-        bar.update(1)
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
+    watch, step, preempted = FiniteWatch(t.on_nonfinite), start, False
+    try:
+        with Preemption() as preemption:
+            for step in range(start + 1, t.steps + 1):
+                batch = global_batch(run, run.sampler.next_batch)
+                state, metrics = run.step_fn(state, batch)
+                watch.push(step, metrics)
+                if step % t.log_every == 0 or step == t.steps:
+                    loss = float(metrics["loss"])  # waits for the step
+                    now = time.perf_counter()
+                    tps = tokens_per_step * (step - last_step) / (now - last_t)
+                    row = {"step": step, "loss": loss,
+                           "grad_norm": float(metrics["grad_norm"]),
+                           "lr": float(schedule(step - 1)), "tokens_per_s": tps,
+                           "model_tflops_per_s": tps * flops_per_token / 1e12,
+                           "elapsed_s": now - t0, "skipped_steps": watch.skipped}
+                    _append_jsonl(metrics_path, row)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                    last_t, last_step = now, step
+                if step % t.eval_every == 0 or step == t.steps:
+                    watch.flush()
+                    val_loss = evaluate(state["params"])
+                    _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
+                                                 "val_bits_per_byte": val_loss / np.log(2)})
+                    if jax.process_index() == 0:
+                        bar.write(f"step {step}: val loss {val_loss:.4f}, "
+                                  f"{val_loss / np.log(2):.3f} bits/byte")
+                preempted = preemption.requested()
+                if step % t.ckpt_every == 0 or step == t.steps or preempted:
+                    watch.flush()
+                    ckpt.save(mngr, step, state, meta(step))
+                bar.update(1)
+                if preempted:
+                    bar.write(f"SIGTERM: checkpointed step {step}; resume with --resume")
+                    break
+            watch.flush()
+    finally:
+        bar.close()
+        mngr.wait_until_finished()  # a pending save completes even when the run stops on error
+        mngr.close()
     train_s = time.perf_counter() - t0
-    if val_loss is None:  # nothing left to train: report the restored state
+    if val_loss is None or preempted:  # report the state the run ends with
         val_loss = evaluate(state["params"])
-    return {"step": t.steps, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
+    return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
             "train_seconds": train_s, "params": param_count(cfg.model),
-            "devices": run.mesh.size, "strategy": t.strategy}
+            "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
+            "skipped_steps": watch.skipped}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -154,10 +154,17 @@ def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: Model
 
 
 def _finish(state, target, adam, params, mixed, metrics):
+    """The updated state, or the previous one unchanged when the loss or the gradient norm is
+    not finite: a NaN or Inf never enters the parameters or optimizer state (nor, so, a
+    checkpoint). The step counter moves on either way, so the data position stays exact."""
     opt = {"adam": adam}
     if mixed:
         opt["master"] = target
-    return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    keep = lambda new, old: jnp.where(finite, new, old)
+    return {"params": jax.tree.map(keep, params, state["params"]),
+            "opt": jax.tree.map(keep, opt, state["opt"]),
+            "step": state["step"] + 1}, {**metrics, "finite": finite}
 
 
 def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):

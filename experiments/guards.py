@@ -1,0 +1,84 @@
+"""What stops a run early: a non-finite loss or gradient, and a polite SIGTERM (preemption).
+
+The train step itself never lets a NaN/Inf into the state (parallel/train_step.py keeps the old
+state and reports `finite=False`); here the host decides what to do about it, one step behind
+so that reading the flag does not stall the device pipeline.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+import numpy as np
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped on a NaN/Inf; the message names the step. Launchers exit with status 1."""
+
+
+class FiniteWatch:
+    def __init__(self, policy: str):
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={policy!r}: allowed {', '.join(NONFINITE_POLICIES)}")
+        self.policy = policy
+        self.skipped = 0
+        self._pending: tuple[int, dict] | None = None
+
+    def push(self, step: int, metrics: dict) -> None:
+        """Record this step's metrics and check the previous step's (already finished) ones."""
+        previous, self._pending = self._pending, (step, metrics)
+        if previous is not None:
+            self._check(*previous)
+
+    def flush(self) -> None:
+        """Check the latest step now (before a checkpoint, an evaluation or the end)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._check(*pending)
+
+    def _check(self, step: int, metrics: dict) -> None:
+        if bool(metrics["finite"]):
+            return
+        self.skipped += 1
+        if self.policy == "stop":
+            raise NonFiniteError(
+                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
+                f"{float(metrics['grad_norm'])} is not finite; the state was left as after step "
+                f"{step - 1} and nothing non-finite was saved (--on-nonfinite skip skips such "
+                f"steps instead)")
+
+
+class Preemption:
+    """SIGTERM (what cluster schedulers send) asks the run to checkpoint and exit cleanly.
+
+    With several processes, all must stop at the same step to save together, so the request is
+    agreed on with a tiny all-gather each step (only when there is more than one process).
+    """
+
+    def __init__(self):
+        self._requested = False
+        self._previous = None
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._requested = True
+
+    def requested(self) -> bool:
+        if jax.process_count() == 1:
+            return self._requested
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array(self._requested))
+        return bool(np.any(flags))

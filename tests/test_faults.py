@@ -1,0 +1,101 @@
+"""Faults injected into training: non-finite values and preemption lose nothing."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import checkpoint as ckpt
+from experiments import trainer
+from experiments.guards import NonFiniteError
+from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
+from tests.helpers import TINY, max_tree_diff
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(tmp_path, **train):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(open(json.__file__).read() * 4)
+    base = dict(steps=4, ckpt_every=2, eval_every=2, log_every=1, data=str(corpus), devices=8)
+    return dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, **(base | train)))
+
+
+def poisoned(run):
+    """A state whose embedding overflows the forward pass to inf/NaN on every step."""
+    state = init_sharded_state(run)
+    table = state["params"]["embed"]["embedding"]
+    state["params"]["embed"]["embedding"] = table.at[:, 0].set(jnp.inf)  # every token
+    return state
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_a_nonfinite_step_leaves_the_state_untouched(tmp_path, strategy):
+    run = prepare(tiny(tmp_path, strategy=strategy))
+    state = poisoned(run)
+    before = jax.device_get(state)
+    batch = trainer.global_batch(run, run.sampler.next_batch)
+    after, metrics = run.step_fn(state, batch)
+    assert not bool(metrics["finite"])
+    assert int(after["step"]) == 1  # the data position still advances
+    assert max_tree_diff(jax.device_get(after["opt"]), before["opt"]) == 0.0
+    a, b = jax.device_get(after["params"]), before["params"]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_nonfinite_stops_the_run_naming_the_step_and_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "init_sharded_state", poisoned)
+    with pytest.raises(NonFiniteError, match="step 1: loss .* is not finite"):
+        train_and_evaluate(tiny(tmp_path), tmp_path / "run", progress=False)
+    assert ckpt.manager(tmp_path / "run", read_only=True).all_steps() == []
+
+
+def test_nonfinite_steps_can_be_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "init_sharded_state", poisoned)
+    summary = train_and_evaluate(tiny(tmp_path, on_nonfinite="skip"), tmp_path / "run",
+                                 progress=False)
+    assert summary["skipped_steps"] == 4
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 2, 3]  # one step behind
+    mngr = ckpt.manager(tmp_path / "run", read_only=True)
+    assert mngr.all_steps() == [2, 4]
+
+
+def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
+    cfg = tiny(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workdir = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.train", "--workdir", str(workdir), "--preset",
+            "tiny", "--data", cfg.train.data, "--ckpt-every", "100000", "--eval-every", "100000",
+            "--no-progress"]
+    proc = subprocess.Popen([*args, "--steps", "100000"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.2)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert time.time() - sent < 30
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["preempted"] and summary["step"] >= 3
+    stopped = summary["step"]
+    assert ckpt.manager(workdir, read_only=True).all_steps() == [stopped]
+    resumed = subprocess.run([*args, "--steps", str(stopped + 2), "--resume"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(1, stopped + 3))  # nothing trained twice, nothing skipped
