@@ -15,6 +15,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from experiments import integrity
+
 
 def manager(workdir: str | Path, keep: int = 2, read_only: bool = False,
             async_save: bool = True) -> ocp.CheckpointManager:
@@ -65,3 +67,29 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, shardings,
         item = ocp.args.StandardRestore(target)
     out = mngr.restore(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
+
+
+def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_state, shardings,
+                          params_only: bool = False, step: int | None = None):
+    """(state, meta, step) of the newest checkpoint that passes its integrity check and
+    restores; each one skipped is named in a warning. None if there is no checkpoint at all;
+    NoIntactCheckpoint if there are some but none is intact."""
+    steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+    if not steps:
+        return None
+    reasons = []
+    for candidate in steps:
+        reason = integrity.problem(Path(workdir), candidate)
+        if reason is None:
+            try:
+                state, meta = restore(mngr, candidate, abstract_state, shardings, params_only)
+                return state, meta, candidate
+            except Exception as e:  # noqa: BLE001 - any failure to read means "not intact"
+                reason = f"it does not restore ({type(e).__name__}: {str(e)[:120]})"
+        integrity.warn(f"skipping checkpoint {candidate}: {reason}")
+        reasons.append(f"{candidate}: {reason}")
+    raise NoIntactCheckpoint(f"checkpoints: none is intact ({'; '.join(reasons)})")
+
+
+class NoIntactCheckpoint(ValueError):
+    """Checkpoints exist but every one failed its check: nothing safe to resume from."""

@@ -28,13 +28,17 @@ def restore_params(workdir: str | Path, cfg: Config, step: int | None = None,
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_overrides))
     run = prepare(cfg)
     mngr = ckpt.manager(workdir, read_only=True)
-    steps = mngr.all_steps()
-    if not steps:
+    try:
+        steps = mngr.all_steps()
+        if step is not None and step not in steps:
+            raise ConfigError(f"step={step}: no such checkpoint; available: {sorted(steps)}")
+        restored = ckpt.restore_latest_intact(Path(workdir), mngr, run.abstract_state,
+                                              run.shardings, params_only=True, step=step)
+    except ckpt.NoIntactCheckpoint as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        mngr.close()
+    if restored is None:
         raise ConfigError(f"workdir={str(workdir)!r}: holds no checkpoint")
-    if step is None:
-        step = max(steps)
-    elif step not in steps:
-        raise ConfigError(f"step={step}: no such checkpoint; available: {sorted(steps)}")
-    state, _ = ckpt.restore(mngr, step, run.abstract_state, run.shardings, params_only=True)
-    mngr.close()
+    state, _, step = restored
     return run, state["params"], step

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
+from experiments import integrity
 from experiments.config import Config, dumps
 from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
 from experiments.guards import FiniteWatch, Preemption
@@ -187,9 +188,14 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
     metrics_path = workdir / "metrics.jsonl"
 
     start = 0
-    latest = mngr.latest_step() if resume else None
-    if latest is not None:
-        state, meta = ckpt.restore(mngr, latest, run.abstract_state, run.shardings)
+    try:
+        restored = (ckpt.restore_latest_intact(workdir, mngr, run.abstract_state, run.shardings)
+                    if resume else None)
+    except ckpt.NoIntactCheckpoint as e:
+        mngr.close()
+        raise ConfigError(str(e)) from None
+    if restored is not None:
+        state, meta, _ = restored
         run.sampler.position = int(meta["data_position"])
         start = int(meta["step"])
         _truncate_metrics(metrics_path, start)
@@ -243,6 +249,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                 preempted = preemption.requested()
                 if step % t.ckpt_every == 0 or step == t.steps or preempted:
                     watch.flush()
+                    _seal_finished(mngr, workdir)  # the previous save is long done by now
                     ckpt.save(mngr, step, state, meta(step))
                 bar.update(1)
                 if preempted:
@@ -251,7 +258,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
             watch.flush()
     finally:
         bar.close()
-        mngr.wait_until_finished()  # a pending save completes even when the run stops on error
+        _seal_finished(mngr, workdir)  # a pending save completes even when the run stops
         mngr.close()
     train_s = time.perf_counter() - t0
     if val_loss is None or preempted:  # report the state the run ends with
@@ -260,6 +267,13 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
             "train_seconds": train_s, "params": param_count(cfg.model),
             "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
             "skipped_steps": watch.skipped}
+
+
+def _seal_finished(mngr, workdir: Path) -> None:
+    """Wait for Orbax's pending save, then seal every finished step with its hash manifest."""
+    mngr.wait_until_finished()
+    if jax.process_index() == 0:
+        integrity.seal(workdir, mngr.all_steps())
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

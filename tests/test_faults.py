@@ -16,6 +16,7 @@ import pytest
 from experiments import checkpoint as ckpt
 from experiments import trainer
 from experiments.guards import NonFiniteError
+from experiments.restore import restore_params
 from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
 from tests.helpers import TINY, max_tree_diff
 
@@ -99,3 +100,88 @@ def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == list(range(1, stopped + 3))  # nothing trained twice, nothing skipped
+
+
+def _losses(workdir):
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _files(workdir, step):
+    return sorted(p for p in (workdir / "checkpoints" / str(step)).rglob("*") if p.is_file()
+                  and p.stat().st_size > 0)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _unseal(workdir, step):
+    (workdir / "checkpoints.sha256" / f"{step}.json").unlink()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "unsealed"])
+def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, damage):
+    """The newest checkpoint is truncated, altered or was never sealed: resume falls back."""
+    cfg = tiny(tmp_path, steps=6, ckpt_every=3, keep_ckpts=3)
+    train_and_evaluate(cfg, tmp_path / "ref", progress=False)
+    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=5))
+    workdir = tmp_path / "run"
+    train_and_evaluate(short, workdir, progress=False)  # checkpoints 3 and 5
+    if damage == "unsealed":
+        _unseal(workdir, 5)
+    else:
+        biggest = max(_files(workdir, 5), key=lambda p: p.stat().st_size)
+        (_truncate if damage == "truncate" else _flip)(biggest)
+    capfd.readouterr()
+    train_and_evaluate(cfg, workdir, resume=True, progress=False)
+    err = capfd.readouterr().err
+    assert "skipping checkpoint 5" in err
+    # Resumed from step 3: steps 4..6 replayed with the same batches, same losses.
+    assert _losses(workdir) == _losses(tmp_path / "ref")
+    _, a, _ = restore_params(workdir, cfg)
+    _, b, _ = restore_params(tmp_path / "ref", cfg)
+    assert max_tree_diff(a, b) == 0.0
+
+
+def test_no_intact_checkpoint_stops_with_an_error(tmp_path):
+    cfg = tiny(tmp_path, steps=3, ckpt_every=3)
+    workdir = tmp_path / "run"
+    train_and_evaluate(cfg, workdir, progress=False)
+    _flip(max(_files(workdir, 3), key=lambda p: p.stat().st_size))
+    with pytest.raises(trainer.ConfigError, match="none is intact .*3: .* changed"):
+        train_and_evaluate(cfg, workdir, resume=True, progress=False)
+
+
+def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
+    cfg = tiny(tmp_path, steps=12, ckpt_every=2, eval_every=100)
+    train_and_evaluate(cfg, tmp_path / "ref", progress=False)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workdir = tmp_path / "run"
+    args = [sys.executable, "-m", "experiments.train", "--workdir", str(workdir), "--preset",
+            "tiny", "--data", cfg.train.data, "--steps", "12", "--ckpt-every", "2",
+            "--eval-every", "100", "--no-progress"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = workdir / "metrics.jsonl"
+    kill_after = np.random.default_rng().integers(3, 9)  # a random step count
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after):
+        assert time.time() < deadline and proc.poll() is None, "training never got there"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _losses(workdir) == _losses(tmp_path / "ref")
+    _, a, _ = restore_params(workdir, cfg)
+    _, b, _ = restore_params(tmp_path / "ref", cfg)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
