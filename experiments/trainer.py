@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +53,22 @@ class Run:
     batch_sharding: NamedSharding
     sampler: SequenceSampler
     val: list
+
+
+def _check_disk(workdir: Path, abstract_state, keep: int) -> None:
+    """Before training: the work dir can be written, and its disk holds the checkpoints we keep
+    (plus one being written). Orbax writes each step to a temporary folder first, so a disk that
+    fills up later fails that save with an error and leaves the previous checkpoint intact."""
+    existing = workdir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"workdir={str(workdir)!r}: {existing} is not a writable folder")
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
+    need, free = (keep + 1) * state_bytes, shutil.disk_usage(existing).free
+    if free < need:
+        raise ConfigError(f"workdir={str(workdir)!r}: {free / 1e9:.2f} GB free, checkpoints need "
+                          f"about {need / 1e9:.2f} GB ({keep} kept + 1 being written)")
 
 
 def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
@@ -108,13 +125,15 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         raise ConfigError(str(e)) from None
     if workdir is not None:
         _check_workdir(cfg, workdir, resume)
+
+    tx = make_optimizer(t)
+    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, t.seed))
+    if workdir is not None:
+        _check_disk(workdir, abstract_state, t.keep_ckpts)
     if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("shardq: input checked")
-
-    tx = make_optimizer(t)
-    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, t.seed))
     step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
                           micro_steps=t.micro_steps, clip_norm=t.clip_norm, prefetch=t.prefetch)
     step_fn, shardings, batch_sharding = make_train_step(

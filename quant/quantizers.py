@@ -15,8 +15,9 @@ QMAX = 127  # symmetric: -127..127, so negating a quantised value never overflow
 
 def scale_from_absmax(absmax: jax.Array) -> jax.Array:
     """float32 scale with the all-zero guard."""
-    absmax = absmax.astype(jnp.float32)
-    return jnp.where(absmax > 0, absmax / QMAX, jnp.ones_like(absmax))
+    scale = absmax.astype(jnp.float32) / QMAX
+    # A subnormal absmax underflows to a zero scale: such a channel rounds to 0 under scale 1.
+    return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
 def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:

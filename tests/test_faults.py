@@ -185,3 +185,19 @@ def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
     _, b, _ = restore_params(tmp_path / "ref", cfg)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_unwritable_workdir_or_full_disk_is_refused_before_training(tmp_path, monkeypatch):
+    cfg = tiny(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(trainer.ConfigError, match="is not a writable folder"):
+        train_and_evaluate(cfg, blocker / "run", progress=False)
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda _: Usage)
+    with pytest.raises(trainer.ConfigError, match=r"GB free, checkpoints need about"):
+        train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
