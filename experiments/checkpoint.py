@@ -70,10 +70,12 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, shardings,
 
 
 def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_state, shardings,
-                          params_only: bool = False, step: int | None = None):
+                          params_only: bool = False, step: int | None = None,
+                          quarantine: bool = False):
     """(state, meta, step) of the newest checkpoint that passes its integrity check and
-    restores; each one skipped is named in a warning. None if there is no checkpoint at all;
-    NoIntactCheckpoint if there are some but none is intact."""
+    restores; each one skipped is named in a warning (and, with quarantine, moved to
+    WORKDIR/checkpoints.damaged/ so the resumed run can write that step again). None if there
+    is no checkpoint at all; NoIntactCheckpoint if there are some but none is intact."""
     steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
     if not steps:
         return None
@@ -88,6 +90,9 @@ def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_s
                 reason = f"it does not restore ({type(e).__name__}: {str(e)[:120]})"
         integrity.warn(f"skipping checkpoint {candidate}: {reason}")
         reasons.append(f"{candidate}: {reason}")
+        if quarantine:
+            integrity.quarantine(Path(workdir), candidate)
+            mngr.reload()
     raise NoIntactCheckpoint(f"checkpoints: none is intact ({'; '.join(reasons)})")
 
 

@@ -5,7 +5,8 @@ leaves no half step under its final name. What it cannot tell is whether a finis
 truncated or altered afterwards, or whether the process died between the rename and our
 seal. So, once a step is final, every file in it is hashed into WORKDIR/checkpoints.sha256/
 <step>.json; before a restore the hashes are checked, and a step without a manifest or with a
-mismatch is skipped with a warning naming it.
+mismatch is skipped with a warning naming it (a resumed run moves it to
+WORKDIR/checkpoints.damaged/ so that it can write that step again).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 MANIFESTS = "checkpoints.sha256"
@@ -64,6 +66,15 @@ def problem(workdir: Path, step: int) -> str | None:
             return f"{name} changed since it was written"
     extra = sorted(set(found) - set(expected))
     return f"{extra[0]} was added after it was written" if extra else None
+
+
+def quarantine(workdir: Path, step: int) -> Path:
+    """Move a damaged step out of Orbax's sight (kept for inspection, never loaded)."""
+    target = workdir / "checkpoints.damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.parent.mkdir(exist_ok=True)
+    os.replace(_step_dir(workdir, step), target)
+    (workdir / MANIFESTS / f"{step}.json").unlink(missing_ok=True)
+    return target
 
 
 def warn(message: str) -> None:

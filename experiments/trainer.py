@@ -208,7 +208,8 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
 
     start = 0
     try:
-        restored = (ckpt.restore_latest_intact(workdir, mngr, run.abstract_state, run.shardings)
+        restored = (ckpt.restore_latest_intact(workdir, mngr, run.abstract_state, run.shardings,
+                                               quarantine=jax.process_index() == 0)
                     if resume else None)
     except ckpt.NoIntactCheckpoint as e:
         mngr.close()
