@@ -151,6 +151,17 @@ def embed_fidelity(d: dict) -> str:
     return "\n".join(rows)
 
 
+def fault_injection(d: dict) -> str:
+    rows = [f"`{d['preset']}` on {d['devices']} devices, {d['steps']} steps, a checkpoint every "
+            f"{d['ckpt_every']}:", "",
+            "| scenario | injected | recovered | lost steps | recovery (s) |",
+            "|---|---|---|---|---|"]
+    for r in d["results"]:
+        rows.append(f"| {r['scenario']} | {r['injected']} | {r['recovered']} | "
+                    f"{r['lost_steps']} | {r['recovery_s']:.1f} |")
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -161,6 +172,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "quant_eval": ("quant_eval.json", quant_eval),
     "int8_bench": ("int8_bench.json", int8_bench),
     "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
+    "fault_injection": ("fault_injection.json", fault_injection),
 }
 
 

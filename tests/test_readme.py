@@ -28,3 +28,13 @@ def test_readme_tables_come_from_the_results_files(monkeypatch):
     assert report.render(README) == README, "run: python -m experiments.report"
     for name in report.SECTIONS:
         assert f"<!-- report:{name} -->" in README
+
+
+def test_nothing_reads_pickle():
+    """Checkpoints and weights are read only through Orbax, safetensors and JSON."""
+    pattern = re.compile(r"^\s*(import pickle|from pickle|import dill|import cloudpickle)|"
+                         r"allow_pickle\s*=\s*True|torch\.load\(", re.M)
+    offenders = [str(p.relative_to(ROOT)) for folder in ("model", "parallel", "quant",
+                                                          "experiments")
+                 for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
