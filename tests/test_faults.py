@@ -201,3 +201,14 @@ def test_unwritable_workdir_or_full_disk_is_refused_before_training(tmp_path, mo
     with pytest.raises(trainer.ConfigError, match=r"GB free, checkpoints need about"):
         train_and_evaluate(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_same_seed_and_config_give_identical_losses(tmp_path, strategy):
+    cfg = tiny(tmp_path, strategy=strategy)
+    train_and_evaluate(cfg, tmp_path / "a", progress=False)
+    train_and_evaluate(cfg, tmp_path / "b", progress=False)
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))
+    train_and_evaluate(other, tmp_path / "c", progress=False)
+    assert _losses(tmp_path / "c") != _losses(tmp_path / "a")  # the check can fail
