@@ -170,6 +170,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "comm_volume": ("comm_volume.json", comm_volume),
     "zero_release": ("zero_release.json", zero_release),
     "quant_eval": ("quant_eval.json", quant_eval),
+    "quant_disk_medium": ("quant_disk_medium.json", quant_eval),
     "int8_bench": ("int8_bench.json", int8_bench),
     "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
     "fault_injection": ("fault_injection.json", fault_injection),
