@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"quant={args.quant!r}: allowed none, {', '.join(MODES)}")
     runtime.start(args.devices)
     from experiments.restore import load_config, restore_params
-    from experiments.trainer import ConfigError, make_eval_fn, param_bytes
+    from experiments.trainer import ConfigError, make_eval_fn
+    from model.flops import param_bytes
 
     try:
         cfg = load_config(args.workdir)

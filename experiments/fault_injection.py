@@ -38,18 +38,14 @@ def _losses(workdir: Path) -> dict[int, float]:
 def _lost(workdir: Path, ref: Path, cfg) -> int:
     """Steps whose logged loss differs from the reference, or all of them if the final
     parameters differ (bitwise)."""
-    import jax
-    import numpy as np
-
+    from experiments.equivalence import max_tree_diff
     from experiments.restore import restore_params
 
     a, b = _losses(workdir), _losses(ref)
     lost = sum(1 for k in b if a.get(k) != b[k])
     _, pa, _ = restore_params(workdir, cfg)
     _, pb, _ = restore_params(ref, cfg)
-    same = all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True))
-    return lost if same else max(lost, len(b))
+    return lost if max_tree_diff(pa, pb) == 0.0 else max(lost, len(b))
 
 
 def _cli(workdir: Path, data: str, *extra: str) -> list[str]:
@@ -129,9 +125,7 @@ def damaged_checkpoint(root: Path, data: str, ref: Path, cfg, how: str) -> dict:
 
 
 def resharding(ref: Path, cfg) -> dict:
-    import jax
-    import numpy as np
-
+    from experiments.equivalence import max_tree_diff
     from experiments.restore import restore_params
 
     t = time.perf_counter()
@@ -139,9 +133,7 @@ def resharding(ref: Path, cfg) -> dict:
     worst = 0.0
     for strategy, devices in (("zero3", 4), ("zero3", 2), ("dp", 1)):
         _, params, _ = restore_params(ref, cfg, strategy=strategy, devices=devices)
-        worst = max(worst, max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(base),
-                                               strict=True)))
+        worst = max(worst, max_tree_diff(params, base))
     return {"scenario": "resharding", "injected": "zero3@8 checkpoint read as zero3@4, "
             "zero3@2, dp@1", "recovered": worst == 0.0, "recovery_s": time.perf_counter() - t,
             "lost_steps": 0 if worst == 0.0 else STEPS, "max_param_diff": worst}

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.guards import NonFiniteError
     from experiments.plots import loss_curve
     from experiments.restore import restore_params
-    from experiments.trainer import ConfigError, make_eval_fn, param_bytes, train_and_evaluate
+    from experiments.trainer import ConfigError, make_eval_fn, train_and_evaluate
+    from model.flops import param_bytes
 
     try:
         trained = train_and_evaluate(cfg, workdir, progress=not args.no_progress)

@@ -26,6 +26,7 @@ from experiments.data import SequenceSampler, load_corpus, pack, validation_batc
 from experiments.guards import FiniteWatch, Preemption
 from experiments.optim import learning_rate, make_optimizer
 from model import ModelConfig, param_count, train_flops_per_token
+from model.flops import param_bytes
 from model.loss import nll_sum
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
@@ -64,8 +65,7 @@ def _check_disk(workdir: Path, abstract_state, keep: int) -> None:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"workdir={str(workdir)!r}: {existing} is not a writable folder")
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
-    need, free = (keep + 1) * state_bytes, shutil.disk_usage(existing).free
+    need, free = (keep + 1) * param_bytes(abstract_state), shutil.disk_usage(existing).free
     if free < need:
         raise ConfigError(f"workdir={str(workdir)!r}: {free / 1e9:.2f} GB free, checkpoints need "
                           f"about {need / 1e9:.2f} GB ({keep} kept + 1 being written)")
@@ -305,7 +305,5 @@ def _truncate_metrics(path: Path, step: int) -> None:
     _write_atomic(path, "".join(r + "\n" for r in rows))
 
 
-def param_bytes(params) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 

@@ -1,6 +1,8 @@
-"""Exact parameter count and training FLOPs per token of `DecoderLM`, from the config alone."""
+"""Exact parameter count, bytes as stored, and training FLOPs per token of `DecoderLM`."""
 
 from __future__ import annotations
+
+import jax
 
 from model.config import ModelConfig
 
@@ -15,6 +17,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the embedding lookup is a gather)."""
     d, f, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     return L * (4 * d * d + 2 * d * f) + d * V
+
+
+def param_bytes(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) in a pytree, as stored: scales included."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:

@@ -49,7 +49,3 @@ def init_int8_cache(cfg, batch: int, length: int) -> Int8KVCache:
     scales = shape[:-1] + (1,)
     return Int8KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
                        jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
-
-
-def cache_bytes(cache) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))

@@ -9,10 +9,10 @@ Passes over the calibration data (each a few eager batches):
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from flax import nnx
 
+from model.flops import param_bytes
 from quant import auto as auto_precision
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
@@ -53,10 +53,6 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
     qparams = nnx.to_pure_dict(qstate)
     check_finite(qparams, "quantised parameter")
     return qgraphdef, qparams, plan, report
-
-
-def param_bytes(tree) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def dense_bytes(qparams: dict, plan: dict) -> tuple[int, int]:

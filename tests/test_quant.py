@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM
+from model.flops import param_bytes
 from model.generate import generate
 from model.layers import Dense
 from parallel.mesh import make_mesh
@@ -24,7 +25,7 @@ from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
 from quant.dense import QuantDense, quantized_product
-from quant.kv_cache import cache_bytes, init_int8_cache
+from quant.kv_cache import init_int8_cache
 from quant.pipeline import dense_bytes, quantize
 from quant.smoothquant import fold
 from tests.helpers import TINY, synthetic_batches
@@ -328,7 +329,7 @@ def test_int8_kv_cache_decodes_like_the_float_cache():
     err = float(jnp.max(jnp.abs(jnp.concatenate(steps, axis=1) - full)))
     assert 0 < err < 0.05 * float(jnp.std(full))
     head_dim = cfg.head_dim
-    assert cache_bytes(cache) == cache_bytes(model.init_cache(2, 12, jnp.float32)) * \
+    assert param_bytes(cache) == param_bytes(model.init_cache(2, 12, jnp.float32)) * \
         (1 + 4 / head_dim) / 4
     out = generate(graphdef, params, tokens[:, :4], 8, jax.random.key(0),
                    make_cache=init_int8_cache)
