@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="channel", help="weight scales: channel | tensor")
     p.add_argument("--clip-search", action="store_true",
                    help="search the weight clipping ratio that minimises the squared error")
-    p.add_argument("--outlier-threshold", type=float, default=6.0)
+    p.add_argument("--outlier-threshold", type=float, default=6.0,
+                   help="w8a8-outlier: |x| at or above which an input column is multiplied in "
+                        "float")
+    p.add_argument("--outlier-capacity", type=float, default=0.0625,
+                   help="w8a8-outlier: largest share of a layer's input columns that may take "
+                        "the float path (static shapes need a cap)")
     p.add_argument("--error-budget", type=float, default=0.02,
                    help="auto: relative output error above which a layer stays float")
     p.add_argument("--include", default="blocks/*",
@@ -51,6 +56,7 @@ def quant_config(args: argparse.Namespace):
 
     return QuantConfig(mode=args.mode, weights=args.weights, clip_search=args.clip_search,
                        alpha=args.alpha, outlier_threshold=args.outlier_threshold,
+                       outlier_capacity=args.outlier_capacity,
                        error_budget=args.error_budget, calib_batches=args.calib_batches,
                        rules=tuple(r.strip() for r in args.include.split(",") if r.strip()))
 

@@ -29,7 +29,8 @@ def choose_float_layers(plan: dict, rel_err: dict, budget: float) -> dict:
 
 
 def layer_rows(plan: dict, stats: dict) -> list[dict]:
-    """One row per (module, layer): error, outlier share, input range, precision kept."""
+    """One row per (module, layer): error, outlier columns (mean share, most in one batch, and
+    for w8a8-outlier whether they ever exceeded the capacity), input range, precision kept."""
     rows = []
     for path, entry in plan.items():
         if entry["kind"] != "dense":
@@ -40,6 +41,8 @@ def layer_rows(plan: dict, stats: dict) -> list[dict]:
         amax = np.asarray(stats["absmax"][path])
         amax = amax.max(axis=-1, keepdims=amax.ndim == 1).reshape(-1)
         outl = np.atleast_1d(stats["outlier_cols"][path])
+        outl_max = np.atleast_1d(stats["outlier_cols_max"][path])
+        capacity = entry.get("outlier_capacity")
         for i in range(len(amax)):
             rows.append({
                 "module": path, "layer": i if len(amax) > 1 or path.startswith("blocks")
@@ -47,6 +50,11 @@ def layer_rows(plan: dict, stats: dict) -> list[dict]:
                 "rel_err": float(err[i]) if i < len(err) else None,
                 "input_absmax": float(amax[i]),
                 "outlier_col_fraction": float(outl[i]),
+                "outlier_cols_max": int(outl_max[i]),
+                # w8a8-outlier: more columns over the threshold than the float path takes
+                # (the surplus was multiplied in int8 on some calibration batch).
+                **({"outlier_capacity": capacity,
+                    "over_capacity": bool(outl_max[i] > capacity)} if capacity else {}),
                 "act": entry["act"],
                 "precision": "float" if i in entry["float_layers"] else "int8"})
     return rows

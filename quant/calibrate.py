@@ -70,7 +70,7 @@ class Sink:
         x2 = jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32))
         col = np.asarray(jnp.max(x2, axis=0))
         self.absmax[key] = np.maximum(self.absmax.get(key, col), col)
-        n_out = float(np.mean(col >= self.outlier_threshold))
+        n_out = int(np.sum(col >= self.outlier_threshold))  # columns over it in this batch
         self.outlier_cols[key] = self.outlier_cols.get(key, []) + [n_out]
         twin = self._twin(name, self.layer)
         if twin is not None:
@@ -121,7 +121,9 @@ def calibrate(graphdef, params, batches, twins: nnx.Module | None = None,
     """Statistics of every Dense input over the batches ([B, T+1] token rows).
 
     Returns {"absmax": {path: [layers, in] or [in]}, "outlier_cols": {path: [layers] or
-    scalar}, "rel_err": {path: [layers] or scalar} (only with twins)}.
+    scalar} (mean share of input columns with |x| >= threshold in a batch), "outlier_cols_max"
+    (the most such columns in one batch, a count), "rel_err": {path: [layers] or scalar} (only
+    with twins)}.
     """
     model = nnx.merge(graphdef, params)
     paths = [p for p, m in linear_modules(model).items() if isinstance(m, Dense)]
@@ -132,8 +134,11 @@ def calibrate(graphdef, params, batches, twins: nnx.Module | None = None,
     with recording(sink):
         for rows in batches:
             model(jnp.asarray(rows[:, :-1]), layer_runner=runner)
-    stats = {"absmax": _stack(sink.absmax, paths, lambda v: v),
-             "outlier_cols": _stack(sink.outlier_cols, paths, lambda v: float(np.mean(v)))}
+    absmax = _stack(sink.absmax, paths, lambda v: v)
+    mean_cols = _stack(sink.outlier_cols, paths, lambda v: float(np.mean(v)))
+    stats = {"absmax": absmax,
+             "outlier_cols": {p: v / absmax[p].shape[-1] for p, v in mean_cols.items()},
+             "outlier_cols_max": _stack(sink.outlier_cols, paths, lambda v: int(np.max(v)))}
     if twins is not None:
         rel = {k: float(np.sqrt(sink.sq_err[k] / max(sink.sq_ref[k], 1e-30))) for k in sink.sq_err}
         stats["rel_err"] = _stack(rel, paths, lambda v: v)

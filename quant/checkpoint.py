@@ -8,8 +8,8 @@
                    QuantEmbed: embedding_q int8 [vocab, embed], row_scale float32 [vocab];
                    everything else (norm scales, unquantised Dense) as in the float model.
     ckpt/meta/     Orbax JSON: format, quantisation config, plan (per module: activation mode,
-                   outlier threshold, float layers), model config, source step, calibration
-                   data (sampler seed, start position, batches x batch size).
+                   outlier threshold and capacity, float layers), model config, source step,
+                   calibration data (sampler seed, start position, batches x batch size).
     report.json    per-layer error report (also written by experiments.quantize).
 
 The quantised model's structure is rebuilt from the model config and the plan; the reader's

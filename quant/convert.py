@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,8 @@ class QuantConfig:
     clip_search: bool = False
     alpha: float = 0.5  # SmoothQuant migration strength
     outlier_threshold: float = 6.0
+    # Share of a layer's input columns that may take the float path (static shapes need a cap).
+    outlier_capacity: float = 0.0625
     error_budget: float = 0.02  # auto: relative RMS output error above which a layer stays float
     rules: tuple[str, ...] = DEFAULT_RULES
     calib_batches: int = 8
@@ -63,6 +66,8 @@ class QuantConfig:
             raise QuantError(f"alpha={self.alpha}: must be in [0, 1]")
         if not self.outlier_threshold > 0:
             raise QuantError(f"outlier_threshold={self.outlier_threshold}: must be positive")
+        if not 0.0 < self.outlier_capacity <= 1.0:
+            raise QuantError(f"outlier_capacity={self.outlier_capacity}: must be in (0, 1]")
         if not self.error_budget > 0:
             raise QuantError(f"error_budget={self.error_budget}: must be positive")
         if self.calib_batches < 1:
@@ -118,7 +123,8 @@ def set_module(model: nnx.Module, path: str, new: nnx.Module) -> None:
 
 
 def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
-    """{path: {"kind", "act", "outlier_threshold", "float_layers"}} for the selected modules."""
+    """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers"}} for the
+    selected modules (capacity: how many input columns may take the float path)."""
     qcfg.validate()
     candidates = linear_modules(model)
     selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
@@ -130,8 +136,11 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
         if isinstance(candidates[path], Embed):
             plan[path] = {"kind": "embed"}
             continue
+        in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
-                      "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None}
+                      "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None,
+                      "outlier_capacity": (max(1, math.ceil(qcfg.outlier_capacity * in_features))
+                                           if qcfg.outliers else None)}
     return plan
 
 
@@ -173,7 +182,8 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
     bias = dense.bias[...] if dense.bias is not None else None
     return QuantDense(qz.quantize(w, scale), scale, kernel_axes=axes,
                       compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
-                      outlier_threshold=entry["outlier_threshold"], kernel_float=kernel_float,
+                      outlier_threshold=entry["outlier_threshold"],
+                      outlier_capacity=entry.get("outlier_capacity"), kernel_float=kernel_float,
                       keep_float=keep_float, bias=bias)
 
 

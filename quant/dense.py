@@ -11,8 +11,12 @@ How activations are quantised is static (it lives in the graph definition, not t
   act="tensor"  dynamic per-tensor scale
   act="static"  one calibrated per-tensor scale per layer (`act_scale`)
 `outlier_threshold` adds the LLM.int8() split: input columns with any |x| >= threshold are
-multiplied in float, the rest in int8. `has_float` adds a per-layer switch to a float kernel
-(the automatic precision choice keeps over-budget layers there).
+multiplied in float, the rest in int8. Shapes must be static, so at most `outlier_capacity`
+columns (the largest by |x|) take the float path: they are gathered, with their kernel rows,
+into a [tokens, capacity] x [capacity, out] float product (capacity/in of a float layer's work).
+Should more columns exceed the threshold, the rest stay in int8 (the per-token scale then
+covers them: correct, as accurate as plain w8a8). `has_float` adds a per-layer switch to a
+float kernel (the automatic precision choice keeps over-budget layers there).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str
 class QuantDense(nnx.Module):
     def __init__(self, kernel_q: jax.Array, kernel_scale: jax.Array, *, kernel_axes: Axes,
                  compute_dtype: str, act: str = "token", act_scale: jax.Array | None = None,
-                 outlier_threshold: float | None = None, kernel_float: jax.Array | None = None,
+                 outlier_threshold: float | None = None, outlier_capacity: int | None = None,
+                 kernel_float: jax.Array | None = None,
                  keep_float: jax.Array | None = None, bias: jax.Array | None = None):
         if act not in ACT_MODES:
             raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
@@ -67,6 +72,8 @@ class QuantDense(nnx.Module):
         self.compute_dtype = compute_dtype
         self.act = act
         self.outlier_threshold = outlier_threshold
+        # None means every column may be an outlier (exact LLM.int8(), a full float product).
+        self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
         self.kernel_q = param(kernel_q, kernel_axes)
         # [..., 1, out] squeezed to [..., out]; a per-tensor scale is stored as [..., 1].
         self.kernel_scale = param(kernel_scale.reshape(kernel_scale.shape[:-2] + (-1,)),
@@ -84,16 +91,18 @@ class QuantDense(nnx.Module):
         act_scale = self.act_scale[...] if self.act_scale is not None else None
         if self.outlier_threshold is None:
             return quantized_product(x2, w_q, w_scale, self.act, act_scale)
-        # LLM.int8(): a column is an outlier if any token has |x| >= threshold in it.
-        col_max = jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=0, keepdims=True)  # [1, in]
-        outlier = col_max >= self.outlier_threshold
-        zero = jnp.zeros_like(x2)
-        regular = quantized_product(jnp.where(outlier, zero, x2), w_q, w_scale, self.act,
-                                    act_scale)
-        # The outlier columns meet dequantised weights in float. A fused kernel would gather
-        # just those columns; here a masked float matmul keeps shapes static.
-        w_deq = w_q.astype(jnp.float32) * w_scale
-        return regular + jnp.dot(jnp.where(outlier, x2, zero).astype(jnp.float32), w_deq)
+        # LLM.int8(): a column is an outlier if any token has |x| >= threshold in it; the
+        # `outlier_capacity` largest columns are candidates.
+        col_max = jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=0)  # [in]
+        top, cols = jax.lax.top_k(col_max, self.outlier_capacity)  # [capacity]
+        hit = top >= self.outlier_threshold
+        is_outlier = jnp.zeros(col_max.shape, bool).at[cols].set(hit)  # [in]
+        regular = quantized_product(jnp.where(is_outlier, jnp.zeros_like(x2), x2), w_q, w_scale,
+                                    self.act, act_scale)
+        # Only the gathered columns meet their (dequantised) kernel rows in float.
+        x_out = jnp.where(hit, jnp.take(x2, cols, axis=1).astype(jnp.float32), 0.0)
+        w_rows = jnp.take(w_q, cols, axis=0).astype(jnp.float32) * w_scale  # [capacity, out]
+        return regular + jnp.dot(x_out, w_rows)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = dtype_of(self.compute_dtype)

@@ -153,6 +153,17 @@ def int8_dots(hlo: str) -> list[str]:
     return found
 
 
+def float_dot_widths(hlo: str) -> list[int]:
+    """Contracted length of every f32 dot in a compiled HLO text."""
+    shapes = {n: [int(d) for d in dims.split(",") if d]
+              for n, dims in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
+    widths = []
+    for lhs, dim in re.findall(r"= f32\[[^\]]*\]\S* dot\((%[\w.\-]+), %[\w.\-]+\), "
+                               r"lhs_contracting_dims=\{(\d+)\}", hlo):
+        widths.append(shapes[lhs][int(dim)])
+    return widths
+
+
 def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
     _, qd = dense_pair("token")
     graphdef, state = nnx.split(qd)
@@ -180,6 +191,52 @@ def test_outlier_columns_go_through_float():
     x = jax.random.normal(jax.random.key(4), (32, 64)).at[:, 7].multiply(200.0)
     err = lambda y: float(jnp.linalg.norm(y - dense(x)) / jnp.linalg.norm(dense(x)))
     assert err(split(x)) < 0.5 * err(plain(x))
+
+
+def masked_llm_int8(x, w_q, w_scale, threshold):
+    """Reference LLM.int8() with no capacity limit: every column over the threshold in float."""
+    outlier = jnp.max(jnp.abs(x), axis=0, keepdims=True) >= threshold
+    regular = quantized_product(jnp.where(outlier, 0.0, x), w_q, w_scale, "token")
+    return regular + jnp.where(outlier, x, 0.0) @ (w_q.astype(jnp.float32) * w_scale)
+
+
+@pytest.mark.parametrize("n_outliers", [0, 1, 4])
+def test_gathered_outlier_columns_match_the_masked_reference(n_outliers):
+    """Capacity 4 of 64 columns: the gathered float product equals the full masked one."""
+    _, split = dense_pair("token", outlier_threshold=6.0, outlier_capacity=4)
+    x = jax.random.normal(jax.random.key(5), (32, 64))
+    for c in (3, 17, 40, 63)[:n_outliers]:
+        x = x.at[:, c].multiply(100.0)
+    ref = masked_llm_int8(x, split.kernel_q[...], split.kernel_scale[...].reshape(1, -1), 6.0)
+    np.testing.assert_allclose(split(x), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_outliers_beyond_capacity_stay_int8():
+    """Capacity 1, two outlier columns: the larger (7) in float, the other (9) through int8."""
+    dense, _ = dense_pair("none")
+    _, one = dense_pair("token", outlier_threshold=6.0, outlier_capacity=1)
+    _, plain = dense_pair("token")
+    x = jax.random.normal(jax.random.key(6), (32, 64)).at[:, 7].multiply(300.0)
+    x = x.at[:, 9].multiply(100.0)
+    w_q, w_scale = one.kernel_q[...], one.kernel_scale[...].reshape(1, -1)
+    ref = quantized_product(x.at[:, 7].set(0.0), w_q, w_scale, "token") \
+        + x[:, 7:8] @ (w_q[7:8].astype(jnp.float32) * w_scale)
+    y = one(x)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-3)
+    err = lambda v: float(jnp.linalg.norm(v - dense(x)) / jnp.linalg.norm(dense(x)))
+    assert err(y) < err(plain(x))
+
+
+def test_float_side_of_the_outlier_split_is_capacity_wide(float_model):
+    """The plan sizes the float product (1/16 of the inputs by default) and the compiled layer
+    multiplies only that many columns in float, beside the full-width int8 dot."""
+    graphdef, params = float_model
+    plan = make_plan(QuantConfig(mode="w8a8-outlier"), nnx.merge(graphdef, params))
+    assert plan["blocks/mlp/down"]["outlier_capacity"] == -(-CFG.d_ff // 16)
+    _, split = dense_pair("token", outlier_threshold=6.0, outlier_capacity=4)
+    g, state = nnx.split(split)
+    hlo = jax.jit(lambda st, x: nnx.merge(g, st)(x)).lower(state, jnp.ones((8, 64))).compile()
+    assert float_dot_widths(hlo.as_text()) == [4] and int8_dots(hlo.as_text())
 
 
 # --- SmoothQuant, calibration, automatic precision --------------------------------------------
@@ -233,6 +290,20 @@ def test_auto_keeps_over_budget_layers_in_float(float_model, batches):
     assert bool(jnp.all(jnp.isfinite(logits(g, q, tokens))))
 
 
+def test_report_flags_layers_whose_outliers_exceed_the_capacity(float_model, batches):
+    """A threshold every input column reaches and a capacity of one column: every layer is over
+    capacity; a threshold none reaches: no layer is, and no outlier column is counted."""
+    graphdef, params = float_model
+    for threshold, over in ((1e-6, True), (1e9, False)):
+        qcfg = QuantConfig(mode="w8a8-outlier", outlier_threshold=threshold,
+                           outlier_capacity=1e-3)
+        _, _, plan, report = quantize(graphdef, params, qcfg, batches[:1])
+        assert all(e["outlier_capacity"] == 1 for e in plan.values())
+        rows = report["layers"]
+        assert rows and all(r["over_capacity"] is over for r in rows)
+        assert all((r["outlier_cols_max"] > 1) is over for r in rows)
+
+
 # --- checkpoint, sharding, generation ---------------------------------------------------------
 
 def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
@@ -251,8 +322,15 @@ def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
     kernel = q2["blocks"]["attn"]["q"]["kernel_q"]
     assert kernel.dtype == jnp.int8 and kernel.sharding.spec == P(None, "fsdp", None)
     assert q2["blocks"]["mlp"]["down"]["kernel_q"].sharding.spec == P(None, None, "fsdp")
+    # The int8 values are identical; the sharded program sums floats (norms, attention) in
+    # another order, which may flip one activation's int8 rounding and move that token's row by
+    # a quantisation step (seen on one host). So: nearly every token row identical, and the whole
+    # far closer to the single-device int8 model than int8 is to float.
     tokens = batches[-1][:, :-1]
-    np.testing.assert_allclose(logits(g2, q2, tokens), logits(g, q, tokens), rtol=1e-6)
+    sharded, single = (np.asarray(logits(*m, tokens)) for m in ((g2, q2), (g, q)))
+    assert np.mean(np.all(np.isclose(sharded, single, rtol=1e-5, atol=1e-5), -1)) >= 0.95
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert rel(sharded, single) < 0.2 * rel(single, np.asarray(logits(graphdef, params, tokens)))
     float_disk = qckpt.save_float_reference(tmp_path / "f", params)
     # tiny model: per-channel scales and Orbax metadata weigh (~2.4x); small reaches > 3.5x
     assert float_disk / qckpt.disk_bytes(tmp_path / "q" / "ckpt") > 2.0
