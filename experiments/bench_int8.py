@@ -2,15 +2,20 @@
 
   python -m experiments.bench_int8 --json
   python -m experiments.bench_int8 --preset medium --json     # bigger model, for a GPU
+                                    # (on a GPU/TPU the 4096^3 and 8192^3 matmuls are added)
 
-Matmuls: float32 and bfloat16 dots, the bare int8 x int8 -> int32 dot, and the whole int8 Dense
-product (per-token activation quantisation + int32 dot + dequantisation). Decoding: greedy
+Matmuls: float32 and bfloat16 dots, the bare int8 x int8 -> int32 dot, the whole int8 Dense
+product (per-token activation quantisation + int32 dot + dequantisation), and the LLM.int8()
+Dense (the same plus a float product over the 1/16 of input columns allowed to be outliers,
+with 8 of them hot). Ratios are against float32 and against bfloat16 (an H200 has about twice
+the int8 rate of bf16: the bf16 ratio on large shapes says how close we get). Decoding: greedy
 generation with a KV cache, float vs w8 (weight-only) vs w8a8 on a randomly initialised model
 (speed does not depend on the weights' values; w8/w8a8 need no calibration). Runs unchanged on
 CPU or GPU and reports the backend and device kind. Writes experiments/results/int8_bench.json.
 
-Expect little or no int8 speed-up on a CPU without int8 dot instructions (DESIGN.md); on a GPU
-the int8 dot wins on large shapes, and batch-1 decoding gains mainly from moving fewer bytes.
+A CPU gains from int8 only where it has int8 dot instructions (AVX512-VNNI, AMX: the JSON
+records the CPU flags it found); on a GPU the int8 dot wins on large shapes, and batch-1
+decoding gains mainly from moving fewer bytes.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "medium")
     p.add_argument("--batch", type=int, default=1, help="decoding batch (sequences)")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--big", action="store_true", help="add 4096^3 and 8192^3 matmuls (GPU)")
+    p.add_argument("--repeats", type=int, default=20, help="best of this many timed calls")
+    p.add_argument("--big", action="store_true",
+                   help="add 4096^3 and 8192^3 matmuls (always on with an accelerator)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
@@ -54,12 +60,22 @@ def timed(fn, *args, repeats: int) -> float:
     return best
 
 
+def module_fn(module):
+    """A jitted call of an NNX module that takes its state as an argument (not baked in)."""
+    import jax
+    from flax import nnx
+
+    graphdef = nnx.graphdef(module)
+    return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+
 def bench_matmuls(shapes, repeats: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from quant import quantizers as qz
-    from quant.dense import int8_matmul, quantized_product
+    from quant.dense import QuantDense, int8_matmul, quantized_product
 
     rows = []
     for m, k, n in shapes:
@@ -68,20 +84,29 @@ def bench_matmuls(shapes, repeats: int) -> list[dict]:
         w = jax.random.normal(kw, (k, n), jnp.float32)
         s_w = qz.weight_scale(w)
         w_q, x_q = qz.quantize(w, s_w), qz.quantize(x, qz.token_scale(x))
+        x_hot = x.at[:, : 8 * k // 1024].multiply(20.0)  # columns over the threshold of 6
+        outlier = QuantDense(w_q, s_w, kernel_axes=(None, None), compute_dtype="float32",
+                             outlier_threshold=6.0, outlier_capacity=k // 16)
+        # Every column allowed through float (capacity = k): the unbounded LLM.int8() split.
+        outlier_full = QuantDense(w_q, s_w, kernel_axes=(None, None), compute_dtype="float32",
+                                  outlier_threshold=6.0, outlier_capacity=k)
         cases = {
             "float32": (jax.jit(jnp.dot), x, w),
             "bfloat16": (jax.jit(jnp.dot), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)),
             "int8_dot": (jax.jit(int8_matmul), x_q, w_q),
             "int8_dense": (jax.jit(lambda a, b, s: quantized_product(a, b, s, "token")),
                            x, w_q, s_w),
+            "int8_outlier_dense": (module_fn(outlier), nnx.state(outlier), x_hot),
+            "int8_outlier_full_dense": (module_fn(outlier_full), nnx.state(outlier_full), x_hot),
         }
         row = {"m": m, "k": k, "n": n}
         for name, (fn, *args) in cases.items():
             sec = timed(fn, *args, repeats=repeats)
             row[f"{name}_ms"] = sec * 1e3
             row[f"{name}_tops"] = 2 * m * k * n / sec / 1e12
-        row["int8_dot_speedup_vs_f32"] = row["float32_ms"] / row["int8_dot_ms"]
-        row["int8_dense_speedup_vs_f32"] = row["float32_ms"] / row["int8_dense_ms"]
+        for name in ("int8_dot", "int8_dense", "int8_outlier_dense", "int8_outlier_full_dense"):
+            row[f"{name}_speedup_vs_f32"] = row["float32_ms"] / row[f"{name}_ms"]
+            row[f"{name}_speedup_vs_bf16"] = row["bfloat16_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -122,6 +147,18 @@ def bench_decoding(preset: str, batch: int, new_tokens: int, repeats: int) -> li
     return rows
 
 
+def host_cpu() -> dict:
+    """The host CPU's model name and the int8 dot instruction sets it advertises (Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {"model": None, "int8_flags": []}
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines
+                              if ln.startswith(key)), "")
+    flags = set(field("flags").split()) & {"avx512_vnni", "avx_vnni", "amx_int8", "avx512_bw"}
+    return {"model": field("model name") or None, "int8_flags": sorted(flags)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.preset not in ("tiny", "small", "medium"):
@@ -131,18 +168,22 @@ def main(argv: list[str] | None = None) -> dict:
             fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
     import jax
 
-    shapes = SHAPES + (((4096, 4096, 4096), (8192, 8192, 8192)) if args.big else ())
+    # The large shapes are where an accelerator's int8 rate shows; too slow for a 2-core CPU.
+    big = args.big or jax.default_backend() != "cpu"
+    shapes = SHAPES + (((4096, 4096, 4096), (8192, 8192, 8192)) if big else ())
     dev = jax.devices()[0]
     out = {"backend": jax.default_backend(), "device_kind": dev.device_kind,
-           "jax_version": jax.__version__,
+           "jax_version": jax.__version__, "host_cpu": host_cpu(),
            "matmuls": bench_matmuls(shapes, args.repeats),
            "decoding": bench_decoding(args.preset, args.batch, args.new_tokens, args.repeats)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     summary = {"backend": out["backend"], "device_kind": out["device_kind"],
-               "int8_dot_speedup": {f"{r['m']}x{r['k']}x{r['n']}":
-                                    round(r["int8_dot_speedup_vs_f32"], 2)
-                                    for r in out["matmuls"]},
+               **{f"{name}_speedup_vs_{ref}": {f"{r['m']}x{r['k']}x{r['n']}":
+                                                round(r[f"{name}_speedup_vs_{ref}"], 2)
+                                                for r in out["matmuls"]}
+                  for name, ref in (("int8_dot", "bf16"), ("int8_dense", "f32"),
+                                    ("int8_outlier_dense", "f32"))},
                "decode_tokens_per_s": {r["mode"]: round(r["tokens_per_s"], 1)
                                        for r in out["decoding"]},
                "written": args.out}

@@ -118,13 +118,18 @@ def quant_eval(d: dict) -> str:
 
 
 def int8_bench(d: dict) -> str:
-    rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}:", "",
-            "| m × k × n | fp32 ms | bf16 ms | int8 dot ms | int8 Dense ms (incl. quantize) | "
-            "int8 dot vs fp32 |", "|---|---|---|---|---|---|"]
+    cpu = d["host_cpu"]
+    host = f"host CPU {cpu['model']} (int8 flags: {', '.join(cpu['int8_flags']) or 'none'})"
+    rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}, {host}:", "",
+            "| m × k × n | fp32 ms | bf16 ms | int8 dot ms | int8 Dense ms | LLM.int8() Dense ms "
+            "(1/16 cap / uncapped) | int8 dot vs bf16 | int8 Dense vs fp32 |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in d["matmuls"]:
         rows.append(f"| {r['m']}×{r['k']}×{r['n']} | {r['float32_ms']:.3f} | "
                     f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
-                    f"{r['int8_dot_speedup_vs_f32']:.1f}× |")
+                    f"{r['int8_outlier_dense_ms']:.3f} / {r['int8_outlier_full_dense_ms']:.3f} | "
+                    f"{r['int8_dot_speedup_vs_bf16']:.2f}× | "
+                    f"{r['int8_dense_speedup_vs_f32']:.2f}× |")
     rows += ["", "| decoding mode | tokens/s | × float | param bytes |", "|---|---|---|---|"]
     for r in d["decoding"]:
         rows.append(f"| {r['mode']} (batch {r['batch']}, {r['new_tokens']} tokens) | "
