@@ -40,13 +40,20 @@ def test_resume_continues_exactly(tmp_path):
     assert max_tree_diff(a, b) == 0.0
 
 
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """A 3-step zero3 run on 8 devices and its parameters restored as written."""
+    tmp = tmp_path_factory.mktemp("zero3_run")
+    cfg = tiny(tmp, steps=3, strategy="zero3")
+    train_and_evaluate(cfg, tmp / "run", progress=False)
+    return cfg, tmp / "run", restore_params(tmp / "run", cfg)[1]
+
+
 @pytest.mark.parametrize("strategy,devices", [("zero3", 4), ("zero1", 2), ("dp", 1),
                                               ("zero3_auto", 8)])
-def test_checkpoint_restores_on_other_meshes(tmp_path, strategy, devices):
-    cfg = tiny(tmp_path, steps=3, strategy="zero3")
-    train_and_evaluate(cfg, tmp_path / "run", progress=False)
-    _, ref, _ = restore_params(tmp_path / "run", cfg)
-    run, params, step = restore_params(tmp_path / "run", cfg, strategy=strategy, devices=devices)
+def test_checkpoint_restores_on_other_meshes(zero3_run, strategy, devices):
+    cfg, workdir, ref = zero3_run
+    run, params, step = restore_params(workdir, cfg, strategy=strategy, devices=devices)
     assert step == 3
     assert max_tree_diff(params, ref) == 0.0
     leaf = params["blocks"]["mlp"]["up"]["kernel"]

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,14 +127,22 @@ def _unseal(workdir, step):
     (workdir / "checkpoints.sha256" / f"{step}.json").unlink()
 
 
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A finished 6-step run with checkpoints 3 and 6: the reference, and the run to damage."""
+    tmp = tmp_path_factory.mktemp("six_steps")
+    cfg = tiny(tmp, steps=6, ckpt_every=3, keep_ckpts=3)
+    train_and_evaluate(cfg, tmp / "ref", progress=False)
+    return cfg, tmp / "ref"
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "unsealed"])
-def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, damage):
+def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, six_steps, damage):
     """The newest checkpoint is truncated, altered or was never sealed: resume falls back to
     the one before and trains the rest again with the same batches."""
-    cfg = tiny(tmp_path, steps=6, ckpt_every=3, keep_ckpts=3)
-    train_and_evaluate(cfg, tmp_path / "ref", progress=False)
+    cfg, ref = six_steps
     workdir = tmp_path / "run"
-    train_and_evaluate(cfg, workdir, progress=False)  # checkpoints 3 and 6
+    shutil.copytree(ref, workdir)  # training is deterministic: the same run, step for step
     if damage == "unsealed":
         _unseal(workdir, 6)
     else:
@@ -144,9 +153,9 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, damage)
     err = capfd.readouterr().err
     assert "skipping checkpoint 6" in err
     # Resumed from step 3: steps 4..6 replayed with the same batches, same losses.
-    assert _losses(workdir) == _losses(tmp_path / "ref")
+    assert _losses(workdir) == _losses(ref)
     _, a, _ = restore_params(workdir, cfg)
-    _, b, _ = restore_params(tmp_path / "ref", cfg)
+    _, b, _ = restore_params(ref, cfg)
     assert max_tree_diff(a, b) == 0.0
 
 
@@ -203,9 +212,10 @@ def test_unwritable_workdir_or_full_disk_is_refused_before_training(tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
-def test_same_seed_and_config_give_identical_losses(tmp_path, strategy):
-    cfg = tiny(tmp_path, strategy=strategy)
+def test_same_seed_and_config_give_identical_losses(tmp_path):
+    # zero3 (collectives in the layer loop); dp runs are compared bit for bit by the resume
+    # tests above.
+    cfg = tiny(tmp_path, strategy="zero3")
     train_and_evaluate(cfg, tmp_path / "a", progress=False)
     train_and_evaluate(cfg, tmp_path / "b", progress=False)
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")

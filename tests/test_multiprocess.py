@@ -24,7 +24,7 @@ def corpus(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["zero3", "dp"])
+@pytest.mark.parametrize("strategy", ["zero3"])  # its gathers, reduce-scatters and psums
 def test_two_processes_train_like_one(tmp_path, strategy):
     data = corpus(tmp_path)
     common = ["--preset", "tiny", "--steps", "4", "--strategy", strategy, "--data", data,

@@ -41,7 +41,7 @@ def test_sharded_training_matches_single_device(reference, strategy, devices, me
     assert max_tree_diff(params, ref_params) <= 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero3"])  # bf16 gathers, f32 master shards
 def test_mixed_precision_tracks_fp32(reference, strategy):
     """bf16 working params/compute with fp32 master weights stays close to the fp32 run."""
     ref_losses, _ = reference
