@@ -14,7 +14,7 @@ import numpy as np
 def over_budget(rel_err, budget: float) -> list[int]:
     """Layer indices (or [0] for an unstacked Dense) whose error exceeds the budget."""
     err = np.atleast_1d(np.asarray(rel_err, np.float64))
-    return [int(i) for i in np.nonzero(err > budget)[0]]
+    return [int(i) for i in np.nonzero(~(err <= budget))[0]]  # a NaN error is over budget
 
 
 def choose_float_layers(plan: dict, rel_err: dict, budget: float) -> dict:

@@ -33,7 +33,10 @@ from parallel.rules import spec_for
 from parallel.state import logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
-FORMAT = "shardq-int8/1"
+# /2 added the outlier capacity to the plan and made kept layers' kernels bf16. A /1 plan has no
+# capacity, so its outlier split runs uncapped, as it was written.
+FORMAT = "shardq-int8/2"
+READABLE = ("shardq-int8/1", FORMAT)
 
 
 def quant_dir(workdir: str | Path, mode: str) -> Path:
@@ -57,8 +60,9 @@ def read_meta(path: str | Path) -> dict:
         raise QuantError(f"{str(path)!r}: holds no quantised checkpoint; run experiments.quantize")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         meta = ckptr.restore(ckpt, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta.get("format") != FORMAT:
-        raise QuantError(f"{str(path)!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format") not in READABLE:
+        raise QuantError(f"{str(path)!r}: format {meta.get('format')!r}, readable: "
+                         f"{', '.join(READABLE)}")
     return meta
 
 

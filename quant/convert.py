@@ -98,7 +98,11 @@ class QuantConfig:
 
     @staticmethod
     def from_json(d: dict) -> QuantConfig:
-        return QuantConfig(**{**d, "rules": tuple(d["rules"])})
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(QuantConfig)})
+        if unknown:
+            raise QuantError(f"quant_config: unknown field(s) {', '.join(unknown)}; written by a "
+                             f"newer version of shardq?")
+        return QuantConfig(**{**d, "rules": tuple(d.get("rules", DEFAULT_RULES))})
 
 
 def module_path(path: tuple) -> str:
@@ -178,7 +182,10 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
     if entry["float_layers"]:
         keep = np.zeros(lead, np.int8)
         keep.reshape(-1)[np.asarray(entry["float_layers"], np.int64)] = 1
-        kernel_float, keep_float = w, jnp.asarray(keep)
+        # Kept layers run on a bf16 copy of the kernel. The layer scan slices every stacked
+        # parameter, so the copy has all layers (a module with any kept layer pays 2 more bytes
+        # per parameter; `param_bytes` counts them).
+        kernel_float, keep_float = w.astype(jnp.bfloat16), jnp.asarray(keep)
     bias = dense.bias[...] if dense.bias is not None else None
     return QuantDense(qz.quantize(w, scale), scale, kernel_axes=axes,
                       compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
@@ -214,7 +221,8 @@ def build_abstract(model_fn, plan: dict, qcfg: QuantConfig):
 
 
 def quantized_fraction(params_float: dict, plan: dict) -> float:
-    """Share of the float model's parameters (by count) that are stored as int8."""
+    """Share of the float model's parameters (by count) whose product runs in int8 (layers kept
+    in bf16 by `auto` do not count; `param_bytes` says what is stored)."""
     total = sum(x.size for x in jax.tree.leaves(params_float))
     n = 0
     for path, entry in plan.items():

@@ -16,7 +16,7 @@ columns (the largest by |x|) take the float path: they are gathered, with their 
 into a [tokens, capacity] x [capacity, out] float product (capacity/in of a float layer's work).
 Should more columns exceed the threshold, the rest stay in int8 (the per-token scale then
 covers them: correct, as accurate as plain w8a8). `has_float` adds a per-layer switch to a
-float kernel (the automatic precision choice keeps over-budget layers there).
+bf16 kernel (the automatic precision choice keeps over-budget layers there).
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str
     else:
         raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
     acc = int8_matmul(qz.quantize(x, s_x), w_q)
-    return acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
+    y = acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
+    if act == "static":
+        # A calibrated scale is finite whatever x holds: let a NaN/inf token stay non-finite
+        # (dynamic scales carry it through the scale itself).
+        finite = jnp.isfinite(jnp.sum(x.astype(jnp.float32), axis=-1, keepdims=True))
+        y = jnp.where(finite, y, jnp.nan)
+    return y
 
 
 class QuantDense(nnx.Module):
