@@ -103,6 +103,10 @@ def load_or_quantize(workdir, run, params, mode: str, step: int | None = None):
         if (path / "ckpt").is_dir():
             sharded = Strategy(run.cfg.train.strategy).shards_params
             graphdef, qparams, meta = qckpt.load(path, run.cfg.model, run.mesh, sharded)
+            written = meta["quant_config"].get("mode")
+            if written != mode:  # a folder renamed or copied by hand
+                raise QuantError(f"{str(path)!r}: holds a {written!r} checkpoint, not {mode!r}; "
+                                 f"run experiments.quantize --mode {mode}")
             if step is not None and meta.get("source_step") != step:
                 raise QuantError(f"{str(path)!r}: quantised from step {meta.get('source_step')}, "
                                  f"not step {step}; run experiments.quantize again")

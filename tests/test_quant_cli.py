@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -44,6 +45,13 @@ def test_quantize_then_evaluate_and_sample(trained):
                "--max-new-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["text"].startswith("def ")
+
+    # A checkpoint folder copied under another mode's name is refused, not evaluated as that mode.
+    shutil.copytree(out, trained / "quant" / "w8a8")
+    proc = cli("evaluate", "--workdir", str(trained), "--quant", "w8a8", "--json")
+    shutil.rmtree(trained / "quant" / "w8a8")
+    assert proc.returncode == 2 and "holds a 'w8a8-static' checkpoint, not 'w8a8'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args,fragments", [
