@@ -5,8 +5,9 @@
 Quantises the run in each mode (writing WORKDIR/quant/MODE like `experiments.quantize`),
 evaluates it on the run's validation batches, and writes the table to
 experiments/results/quant_eval.json (one row per mode, the float model first). Besides the
-modes, two variants: naive per-tensor W8A8 (per-tensor weights *and* activations) and w8a8 with
-the embedding and output head quantised too (the smallest checkpoint).
+modes, three variants: naive per-tensor W8A8 (per-tensor weights *and* activations), w8a8 with
+the embedding and output head quantised too (the smallest checkpoint), and the outlier split
+with room for a quarter of the input columns in float.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def variants(args) -> list[tuple[str, str, dict]]:
 
     rows = [(m, m, {}) for m in MODES]
     rows += [("w8a8-tensor-naive", "w8a8-tensor", {"weights": "tensor"}),
-             ("w8a8+head+embed", "w8a8", {"rules": ("blocks/*", "head", "embed")})]
+             ("w8a8+head+embed", "w8a8", {"rules": ("blocks/*", "head", "embed")}),
+             # small's last MLP input has ~100 of 512 columns over the threshold: room for all
+             ("w8a8-outlier-cap0.25", "w8a8-outlier", {"outlier_capacity": 0.25})]
     if args.modes:
         keep = set(args.modes.split(","))
         rows = [r for r in rows if r[0] in keep]
@@ -99,6 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
                      "float_layers": sum(len(e.get("float_layers", [])) for e in plan.values()),
                      "max_layer_rel_err": max(r["rel_err"] for r in report["layers"]
                                               if r.get("rel_err") is not None),
+                     # the most input columns at or over the outlier threshold in one batch, and
+                     # the layers where that exceeded the outlier split's capacity
+                     "max_outlier_cols": {r["module"]: max(
+                         x["outlier_cols_max"] for x in report["layers"]
+                         if x["module"] == r["module"]) for r in report["layers"]
+                         if "outlier_cols_max" in r},
+                     "over_capacity": [f"{r['module']}/{r['layer']}" for r in report["layers"]
+                                       if r.get("over_capacity")],
                      "quantize_seconds": quant_s})
         print(json.dumps(rows[-1]), flush=True)
     table = {"workdir": str(Path(args.workdir).absolute()), "step": step,

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 
 from experiments import runtime
 from experiments.config import fail
@@ -154,6 +155,12 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     out = write_checkpoint(qckpt.quant_dir(args.workdir, args.mode), qparams, meta, report)
+    over = [r for r in report["layers"] if r.get("over_capacity")]
+    for r in over:  # correct either way; the surplus columns just went through int8
+        print(f"{PROG}: warning: {r['module']} layer {r['layer']}: {r['outlier_cols_max']} input "
+              f"columns reached the outlier threshold in a calibration batch, the float path "
+              f"takes {r['outlier_capacity']}; raise --outlier-capacity to take them all",
+              file=sys.stderr)
     q_bytes, f_bytes = dense_bytes(qparams, plan)
     summary = {"mode": args.mode, "path": str(out), "source_step": step,
                "param_bytes": param_bytes(qparams), "float_param_bytes": param_bytes(params),

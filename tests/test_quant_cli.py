@@ -54,6 +54,17 @@ def test_quantize_then_evaluate_and_sample(trained):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_outliers_beyond_the_capacity_are_warned_about(trained):
+    """Every column reaches a tiny threshold; a capacity of one column: a warning per layer, and
+    still a checkpoint (the surplus columns go through int8)."""
+    proc = cli("quantize", "--workdir", str(trained), "--mode", "w8a8-outlier",
+               "--outlier-threshold", "1e-6", "--outlier-capacity", "0.001", "--calib-batches", "1")
+    assert proc.returncode == 0, proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if "warning:" in ln]
+    assert len(warned) == 6 * 2 and all("raise --outlier-capacity" in ln for ln in warned)
+    assert (trained / "quant" / "w8a8-outlier" / "ckpt").is_dir()
+
+
 @pytest.mark.parametrize("args,fragments", [
     (["--mode", "w4a4"], ["mode='w4a4'", "w8a8"]),
     (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "positive"]),
