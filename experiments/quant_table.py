@@ -52,6 +52,15 @@ def variants(args) -> list[tuple[str, str, dict]]:
     return rows
 
 
+def most_outlier_cols(layer_rows: list[dict]) -> dict[str, int]:
+    """{module: the most input columns over the outlier threshold in one batch, any layer}."""
+    most: dict[str, int] = {}
+    for r in layer_rows:
+        if "outlier_cols_max" in r:
+            most[r["module"]] = max(most.get(r["module"], 0), r["outlier_cols_max"])
+    return most
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     runtime.start(None)
@@ -104,10 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                                               if r.get("rel_err") is not None),
                      # the most input columns at or over the outlier threshold in one batch, and
                      # the layers where that exceeded the outlier split's capacity
-                     "max_outlier_cols": {r["module"]: max(
-                         x["outlier_cols_max"] for x in report["layers"]
-                         if x["module"] == r["module"]) for r in report["layers"]
-                         if "outlier_cols_max" in r},
+                     "max_outlier_cols": most_outlier_cols(report["layers"]),
                      "over_capacity": [f"{r['module']}/{r['layer']}" for r in report["layers"]
                                        if r.get("over_capacity")],
                      "quantize_seconds": quant_s})

@@ -24,11 +24,15 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _head(*columns: str) -> list[str]:
+    """A markdown table's header and separator lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def main_job(d: dict) -> str:
     return "\n".join([
-        "| preset | params | devices | steps | val bits/byte (after reload) | job time | "
-        "train | reload + eval | median tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *_head("preset", "params", "devices", "steps", "val bits/byte (after reload)",
+               "job time", "train", "reload + eval", "median tokens/s"),
         f"| {d['preset']} | {d['params']:,} | {d['devices']} | {d['step']} | "
         f"**{d['bits_per_byte']:.3f}** (target ≤ {d['target_bits_per_byte']}) | "
         f"**{d['job_s']:.0f} s** (budget {d['budget_s']} s) | {d['train_s']:.0f} s | "
@@ -36,8 +40,7 @@ def main_job(d: dict) -> str:
 
 
 def equivalence(d: dict) -> str:
-    rows = ["| precision | strategy | mesh | max loss diff | max param diff |",
-            "|---|---|---|---|---|"]
+    rows = _head("precision", "strategy", "mesh", "max loss diff", "max param diff")
     for r in d["results"]:
         rows.append(f"| {r['dtype']} | {r['strategy']} | {r['mesh']} | "
                     f"{r['max_loss_diff']:.1e} | {r['max_param_diff']:.1e} |")
@@ -51,7 +54,7 @@ def equivalence(d: dict) -> str:
 def strategy_speed(d: dict) -> str:
     rows = [f"`{d['preset']}` preset on {d['devices']} {d['backend']} devices "
             f"({d['device_kind']}), median of {d['steps']} steps:", "",
-            "| strategy | ms/step | × dp | tokens/s | peak MB/device |", "|---|---|---|---|---|"]
+            *_head("strategy", "ms/step", "× dp", "tokens/s", "peak MB/device")]
     for r in d["results"]:
         rows.append(f"| {r['strategy']} | {r['median_step_s'] * 1e3:.1f} | "
                     f"{r['ratio_to_dp']:.2f} | {r['tokens_per_s']:,.0f} | "
@@ -66,8 +69,7 @@ def zero_memory(d: dict) -> str:
     models = sorted({k[0] for k in cells})
     nds = sorted({k[1] for k in cells})
     stages = ["dp", "zero1", "zero2", "zero3"]
-    rows = ["| params | N_d | " + " | ".join(f"{s} ours / paper GB" for s in stages) + " |",
-            "|---|---|" + "---|" * len(stages)]
+    rows = _head("params", "N_d", *(f"{s} ours / paper GB" for s in stages))
     for m in models:
         for n in nds:
             parts = []
@@ -80,7 +82,7 @@ def zero_memory(d: dict) -> str:
 
 
 def comm_volume(d: dict) -> str:
-    rows = ["| strategy | volume (× Ψ) | all-gathers in layer loop |", "|---|---|---|"]
+    rows = _head("strategy", "volume (× Ψ)", "all-gathers in layer loop")
     for r in d["results"]:
         rows.append(f"| {r['strategy']} | {r['volume_psi']:.3f} | "
                     f"{r['all_gathers_in_layer_loop']} |")
@@ -91,8 +93,9 @@ def zero_release(d: dict) -> str:
     c = d["config"]
     rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "
             f"{c['devices'][0]} and {c['devices'][1]} devices, {c['dtype']}, remat {c['remat']}:",
-            "", "| strategy | peak growth per added layer | of which does not shrink with N_d | "
-            "one gathered layer | gathered layers kept | released |", "|---|---|---|---|---|---|"]
+            "", *_head("strategy", "peak growth per added layer",
+                       "of which does not shrink with N_d", "one gathered layer",
+                       "gathered layers kept", "released")]
     for r in d["results"]:
         growth = ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in r["growth_per_layer_bytes"].items())
         rows.append(f"| {r['strategy']} | {growth} | "
@@ -105,8 +108,8 @@ def zero_release(d: dict) -> str:
 def quant_eval(d: dict) -> str:
     rows = [f"`{d['preset']}` checkpoint at step {d['step']} ({d['workdir'].split('/')[-1]}), "
             f"{d['eval_tokens']:,} validation tokens, {d['calib_batches']} calibration batches:",
-            "", "| mode | val loss | bits/byte | vs float | param bytes | Dense bytes / fp32 | "
-            "on disk vs fp32 |", "|---|---|---|---|---|---|---|"]
+            "", *_head("mode", "val loss", "bits/byte", "vs float", "param bytes",
+                       "Dense bytes / fp32", "on disk vs fp32")]
     for r in d["rows"]:
         dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
         disk = r.get("disk_ratio_vs_fp32")
@@ -121,16 +124,16 @@ def int8_bench(d: dict) -> str:
     cpu = d["host_cpu"]
     host = f"host CPU {cpu['model']} (int8 flags: {', '.join(cpu['int8_flags']) or 'none'})"
     rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}, {host}:", "",
-            "| m × k × n | fp32 ms | bf16 ms | int8 dot ms | int8 Dense ms | LLM.int8() Dense ms "
-            "(1/16 cap / uncapped) | int8 dot vs bf16 | int8 Dense vs fp32 |",
-            "|---|---|---|---|---|---|---|---|"]
+            *_head("m × k × n", "fp32 ms", "bf16 ms", "int8 dot ms", "int8 Dense ms",
+                   "LLM.int8() Dense ms (1/16 cap / uncapped)", "int8 dot vs bf16",
+                   "int8 Dense vs fp32")]
     for r in d["matmuls"]:
         rows.append(f"| {r['m']}×{r['k']}×{r['n']} | {r['float32_ms']:.3f} | "
                     f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
                     f"{r['int8_outlier_dense_ms']:.3f} / {r['int8_outlier_full_dense_ms']:.3f} | "
                     f"{r['int8_dot_speedup_vs_bf16']:.2f}× | "
                     f"{r['int8_dense_speedup_vs_f32']:.2f}× |")
-    rows += ["", "| decoding mode | tokens/s | × float | param bytes |", "|---|---|---|---|"]
+    rows += ["", *_head("decoding mode", "tokens/s", "× float", "param bytes")]
     for r in d["decoding"]:
         rows.append(f"| {r['mode']} (batch {r['batch']}, {r['new_tokens']} tokens) | "
                     f"{r['tokens_per_s']:,.0f} | {r['speedup_vs_float']:.2f} | "
@@ -141,8 +144,8 @@ def int8_bench(d: dict) -> str:
 def embed_fidelity(d: dict) -> str:
     rows = [f"{d['n_sentences']} sentences ({d['n_calib']} other sentences for calibration), "
             f"Python {d['python']}; float parameters {d['float_param_bytes']:,} bytes:", "",
-            "| mode | mean cosine | min cosine | top-1 agreement | top-10 overlap | param bytes |",
-            "|---|---|---|---|---|---|"]
+            *_head("mode", "mean cosine", "min cosine", "top-1 agreement", "top-10 overlap",
+                   "param bytes")]
     for r in d["results"]:
         rows.append(f"| {r['mode']} | {r['mean_cosine']:.5f} | {r['min_cosine']:.5f} | "
                     f"{r['top1_agreement']:.3f} | {r['top10_overlap']:.3f} | "
@@ -159,8 +162,7 @@ def embed_fidelity(d: dict) -> str:
 def fault_injection(d: dict) -> str:
     rows = [f"`{d['preset']}` on {d['devices']} devices, {d['steps']} steps, a checkpoint every "
             f"{d['ckpt_every']}:", "",
-            "| scenario | injected | recovered | lost steps | recovery (s) |",
-            "|---|---|---|---|---|"]
+            *_head("scenario", "injected", "recovered", "lost steps", "recovery (s)")]
     for r in d["results"]:
         rows.append(f"| {r['scenario']} | {r['injected']} | {r['recovered']} | "
                     f"{r['lost_steps']} | {r['recovery_s']:.1f} |")

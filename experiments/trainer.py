@@ -303,7 +303,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
     rows = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line)["step"] <= step]
     _write_atomic(path, "".join(r + "\n" for r in rows))
-
-
-
-

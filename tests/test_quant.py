@@ -332,19 +332,26 @@ def test_report_flags_layers_whose_outliers_exceed_the_capacity(float_model, bat
 
 # --- checkpoint, sharding, generation ---------------------------------------------------------
 
+def save_plan(path, q, plan, qcfg_json, fmt=qckpt.FORMAT):
+    qckpt.save(path, q, {"format": fmt, "quant_config": qcfg_json, "plan": plan,
+                         "model": dataclasses.asdict(CFG), "source_step": 0})
+
+
+def assert_identical(tree_a, tree_b):
+    for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
     graphdef, params = float_model
     qcfg = QuantConfig(mode="w8a8-static", rules=("blocks/*", "head", "embed"))
     g, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
-    meta = {"quant_config": qcfg.to_json(), "plan": plan, "model": dataclasses.asdict(CFG),
-            "source_step": 0}
-    qckpt.save(tmp_path / "q", q, meta)
+    save_plan(tmp_path / "q", q, plan, qcfg.to_json())
     mesh = make_mesh(8)
     g2, q2, meta2 = qckpt.load(tmp_path / "q", CFG, mesh, sharded=True)
     assert meta2["plan"] == plan
-    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(q2), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_identical(q, q2)
     kernel = q2["blocks"]["attn"]["q"]["kernel_q"]
     assert kernel.dtype == jnp.int8 and kernel.sharding.spec == P(None, "fsdp", None)
     assert q2["blocks"]["mlp"]["down"]["kernel_q"].sharding.spec == P(None, None, "fsdp")
@@ -362,11 +369,6 @@ def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
     assert float_disk / qckpt.disk_bytes(tmp_path / "q" / "ckpt") > 2.0
 
 
-def save_plan(path, q, plan, qcfg_json, fmt=qckpt.FORMAT):
-    qckpt.save(path, q, {"format": fmt, "quant_config": qcfg_json, "plan": plan,
-                         "model": dataclasses.asdict(CFG), "source_step": 0})
-
-
 @pytest.mark.parametrize("mode,extra", [("w8a8-outlier", {}), ("auto", {"error_budget": 0.006})])
 def test_checkpoint_round_trip_keeps_outlier_capacity_and_kept_layers(tmp_path, float_model,
                                                                       batches, mode, extra):
@@ -376,9 +378,7 @@ def test_checkpoint_round_trip_keeps_outlier_capacity_and_kept_layers(tmp_path, 
     save_plan(tmp_path / "q", q, plan, qcfg.to_json())
     g2, q2, meta = qckpt.load(tmp_path / "q", CFG)
     assert meta["plan"] == plan and QuantConfig.from_json(meta["quant_config"]) == qcfg
-    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(q2), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_identical(q, q2)
     if mode == "auto":
         assert any(e["float_layers"] for e in plan.values())
     else:
@@ -406,8 +406,7 @@ def test_checkpoint_for_another_model_is_refused(tmp_path, float_model, batches)
     graphdef, params = float_model
     qcfg = QuantConfig(mode="w8")
     _, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
-    qckpt.save(tmp_path / "q", q, {"quant_config": qcfg.to_json(), "plan": plan,
-                                   "model": dataclasses.asdict(CFG)})
+    save_plan(tmp_path / "q", q, plan, qcfg.to_json())
     other = dataclasses.replace(CFG, d_ff=64)
     with pytest.raises(QuantError, match="different model"):
         qckpt.load(tmp_path / "q", other)
