@@ -25,10 +25,21 @@ import json
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from experiments.config import fail
+from experiments.results_io import results_path, write_result
+from model import MODEL_PRESETS, DecoderLM
+from model.generate import generate
+from quant import quantizers as qz
+from quant.convert import QuantConfig, apply_plan, make_plan
+from quant.dense import QuantDense, int8_matmul, quantized_product
+from quant.pipeline import param_bytes
 
 PROG = "experiments.bench_int8"
-OUT = Path(__file__).parent / "results" / "int8_bench.json"
+OUT = results_path("int8_bench.json")
 SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 2048))
 
 
@@ -49,7 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def timed(fn, *args, repeats: int) -> float:
     """Best wall time of `repeats` calls after a compile-and-warm-up call."""
-    import jax
 
     jax.block_until_ready(fn(*args))
     best = float("inf")
@@ -62,21 +72,12 @@ def timed(fn, *args, repeats: int) -> float:
 
 def module_fn(module):
     """A jitted call of an NNX module that takes its state as an argument (not baked in)."""
-    import jax
-    from flax import nnx
 
     graphdef = nnx.graphdef(module)
     return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
 
 
 def bench_matmuls(shapes, repeats: int) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from quant import quantizers as qz
-    from quant.dense import QuantDense, int8_matmul, quantized_product
-
     rows = []
     for m, k, n in shapes:
         kx, kw = jax.random.split(jax.random.key(0))
@@ -113,15 +114,6 @@ def bench_matmuls(shapes, repeats: int) -> list[dict]:
 
 
 def bench_decoding(preset: str, batch: int, new_tokens: int, repeats: int) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from model import MODEL_PRESETS, DecoderLM
-    from model.generate import generate
-    from quant.convert import QuantConfig, apply_plan, make_plan
-    from quant.pipeline import param_bytes
-
     cfg = MODEL_PRESETS[preset]
     prompt_len = min(16, cfg.max_len // 2)
     new_tokens = min(new_tokens, cfg.max_len - prompt_len)
@@ -166,7 +158,6 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("batch", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
-    import jax
 
     # The large shapes are where an accelerator's int8 rate shows; too slow for a 2-core CPU.
     big = args.big or jax.default_backend() != "cpu"
@@ -176,8 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
            "jax_version": jax.__version__, "host_cpu": host_cpu(),
            "matmuls": bench_matmuls(shapes, args.repeats),
            "decoding": bench_decoding(args.preset, args.batch, args.new_tokens, args.repeats)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     summary = {"backend": out["backend"], "device_kind": out["device_kind"],
                **{f"{name}_speedup_vs_{ref}": {f"{r['m']}x{r['k']}x{r['n']}":
                                                 round(r[f"{name}_speedup_vs_{ref}"], 2)

@@ -11,13 +11,19 @@ experiments/results/strategy_speed.json (--out). Runs unchanged on a GPU/TPU hos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
+
+import jax
+from tqdm import tqdm
 
 from experiments import runtime
 from experiments.config import PRESETS, fail
+from experiments.results_io import results_path, write_result
+from experiments.trainer import global_batch, init_sharded_state, prepare
+from parallel.strategies import LABELS, from_label
 
 PROG = "experiments.bench_strategies"
 
@@ -31,32 +37,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--strategies", default="dp,zero1,zero2,zero3,zero3_prefetch,zero3_auto",
                    help="zero3_prefetch = zero3 with the next layer's gather issued early")
-    p.add_argument("--out", default="experiments/results/strategy_speed.json")
+    p.add_argument("--out", default=str(results_path("strategy_speed.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.preset not in PRESETS:
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     if args.steps < 1:
         fail(PROG, f"steps={args.steps}: must be a positive integer")
-    runtime.start(args.devices)
-    import dataclasses
-
-    import jax
-    from tqdm import tqdm
-
-    from experiments.trainer import global_batch, init_sharded_state, prepare
-    from parallel.strategies import VARIANTS, parse_variant
-
     names = args.strategies.split(",")
     for n in names:
-        if n not in VARIANTS:
-            fail(PROG, f"strategies: {n!r} is not one of {', '.join(VARIANTS)}")
+        if n not in LABELS:
+            fail(PROG, f"strategies: {n!r} is not one of {', '.join(LABELS)}")
+    runtime.start(args.devices)
     base = PRESETS[args.preset]
     runs, states = {}, {}
     for name in names:
-        strategy, prefetch = parse_variant(name)
+        strategy = from_label(name)
         cfg = dataclasses.replace(base, train=dataclasses.replace(
-            base.train, strategy=strategy.name, devices=args.devices, prefetch=prefetch))
+            base.train, strategy=strategy.name, devices=args.devices, prefetch=strategy.prefetch))
         run = prepare(cfg)
         runs[name], states[name] = run, init_sharded_state(run)
     batch = global_batch(runs[names[0]], runs[names[0]].sampler.next_batch)
@@ -90,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
            "steps": args.steps, "target": "zero3 median step <= 1.15x dp",
            "zero3_ratio": next((r["ratio_to_dp"] for r in results if r["strategy"] == "zero3"),
                                None), "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     if not args.json:
         for r in results:
             print(f"{r['strategy']:10s} {r['median_step_s'] * 1e3:8.1f} ms/step "

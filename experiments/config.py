@@ -103,7 +103,7 @@ PRESETS: dict[str, Config] = {
 def _field_type(cls, field: dataclasses.Field):
     hint = typing.get_type_hints(cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    return args[0] if args and typing.get_origin(hint) is not tuple else hint
 
 
 def _parse_bool(text: str) -> bool:
@@ -114,17 +114,44 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
 
 
+def _parse_names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_field_flags(parser: argparse.ArgumentParser, cls, *, title: str,
+                    skip: set[str] = frozenset(), aliases: dict[str, str] | None = None) -> None:
+    """One --flag per dataclass field (`--d-model 256`, `--clip-search`, `--rules a,b`), stored
+    as `override_<field>` and None when not given (the preset or the class default then
+    holds). A field's `help` metadata becomes its help."""
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = _field_type(cls, f)
+        names = ["--" + f.name.replace("_", "-")]
+        if aliases and f.name in aliases:
+            names.append(aliases[f.name])
+        extra = {}
+        if kind is bool:  # `--flag` alone means true; `--flag false` also works
+            extra = dict(type=_parse_bool, nargs="?", const=True)
+        else:
+            extra = dict(type=_parse_names if typing.get_origin(kind) is tuple else kind)
+        group.add_argument(*names, dest=f"override_{f.name}", default=None,
+                           metavar=f.name.upper(), help=f.metadata.get("help"), **extra)
+
+
+def field_overrides(args: argparse.Namespace, cls) -> dict:
+    """{field: value} of the flags `add_field_flags` made for cls that were given."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k[len("override_"):]: v for k, v in vars(args).items()
+            if k.startswith("override_") and v is not None and k[len("override_"):] in names}
+
+
 def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
-    """One --flag per config field (`--d-model 256`, `--lr 1e-3`), defaulting to the preset."""
-    group = parser.add_argument_group("config overrides (default: the preset's value)")
+    """One --flag per model and training config field, defaulting to the preset."""
     for cls in (ModelConfig, TrainConfig):
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            kind = _field_type(cls, f)
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f"override_{f.name}",
-                               type=_parse_bool if kind is bool else kind, default=None,
-                               metavar=f.name.upper())
+        add_field_flags(parser, cls, skip=skip,
+                        title="config overrides (default: the preset's value)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -132,16 +159,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.preset not in PRESETS:
         raise ValueError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     base = PRESETS[args.preset]
-    over = {k[len("override_"):]: v for k, v in vars(args).items()
-            if k.startswith("override_") and v is not None}
-    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = Config(base.preset,
-                 dataclasses.replace(base.model, **{k: v for k, v in over.items()
-                                                    if k in model_names}),
-                 dataclasses.replace(base.train, **{k: v for k, v in over.items()
-                                                    if k not in model_names}))
+                 dataclasses.replace(base.model, **field_overrides(args, ModelConfig)),
+                 dataclasses.replace(base.train, **field_overrides(args, TrainConfig)))
     cfg.validate()
     return cfg
+
+
+class ConfigError(ValueError):
+    """Bad input: the launcher prints it on one line (`fail`) and exits with status 2."""
 
 
 def fail(prog: str, message: str, code: int = 2) -> typing.NoReturn:

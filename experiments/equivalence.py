@@ -16,52 +16,20 @@ import argparse
 import dataclasses
 import json
 import time
-from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
 
 from experiments import runtime
 from experiments.config import PRESETS, fail
+from experiments.data import SequenceSampler, load_corpus, pack
+from experiments.optim import make_optimizer
+from experiments.results_io import results_path, write_result
+from parallel.sharded_run import max_tree_diff, run_label
+from parallel.strategies import LABELS
 
 PROG = "experiments.equivalence"
 FP32_TOLERANCE = 1e-5
-
-
-def run_steps(strategy: str, devices: int, batches, mesh: str | None, model, train):
-    """Per-step losses and final params (host numpy) of len(batches) training steps.
-
-    `strategy` is one of parallel.strategies.VARIANTS (zero3_prefetch included).
-    """
-    import jax
-    import numpy as np
-
-    from experiments.optim import make_optimizer
-    from parallel.mesh import make_mesh
-    from parallel.state import abstract_model, init_state
-    from parallel.strategies import parse_variant
-    from parallel.train_step import StepConfig, make_train_step
-
-    strategy, prefetch = parse_variant(strategy)
-    tx = make_optimizer(train)
-    graphdef, axes, _ = abstract_model(model)
-    abstract_state = jax.eval_shape(lambda: init_state(model, tx, train.seed))
-    micro, batch, length = batches[0].shape
-    step, shardings, batch_sharding = make_train_step(
-        graphdef, axes, abstract_state, model, strategy, make_mesh(devices, mesh), tx,
-        StepConfig(global_batch=batch, seq_len=length - 1, micro_steps=micro,
-                   clip_norm=train.clip_norm, prefetch=prefetch))
-    state = jax.jit(lambda: init_state(model, tx, train.seed), out_shardings=shardings)()
-    losses = []
-    for b in batches:
-        state, metrics = step(state, jax.device_put(b, batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state["params"])
-
-
-def max_tree_diff(a, b) -> float:
-    import jax
-    import numpy as np
-
-    return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--micro-steps", type=int, default=2, help="gradient accumulation")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--out", default="experiments/results/equivalence.json")
+    p.add_argument("--out", default=str(results_path("equivalence.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -81,14 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.preset not in PRESETS:
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     runtime.start(args.devices)
-    import numpy as np
-    from tqdm import tqdm
-
-    from experiments.data import SequenceSampler, load_corpus, pack
-    from parallel.strategies import VARIANTS
 
     base = PRESETS[args.preset]
     train = base.train
+    tx = make_optimizer(train)
     rows = pack(load_corpus(None)[0], base.model.max_len)
     sampler = SequenceSampler(rows, seed=0)
     batch = max(train.batch_size, args.devices)
@@ -100,12 +64,14 @@ def main(argv: list[str] | None = None) -> dict:
     precisions = {"float32": base.model, "bfloat16": dataclasses.replace(
         base.model, param_dtype="bfloat16", compute_dtype="bfloat16")}
     results = []
-    cells = [(d, s, n, m) for d in precisions for s in VARIANTS for n, m in meshes]
+    cells = [(d, s, n, m) for d in precisions for s in LABELS for n, m in meshes]
     t0 = time.perf_counter()
-    refs = {d: run_steps("dp", 1, batches, None, precisions[d], train) for d in precisions}
+    refs = {d: run_label("dp", 1, batches, precisions[d], tx, seed=train.seed,
+                           clip_norm=train.clip_norm) for d in precisions}
     for dtype, strategy, n, mesh in tqdm(cells, desc="equivalence"):
         ref_losses, ref_params = refs[dtype]
-        losses, params = run_steps(strategy, n, batches, mesh, precisions[dtype], train)
+        losses, params = run_label(strategy, n, batches, precisions[dtype], tx, seed=train.seed,
+                                   clip_norm=train.clip_norm, mesh_spec=mesh)
         results.append({"strategy": strategy, "devices": n, "mesh": mesh or f"data=1,fsdp={n}",
                         "dtype": dtype, "max_loss_diff": float(np.abs(losses - ref_losses).max()),
                         "max_param_diff": max_tree_diff(params, ref_params),
@@ -117,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
            "fp32_max_loss_diff": max(r["max_loss_diff"] for r in fp32),
            "fp32_all_within_tolerance": all(r["max_loss_diff"] <= FP32_TOLERANCE for r in fp32),
            "seconds": time.perf_counter() - t0, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     if not args.json:
         for r in results:
             print(f"{r['dtype']:8s} {r['strategy']:10s} {r['mesh']:14s} "

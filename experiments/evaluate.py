@@ -16,12 +16,18 @@ quantized_fraction the share of the float parameters that are int8.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
 from experiments import runtime
-from experiments.config import fail
+from experiments.config import ConfigError, fail
+from experiments.restore import calibration_rows, restore_params, validation_rows
+from experiments.trainer import make_eval_fn
+from model.flops import param_bytes
 from parallel.strategies import STRATEGIES
+from quant.convert import ALL_MODES, QuantError
+from quant.stored import load_or_quantize
 
 PROG = "experiments.evaluate"
 
@@ -36,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--quant", default="none",
-                   help="evaluate the int8 model: none (default), w8, w8a8-tensor, w8a8, "
-                        "w8a8-static, smoothquant, w8a8-outlier, auto")
+                   help=f"evaluate the int8 model: {', '.join(ALL_MODES)} (default none)")
     return p
 
 
@@ -45,43 +50,35 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.devices is not None and args.devices < 1:
         fail(PROG, f"devices={args.devices}: must be a positive integer")
-    from experiments.quantize import MODES
-
-    if args.quant != "none" and args.quant not in MODES:
-        fail(PROG, f"quant={args.quant!r}: allowed none, {', '.join(MODES)}")
+    if args.eval_batches is not None and args.eval_batches < 1:
+        fail(PROG, f"eval_batches={args.eval_batches}: must be a positive integer")
+    if args.quant not in ALL_MODES:
+        fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     runtime.start(args.devices)
-    from experiments.restore import load_config, restore_params
-    from experiments.trainer import ConfigError, make_eval_fn
-    from model.flops import param_bytes
-
     try:
-        cfg = load_config(args.workdir)
-        over = {"devices": args.devices, "mesh": None}
-        if args.strategy:
-            over["strategy"] = args.strategy
-        if args.eval_batches:
-            over["eval_batches"] = args.eval_batches
-        run, params, step = restore_params(args.workdir, cfg, **over)
+        model = restore_params(args.workdir, step=args.step, devices=args.devices,
+                               strategy=args.strategy)
+        val = validation_rows(model.cfg, args.eval_batches)
+        graphdef, params = model.graphdef, model.params
         quantized_fraction, source = 0.0, None
         if args.quant != "none":
-            from experiments.quantize import load_or_quantize
-
-            run, params, quantized_fraction, source = load_or_quantize(
-                args.workdir, run, params, args.quant, step)
-    except ConfigError as e:
+            graphdef, params, quantized_fraction, source = load_or_quantize(
+                args.workdir, args.quant, model.cfg.model, graphdef, params, mesh=model.mesh,
+                sharded=model.strategy.shards_params, step=model.step,
+                calibration=functools.partial(calibration_rows, model.cfg))
+    except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
-    val_loss = make_eval_fn(run)(params)
-    out = {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / math.log(2),
+    val_loss = make_eval_fn(graphdef, model.mesh, val)(params)
+    out = {"step": model.step, "val_loss": val_loss, "bits_per_byte": val_loss / math.log(2),
            "param_bytes": param_bytes(params), "quant": args.quant,
            "quantized_fraction": quantized_fraction, "quant_source": source,
-           "devices": run.mesh.size,
-           "strategy": run.cfg.train.strategy, "eval_tokens": sum(
-               r.shape[0] * (r.shape[1] - 1) for r in run.val)}
+           "devices": model.mesh.size, "strategy": model.strategy.name,
+           "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in val)}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"step {step}: val loss {val_loss:.4f} nats/byte, {out['bits_per_byte']:.4f} "
-              f"bits/byte ({out['param_bytes']:,} parameter bytes)")
+        print(f"step {model.step}: val loss {val_loss:.4f} nats/byte, "
+              f"{out['bits_per_byte']:.4f} bits/byte ({out['param_bytes']:,} parameter bytes)")
     return out
 
 

@@ -24,7 +24,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments import runtime
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from experiments import checkpoint as ckpt
+from experiments import runtime, trainer
+from experiments.config import PRESETS
+from experiments.guards import NonFiniteError
+from experiments.integrity import MANIFESTS
+from experiments.restore import restore_params
+from experiments.results_io import results_path, write_result
+from experiments.trainer import train_and_evaluate
+from parallel.sharded_run import max_tree_diff
 
 PROG = "experiments.fault_injection"
 STEPS, CKPT_EVERY = 12, 3
@@ -38,13 +50,11 @@ def _losses(workdir: Path) -> dict[int, float]:
 def _lost(workdir: Path, ref: Path, cfg) -> int:
     """Steps whose logged loss differs from the reference, or all of them if the final
     parameters differ (bitwise)."""
-    from experiments.equivalence import max_tree_diff
-    from experiments.restore import restore_params
 
     a, b = _losses(workdir), _losses(ref)
     lost = sum(1 for k in b if a.get(k) != b[k])
-    _, pa, _ = restore_params(workdir, cfg)
-    _, pb, _ = restore_params(ref, cfg)
+    pa = restore_params(workdir, cfg).params
+    pb = restore_params(ref, cfg).params
     return lost if max_tree_diff(pa, pb) == 0.0 else max(lost, len(b))
 
 
@@ -102,9 +112,6 @@ def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
 
 
 def damaged_checkpoint(root: Path, data: str, ref: Path, cfg, how: str) -> dict:
-    from experiments.integrity import MANIFESTS
-    from experiments.trainer import train_and_evaluate
-
     workdir = root / f"damaged-{how}"
     train_and_evaluate(cfg, workdir, progress=False)  # the newest checkpoint is the last step
     newest = workdir / "checkpoints" / str(STEPS)
@@ -125,14 +132,11 @@ def damaged_checkpoint(root: Path, data: str, ref: Path, cfg, how: str) -> dict:
 
 
 def resharding(ref: Path, cfg) -> dict:
-    from experiments.equivalence import max_tree_diff
-    from experiments.restore import restore_params
-
     t = time.perf_counter()
-    _, base, _ = restore_params(ref, cfg)
+    base = restore_params(ref, cfg).params
     worst = 0.0
     for strategy, devices in (("zero3", 4), ("zero3", 2), ("dp", 1)):
-        _, params, _ = restore_params(ref, cfg, strategy=strategy, devices=devices)
+        params = restore_params(ref, cfg, strategy=strategy, devices=devices).params
         worst = max(worst, max_tree_diff(params, base))
     return {"scenario": "resharding", "injected": "zero3@8 checkpoint read as zero3@4, "
             "zero3@2, dp@1", "recovered": worst == 0.0, "recovery_s": time.perf_counter() - t,
@@ -140,12 +144,6 @@ def resharding(ref: Path, cfg) -> dict:
 
 
 def nonfinite(root: Path, cfg) -> dict:
-    import jax.numpy as jnp
-
-    from experiments import checkpoint as ckpt
-    from experiments import trainer
-    from experiments.guards import NonFiniteError
-
     original = trainer.init_sharded_state
 
     def poisoned(run):
@@ -171,8 +169,6 @@ def nonfinite(root: Path, cfg) -> dict:
 
 
 def disk_full(root: Path, cfg) -> dict:
-    from experiments import trainer
-
     workdir = root / "diskfull"
 
     class Usage:
@@ -197,15 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=None, help="fault points (default: random)")
-    p.add_argument("--out", default="experiments/results/fault_injection.json")
+    p.add_argument("--out", default=str(results_path("fault_injection.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     runtime.start(8)
-    import numpy as np
-    from tqdm import tqdm
-
-    from experiments.config import PRESETS
-    from experiments.trainer import train_and_evaluate
 
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,8 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"preset": "tiny", "devices": 8, "steps": STEPS, "ckpt_every": CKPT_EVERY,
            "all_recovered_nothing_lost": all(r["recovered"] and r["lost_steps"] == 0
                                              for r in results), "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_result(args.out, out)
     if not args.json:
         for r in results:
             print(f"{r['scenario']:24s} {r['injected']:45s} recovered={r['recovered']} "

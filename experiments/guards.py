@@ -12,6 +12,7 @@ import threading
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -78,7 +79,6 @@ class Preemption:
     def requested(self) -> bool:
         if jax.process_count() == 1:
             return self._requested
-        from jax.experimental import multihost_utils
 
         flags = multihost_utils.process_allgather(np.array(self._requested))
         return bool(np.any(flags))

@@ -15,8 +15,16 @@ import json
 import time
 from pathlib import Path
 
+import jax
+
 from experiments import runtime
-from experiments.config import add_override_flags, config_from_args, fail
+from experiments.config import ConfigError, add_override_flags, config_from_args, fail
+from experiments.guards import NonFiniteError
+from experiments.plots import loss_curve
+from experiments.restore import restore_params, validation_rows
+from experiments.results_io import write_result
+from experiments.trainer import make_eval_fn, train_and_evaluate
+from model.flops import param_bytes
 
 PROG = "experiments.main_job"
 TARGET_BITS_PER_BYTE = 2.5
@@ -41,13 +49,6 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(args.workdir or f"runs/main-{time.strftime('%Y%m%d-%H%M%S')}")
     runtime.start(cfg.train.devices)
     t0 = time.perf_counter()
-    import jax
-
-    from experiments.guards import NonFiniteError
-    from experiments.plots import loss_curve
-    from experiments.restore import restore_params
-    from experiments.trainer import ConfigError, make_eval_fn, train_and_evaluate
-    from model.flops import param_bytes
 
     try:
         trained = train_and_evaluate(cfg, workdir, progress=not args.no_progress)
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e), code=1)
     t_train = time.perf_counter()
     # Reload from the Orbax checkpoint in a fresh layout and evaluate what was *stored*.
-    run, params, step = restore_params(workdir, cfg)
-    val_loss = make_eval_fn(run)(params)
+    model = restore_params(workdir, cfg)
+    params, step = model.params, model.step
+    val_loss = make_eval_fn(model.graphdef, model.mesh, validation_rows(cfg))(params)
     t_end = time.perf_counter()
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]  # first includes compile
@@ -76,8 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     title = f"{cfg.preset}: {summary['bits_per_byte']:.3f} bits/byte in {summary['job_s']:.0f} s"
     for path in [workdir / "summary.json"] + ([Path(args.record)] if args.record else []):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(path, summary)
         loss_curve(workdir / "metrics.jsonl", path.with_suffix(".png"), title)
     print(f"\nmain job: {cfg.preset} ({summary['params']:,} params) on {summary['devices']} "
           f"devices, {step} steps\n  validation {summary['bits_per_byte']:.3f} bits/byte "

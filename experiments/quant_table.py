@@ -15,15 +15,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+
 from experiments import runtime
-from experiments.config import fail
+from experiments.config import ConfigError, fail
+from experiments.restore import calibration_rows, restore_params, validation_rows
+from experiments.results_io import results_path, write_result
+from experiments.trainer import make_eval_fn
+from quant import checkpoint as qckpt
+from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
+from quant.pipeline import dense_bytes, param_bytes
+from quant.stored import quantize_with_meta, save_atomic
 
 PROG = "experiments.quant_table"
-OUT = Path(__file__).parent / "results" / "quant_eval.json"
+OUT = results_path("quant_eval.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def variants(args) -> list[tuple[str, str, dict]]:
     """(row name, mode, QuantConfig overrides)."""
-    from experiments.quantize import MODES
 
     rows = [(m, m, {}) for m in MODES]
     rows += [("w8a8-tensor-naive", "w8a8-tensor", {"weights": "tensor"}),
@@ -64,24 +73,15 @@ def most_outlier_cols(layer_rows: list[dict]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     runtime.start(None)
-    import dataclasses
-
-    import jax
-
-    from experiments.quantize import quantize_run, write_checkpoint
-    from experiments.restore import load_config, restore_params
-    from experiments.trainer import ConfigError, make_eval_fn
-    from quant import checkpoint as qckpt
-    from quant.convert import QuantConfig, QuantError, quantized_fraction
-    from quant.pipeline import dense_bytes, param_bytes
-
     try:
-        cfg = load_config(args.workdir)
-        run, params, step = restore_params(args.workdir, cfg, mesh=None)
+        model = restore_params(args.workdir)
+        val = validation_rows(model.cfg)
+        calib_rows, calibration = calibration_rows(model.cfg, args.calib_batches)
     except ConfigError as e:
         fail(PROG, str(e))
-    params = jax.device_get(params)
-    float_loss = make_eval_fn(run)(params)
+    cfg, step = model.cfg, model.step
+    params = jax.device_get(model.params)
+    float_loss = make_eval_fn(model.graphdef, model.mesh, val)(params)
     with tempfile.TemporaryDirectory() as tmp:
         float_disk = qckpt.save_float_reference(Path(tmp) / "float", params)
     rows = [{"mode": "none", "val_loss": float_loss, "bits_per_byte": float_loss / math.log(2),
@@ -92,13 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
         qcfg = QuantConfig(**{"mode": mode, "calib_batches": args.calib_batches,
                               "alpha": args.alpha, **over})
         try:
-            graphdef, qparams, plan, report, meta = quantize_run(run, params, qcfg,
-                                                                 {"source_step": step})
+            graphdef, qparams, plan, report, meta = quantize_with_meta(
+                model.graphdef, params, qcfg, calib_rows, cfg.model, calibration,
+                {"source_step": step})
         except QuantError as e:
             fail(PROG, str(e))
-        out = write_checkpoint(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
+        out = save_atomic(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
         quant_s = time.perf_counter() - t0
-        loss = make_eval_fn(dataclasses.replace(run, graphdef=graphdef))(qparams)
+        loss = make_eval_fn(graphdef, model.mesh, val)(qparams)
         qb, fb = dense_bytes(qparams, plan)
         disk = qckpt.disk_bytes(out / "ckpt")
         rows.append({"mode": name, "quant_mode": mode, "val_loss": loss,
@@ -118,12 +119,11 @@ def main(argv: list[str] | None = None) -> dict:
                                        if r.get("over_capacity")],
                      "quantize_seconds": quant_s})
         print(json.dumps(rows[-1]), flush=True)
-    table = {"workdir": str(Path(args.workdir).absolute()), "step": step,
+    table = {"workdir": os.path.relpath(args.workdir), "step": step,
              "preset": cfg.preset, "calib_batches": args.calib_batches, "alpha": args.alpha,
-             "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in run.val),
+             "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in val),
              "backend": jax.default_backend(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    write_result(args.out, table)
     print(json.dumps({"written": args.out, "modes": len(rows)}))
     return table
 

@@ -1,4 +1,10 @@
-"""Load a trained run (config + latest Orbax checkpoint) for evaluation or sampling."""
+"""Load a trained run's parameters (config + an Orbax checkpoint) for evaluation, sampling or
+quantisation.
+
+Only what that needs is built: the model config, the abstract parameters and their shardings on
+the requested mesh. No corpus is read, no optimizer or train step is built, and only the
+parameters are read from the checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,27 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
+from jax.sharding import Mesh
+
 from experiments import checkpoint as ckpt
-from experiments.config import Config
-from experiments.trainer import ConfigError, Run, prepare
+from experiments.config import Config, ConfigError
+from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
+from parallel.mesh import make_mesh
+from parallel.state import abstract_model, check_divisible, logical_shardings
+from parallel.strategies import Strategy, get_strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A trained model placed on a mesh: what evaluation and sampling need."""
+    cfg: Config
+    mesh: Mesh
+    strategy: Strategy
+    graphdef: object
+    axes: dict  # logical axis names of every parameter
+    params: dict
+    step: int
 
 
 def load_config(workdir: str | Path) -> Config:
@@ -22,23 +46,58 @@ def load_config(workdir: str | Path) -> Config:
             from None
 
 
-def restore_params(workdir: str | Path, cfg: Config, step: int | None = None,
-                   **train_overrides) -> tuple[Run, dict, int]:
-    """(run, params, step) with params laid out for the (possibly different) mesh/strategy."""
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_overrides))
-    run = prepare(cfg)
+def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | None = None, *,
+                   devices: int | None = None, strategy: str | None = None,
+                   mesh: str | None = None) -> Restored:
+    """The run's parameters (the newest intact checkpoint, or `step`) laid out for the given
+    device count and strategy (default: the run's strategy, all devices on one fsdp axis)."""
+    cfg = cfg or load_config(workdir)
+    try:
+        device_mesh = make_mesh(devices * jax.process_count() if devices else None, mesh)
+        strat = get_strategy(strategy or cfg.train.strategy)
+        graphdef, axes, abstract_params = abstract_model(cfg.model)
+        check_divisible(abstract_params, axes, device_mesh, strat)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    shardings = {"params": logical_shardings(axes, device_mesh, strat.shards_params)}
     mngr = ckpt.manager(workdir, read_only=True)
     try:
         steps = mngr.all_steps()
         if step is not None and step not in steps:
             raise ConfigError(f"step={step}: no such checkpoint; available: {sorted(steps)}")
-        restored = ckpt.restore_latest_intact(Path(workdir), mngr, run.abstract_state,
-                                              run.shardings, params_only=True, step=step)
+        restored = ckpt.restore_latest_intact(Path(workdir), mngr, {"params": abstract_params},
+                                              shardings, params_only=True, step=step)
     except ckpt.NoIntactCheckpoint as e:
         raise ConfigError(str(e)) from None
     finally:
         mngr.close()
     if restored is None:
         raise ConfigError(f"workdir={str(workdir)!r}: holds no checkpoint")
-    state, _, step = restored
-    return run, state["params"], step
+    state, _, found = restored
+    return Restored(cfg, device_mesh, strat, graphdef, axes, state["params"], found)
+
+
+def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:
+    """The run's fixed validation batches (token rows), as its trainer evaluated them."""
+    t = cfg.train
+    try:
+        _, val_bytes = load_corpus(t.data, t.val_percent)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return validation_batches(pack(val_bytes, cfg.model.max_len), t.batch_size // t.micro_steps,
+                              eval_batches or t.eval_batches)
+
+
+def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
+    """The run's first n training batches from a fresh sampler (same seed), and where they came
+    from: pinned, reproducible calibration data for quantisation."""
+    t = cfg.train
+    try:
+        train_bytes, _ = load_corpus(t.data, t.val_percent)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len), t.seed)
+    batch = t.batch_size // t.micro_steps
+    rows = [sampler.next_batch(batch) for _ in range(n)]
+    return rows, {"source": "train split", "sampler_seed": t.seed, "start_position": 0,
+                  "batches": n, "batch_size": batch, "seq_len": cfg.model.max_len}

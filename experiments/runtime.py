@@ -1,6 +1,7 @@
 """Process start-up shared by the launchers: fake CPU devices, then (optionally) jax.distributed.
 
-`start(devices)` must run before anything imports JAX. Multi-process runs use JAX's own runtime:
+`start(devices)` must run before the first JAX operation (importing JAX is fine). Multi-process
+runs use JAX's own runtime:
 when SHARDQ_COORDINATOR (set by `experiments.launch_local`) or a cluster scheduler's environment
 (SLURM, Open MPI, TPU pods: jax.distributed auto-detects them when SHARDQ_DISTRIBUTED=1) is
 present, `jax.distributed.initialize` joins the job, with gloo for CPU collectives.
@@ -10,17 +11,17 @@ from __future__ import annotations
 
 import os
 
+import jax
+
+from parallel.devices import request_cpu_devices
+
 DEFAULT_CPU_DEVICES = 8
 
 
 def start(devices: int | None) -> None:
-    from parallel.devices import request_cpu_devices
-
-    request_cpu_devices(devices or DEFAULT_CPU_DEVICES)
+    request_cpu_devices(devices, DEFAULT_CPU_DEVICES)
     coordinator = os.environ.get("SHARDQ_COORDINATOR")
     if coordinator or os.environ.get("SHARDQ_DISTRIBUTED") == "1":
-        import jax
-
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = {}
         if coordinator:

@@ -10,10 +10,19 @@ checkpoint `experiments.quantize` wrote under WORKDIR/quant/MODE, else quantised
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
+import jax
+import numpy as np
+
 from experiments import runtime
-from experiments.config import fail
+from experiments.config import ConfigError, fail
+from experiments.restore import calibration_rows, restore_params
+from model.generate import generate
+from quant.convert import ALL_MODES, QuantError
+from quant.kv_cache import init_int8_cache
+from quant.stored import load_or_quantize
 
 PROG = "experiments.sample"
 
@@ -30,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--quant", default="none",
-                   help="generate with the int8 model: none (default), w8, w8a8-tensor, w8a8, "
-                        "w8a8-static, smoothquant, w8a8-outlier, auto")
+                   help=f"generate with the int8 model: {', '.join(ALL_MODES)} (default none)")
     p.add_argument("--kv-int8", action="store_true",
                    help="keep the KV cache in int8 (per token and head scales)")
     return p
@@ -45,37 +53,27 @@ def main(argv: list[str] | None = None) -> str:
         fail(PROG, f"temperature={args.temperature}: must be >= 0 (0 = greedy)")
     if not args.prompt:
         fail(PROG, "prompt: must not be empty")
-    from experiments.quantize import MODES
-
-    if args.quant != "none" and args.quant not in MODES:
-        fail(PROG, f"quant={args.quant!r}: allowed none, {', '.join(MODES)}")
+    if args.quant not in ALL_MODES:
+        fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     runtime.start(1)
-    import jax
-    import numpy as np
-
-    from experiments.restore import load_config, restore_params
-    from experiments.trainer import ConfigError
-    from model.generate import generate
-
     try:
-        cfg = load_config(args.workdir)
-        run, params, step = restore_params(args.workdir, cfg, args.step, devices=1, mesh=None,
-                                           strategy="dp")
+        model = restore_params(args.workdir, step=args.step, devices=1, strategy="dp")
+        graphdef, params = model.graphdef, model.params
         if args.quant != "none":
-            from experiments.quantize import load_or_quantize
-
-            run, params, _, _ = load_or_quantize(args.workdir, run, params, args.quant, step)
+            graphdef, params, _, _ = load_or_quantize(
+                args.workdir, args.quant, model.cfg.model, graphdef, params, mesh=model.mesh,
+                sharded=False, step=model.step,
+                calibration=functools.partial(calibration_rows, model.cfg))
         prompt = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)[None]
-        if prompt.shape[1] + args.max_new_tokens > cfg.model.max_len:
+        max_len = model.cfg.model.max_len
+        if prompt.shape[1] + args.max_new_tokens > max_len:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: prompt ({prompt.shape[1]} "
-                              f"bytes) + new tokens must fit the context of {cfg.model.max_len}")
-    except ConfigError as e:
+                              f"bytes) + new tokens must fit the context of {max_len}")
+    except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
-    make_cache = None
-    if args.kv_int8:
-        from quant.kv_cache import init_int8_cache as make_cache
+    make_cache = init_int8_cache if args.kv_int8 else None
     gen = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7, 8))
-    out = gen(run.graphdef, params, prompt, args.max_new_tokens, jax.random.key(args.seed),
+    out = gen(graphdef, params, prompt, args.max_new_tokens, jax.random.key(args.seed),
               args.temperature, args.top_k, None, make_cache)
     text = bytes(np.asarray(out[0]).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
     print(json.dumps({"text": text}) if args.json else text)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
+
 from experiments import runtime
-from experiments.config import PRESETS, add_override_flags, config_from_args, fail
+from experiments.config import PRESETS, ConfigError, add_override_flags, config_from_args, fail
+from experiments.guards import NonFiniteError
+from experiments.trainer import train_and_evaluate
 
 PROG = "experiments.train"
 
@@ -35,8 +39,6 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         fail(PROG, str(e))
     runtime.start(cfg.train.devices)
-    from experiments.guards import NonFiniteError
-    from experiments.trainer import ConfigError, train_and_evaluate
 
     try:
         summary = train_and_evaluate(cfg, args.workdir, resume=args.resume,
@@ -45,7 +47,6 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e))
     except NonFiniteError as e:
         fail(PROG, str(e), code=1)
-    import jax
 
     if jax.process_index() == 0:
         print(json.dumps(summary))

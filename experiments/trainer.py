@@ -15,13 +15,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import integrity
-from experiments.config import Config, dumps
+from experiments.config import Config, ConfigError, dumps
 from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
 from experiments.guards import FiniteWatch, Preemption
 from experiments.optim import learning_rate, make_optimizer
@@ -30,30 +32,46 @@ from model.flops import param_bytes
 from model.loss import nll_sum
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
-from parallel.state import abstract_model, check_divisible, init_state
-from parallel.strategies import Strategy
-from parallel.train_step import StepConfig, make_train_step
+from parallel.sharded_run import ShardedRun, build
+from parallel.strategies import get_strategy
+from parallel.train_step import StepConfig
 
 # Fields a resumed run may change; everything else must match the checkpointed run.
 RESUMABLE_CHANGES = {"steps", "strategy", "prefetch", "mesh", "devices", "eval_every",
                      "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
 
 
-class ConfigError(ValueError):
-    """Bad input: the launcher prints it on one line and exits with status 2."""
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
+    """A checked configuration with its sharded program and its data, ready to train."""
     cfg: Config
-    mesh: jax.sharding.Mesh
-    graphdef: object
-    abstract_state: dict
-    step_fn: object
-    shardings: dict
-    batch_sharding: NamedSharding
+    sharded: ShardedRun
     sampler: SequenceSampler
     val: list
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.sharded.mesh
+
+    @property
+    def graphdef(self):
+        return self.sharded.graphdef
+
+    @property
+    def abstract_state(self) -> dict:
+        return self.sharded.abstract_state
+
+    @property
+    def shardings(self) -> dict:
+        return self.sharded.shardings
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.sharded.batch_sharding
+
+    @property
+    def step_fn(self):
+        return self.sharded.step
 
 
 def _check_disk(workdir: Path, abstract_state, keep: int) -> None:
@@ -111,10 +129,11 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
                           f"must divide over the {n_dev} devices of the mesh")
     if micro_batch % n_proc:
         raise ConfigError(f"batch_size={t.batch_size}: must divide over {n_proc} processes")
-    strategy = Strategy(t.strategy)
-    graphdef, axes, abstract_params = abstract_model(cfg.model)
+    tx = make_optimizer(t)
+    step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
+                          micro_steps=t.micro_steps, clip_norm=t.clip_norm)
     try:
-        check_divisible(abstract_params, axes, mesh, strategy)
+        sharded = build(cfg.model, get_strategy(t.strategy, t.prefetch), mesh, tx, step_cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -126,27 +145,17 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
     if workdir is not None:
         _check_workdir(cfg, workdir, resume)
 
-    tx = make_optimizer(t)
-    abstract_state = jax.eval_shape(lambda: init_state(cfg.model, tx, t.seed))
     if workdir is not None:
-        _check_disk(workdir, abstract_state, t.keep_ckpts)
+        _check_disk(workdir, sharded.abstract_state, t.keep_ckpts)
     if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("shardq: input checked")
-    step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
-                          micro_steps=t.micro_steps, clip_norm=t.clip_norm, prefetch=t.prefetch)
-    step_fn, shardings, batch_sharding = make_train_step(
-        graphdef, axes, abstract_state, cfg.model, strategy, mesh, tx, step_cfg)
-    return Run(cfg, mesh, graphdef, abstract_state, step_fn, shardings, batch_sharding,
-               SequenceSampler(rows, t.seed), val)
+    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val)
 
 
 def init_sharded_state(run: Run) -> dict:
     """Jitted init straight into the strategy's shardings (no device holds what it shouldn't)."""
-    tx = make_optimizer(run.cfg.train)
-    return jax.jit(lambda: init_state(run.cfg.model, tx, run.cfg.train.seed),
-                   out_shardings=run.shardings)()
+    return run.sharded.init(run.cfg.train.seed)
 
 
 def global_batch(run: Run, rows_fn) -> jax.Array:
@@ -158,21 +167,18 @@ def global_batch(run: Run, rows_fn) -> jax.Array:
     return jax.make_array_from_process_local_data(run.batch_sharding, local, shape)
 
 
-def make_eval_fn(run: Run):
-    """Mean NLL (nats/byte) of params over the fixed validation batches."""
-    sharding = NamedSharding(run.mesh, P(BATCH_AXES))
-    graphdef = run.graphdef
+def make_eval_fn(graphdef, mesh: jax.sharding.Mesh, val: list):
+    """Mean NLL (nats/token) of params over the fixed validation batches `val`."""
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
 
     @jax.jit
     def nll(params, tokens):
-        from flax import nnx
-
         logits = nnx.merge(graphdef, params)(tokens[:, :-1])
         return nll_sum(logits, tokens[:, 1:])
 
     def evaluate(params) -> float:
         total, count = 0.0, 0
-        for rows in run.val:
+        for rows in val:
             n_proc, i = jax.process_count(), jax.process_index()
             per = len(rows) // n_proc
             tokens = jax.make_array_from_process_local_data(
@@ -225,7 +231,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
             metrics_path.unlink()
     _write_atomic(workdir / "config.json", dumps(cfg))
 
-    evaluate = make_eval_fn(run)
+    evaluate = make_eval_fn(run.graphdef, run.mesh, run.val)
     schedule = learning_rate(t)
     tokens_per_step = t.batch_size * cfg.model.max_len
     flops_per_token = train_flops_per_token(cfg.model)

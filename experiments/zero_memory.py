@@ -19,14 +19,14 @@ and at our presets' exact parameter count. `peak_gb` is the compiler's per-devic
 (argument + output + temp - alias, see parallel/hlo.py). GB = 1e9 bytes.
 
 Batch: one sequence of --seq-len tokens (default 128) per device per micro-step.
-Hardware: CPU only (2 shared cores when measured). Runtime: 2.5-10 s per cell ("compile_s"),
-all 72 cells 382 s ("total_compile_s"). Expected: every cell within 2% of the paper (our presets
+Hardware: CPU only; the JSON records each cell's compile time ("compile_s") and the total
+("total_compile_s"). Expected: every cell within 2% of the paper (our presets
 are within 1% of the paper's Psi) and exact at our own Psi. `peak_gb` is XLA:CPU's: that backend
 widens bf16 collectives to f32 (the gradient reduce-scatter / all-reduce runs on an f32 copy, 4
 bytes per parameter), so the temporaries are CPU-specific (zero2's peak even comes out above
 zero1's); it is not the peak a GPU/TPU backend would report.
 
-The real step is lowered abstractly by experiments/compiled.py.
+The real step is built by parallel/sharded_run.py and lowered abstractly (nothing allocated).
 """
 
 from __future__ import annotations
@@ -37,87 +37,16 @@ import pathlib
 import sys
 import time
 
+from tqdm import tqdm
+
+from experiments.config import fail
+from experiments.results_io import results_path, write_result
+from experiments.zero_evidence import PAPER_PSI, STAGES, measure_cell
+from parallel.devices import request_cpu_devices
+
 PROG = "experiments.zero_memory"
-PAPER_PSI = {"7.5b": 7.5e9, "128b": 128e9, "1t": 1e12}
 DEVICE_COUNTS = (1, 4, 16, 64, 256, 1024)
-STAGES = ("dp", "zero1", "zero2", "zero3")
-K = 12  # fp32 master + momentum + variance, bytes per parameter
-GB = 1e9
-DEFAULT_OUT = "experiments/results/zero_memory.json"
-
-
-def paper_bytes(stage: str, psi: float, n_devices: int) -> float:
-    """Per-device model-state bytes of the ZeRO paper (2 bytes params + 2 bytes grads + K)."""
-    if stage == "dp":
-        return (2 + 2 + K) * psi
-    if stage == "zero1":
-        return 4 * psi + K * psi / n_devices
-    if stage == "zero2":
-        return 2 * psi + (2 + K) * psi / n_devices
-    if stage == "zero3":
-        return (2 + 2 + K) * psi / n_devices
-    raise ValueError(f"stage={stage!r}: allowed {', '.join(STAGES)}")
-
-
-def gradient_accumulator_bytes(hlo_text: str, micro_steps: int) -> int:
-    """Per-device bytes of the micro-step loop's gradient accumulator, read from the HLO.
-
-    The micro-step loop is the ENTRY-level while loop with trip count `micro_steps` (the layer
-    loops are nested inside it); its updated non-scalar carry is the accumulator (the scalar
-    parts are the loop counter and the loss sum).
-    """
-    from parallel import hlo
-
-    loops = [w for w in hlo.while_loops(hlo_text) if hlo.trip_count(w) == micro_steps]
-    if len(loops) != 1:
-        raise ValueError(f"expected one ENTRY while loop with trip count {micro_steps} (the "
-                         f"micro-steps), found {len(loops)}; use --micro-steps >= 2")
-    return sum(e.bytes for e in hlo.loop_updated_carry(hlo_text, loops[0]) if not e.is_scalar)
-
-
-def model_state(compiled, args, micro_steps: int) -> dict[str, int]:
-    """Per-device params / grads / optimizer bytes of a compiled step (see module doc)."""
-    import jax
-
-    from parallel import hlo
-
-    state_bytes = hlo.input_bytes_per_device(compiled, args)[0]
-    return {"params": sum(jax.tree.leaves(state_bytes["params"])),
-            "grads": gradient_accumulator_bytes(compiled.as_text(), micro_steps),
-            "optimizer": sum(jax.tree.leaves(state_bytes["opt"]))}
-
-
-def measure_cell(preset: str, n_devices: int, stage: str, *, seq_len: int,
-                 micro_steps: int) -> dict:
-    import dataclasses
-
-    from experiments.compiled import compile_step
-    from model.config import MODEL_PRESETS
-    from model.flops import param_count
-    from parallel import hlo
-
-    cfg = dataclasses.replace(MODEL_PRESETS[preset], param_dtype="bfloat16",
-                              compute_dtype="bfloat16")
-    start = time.perf_counter()
-    compiled, args = compile_step(cfg, stage, n_devices, seq_len=seq_len, micro_steps=micro_steps)
-    compile_s = time.perf_counter() - start
-    parts = model_state(compiled, args, micro_steps)
-    total = sum(parts.values())
-    psi = param_count(cfg)
-    paper = paper_bytes(stage, PAPER_PSI[preset], n_devices)
-    memory = hlo.memory_peak(compiled)
-    return {
-        "params": preset, "n_devices": n_devices, "stage": stage,
-        "model_state_gb": total / GB, "paper_gb": paper / GB, "ratio": total / paper,
-        "within_2pct": abs(total / paper - 1) <= 0.02,
-        "formula_at_our_psi_gb": paper_bytes(stage, psi, n_devices) / GB,
-        "ratio_at_our_psi": total / paper_bytes(stage, psi, n_devices),
-        "params_gb": parts["params"] / GB, "grads_gb": parts["grads"] / GB,
-        "optimizer_gb": parts["optimizer"] / GB,
-        "peak_gb": memory.peak / GB, "argument_gb": memory.argument / GB,
-        "temp_gb": memory.temp / GB, "psi": psi, "paper_psi": PAPER_PSI[preset],
-        "compile_s": round(compile_s, 2),
-    }
+DEFAULT_OUT = str(results_path("zero_memory.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,13 +77,9 @@ def print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.micro_steps < 2:
-        from experiments.config import fail
-
         fail(PROG, f"micro-steps={args.micro_steps}: must be >= 2 (see --help)")
-    from parallel.devices import request_cpu_devices
 
     request_cpu_devices(max(args.devices))
-    from tqdm import tqdm
 
     cells = [(p, n, s) for p in args.presets for n in args.devices for s in args.stages]
     start = time.perf_counter()
@@ -170,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "peak": "argument + output + temp - alias (compiled.memory_analysis)"},
     }
     path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     if not args.json:
         print_table(results)
     print(f"{len(cells)} cells in {out['total_compile_s']} s; all within 2% of the paper: "

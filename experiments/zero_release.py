@@ -21,7 +21,7 @@ Measured on XLA:CPU, u is about 3 carries, not 1: the forward loop saves the bf1
 copy of that stack for the backward loop (2 more). That is activation memory, still far below one
 layer's gathered weights. The 8-device rows also give growth / (carry + 16 bytes x params / N_d).
 
-Hardware: CPU, 8 fake devices, 8 compiles of a few seconds each (about 45 s).
+Hardware: CPU, 8 fake devices, 8 compiles of a few seconds each.
 Output: one JSON line, also written to experiments/results/zero_release.json (--out).
 """
 
@@ -33,85 +33,18 @@ import json
 import pathlib
 import sys
 
+from tqdm import tqdm
+
+from experiments.results_io import results_path, write_result
+from experiments.zero_evidence import (
+    ReleaseSetup,
+    measure_depth,
+    release_report,
+)
+from parallel.devices import request_cpu_devices
+
 PROG = "experiments.zero_release"
-DEFAULT_OUT = "experiments/results/zero_release.json"
-STATE_BYTES_PER_PARAM = 2 + 2 + 12  # bf16 params + bf16 grads + fp32 master/mu/nu
-# Released if what grows per layer independently of N_d, beyond the carry, is less than this
-# fraction of one layer's gathered weights (keeping them would make it 1.0 or more).
-RELEASE_TOLERANCE = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class ReleaseSetup:
-    d_model: int = 1024
-    n_heads: int = 8
-    d_ff: int = 4096
-    depths: tuple[int, int] = (4, 12)
-    devices: tuple[int, int] = (4, 8)  # the second is the headline device count
-    seq_len: int = 128
-    seqs_per_device: int = 4
-
-    def model(self, n_layers: int):
-        from model.config import ModelConfig
-
-        return ModelConfig(d_model=self.d_model, n_layers=n_layers, n_heads=self.n_heads,
-                           d_ff=self.d_ff, max_len=self.seq_len, param_dtype="bfloat16",
-                           compute_dtype="bfloat16", remat="full")
-
-    @property
-    def layer_params(self) -> int:
-        from model.flops import param_count
-
-        return param_count(self.model(1)) - param_count(self.model(0))
-
-    @property
-    def carry_bytes(self) -> int:
-        """The activation the layer scan saves per layer under remat=full (bf16)."""
-        return self.seqs_per_device * self.seq_len * self.d_model * 2
-
-    @property
-    def gathered_layer_bytes(self) -> int:
-        return self.layer_params * 2  # one layer's weights, gathered, in bf16
-
-
-def measure_depth(setup: ReleaseSetup, strategy: str, n_layers: int, n_devices: int) -> dict:
-    """Peak bytes and the per-step elements moved inside the layer loops, by collective kind."""
-    from experiments.compiled import compile_step
-    from parallel import hlo
-
-    compiled, _ = compile_step(setup.model(n_layers), strategy, n_devices,
-                               seq_len=setup.seq_len, micro_steps=1,
-                               seqs_per_device=setup.seqs_per_device)
-    layer_trips = {n_layers, n_layers - 1, n_layers - 2}  # zero3_prefetch peels a layer per pass
-    in_loops = [c for c in hlo.collectives(compiled.as_text())
-                if any(trips in layer_trips for _, trips in c.loops)]
-    return {"peak": hlo.memory_peak(compiled).peak,
-            "layer_loop_elements": {kind: hlo.volume_per_step([c for c in in_loops
-                                                               if c.kind == kind])
-                                    for kind in hlo.COLLECTIVE_KINDS}}
-
-
-def release_report(setup: ReleaseSetup, strategy: str, peaks: dict[tuple[int, int], int]) -> dict:
-    """Growth per added layer at each device count and its split into sharded / unsharded."""
-    (l1, l2), (n1, n2) = setup.depths, setup.devices
-    growth = {n: (peaks[(l2, n)] - peaks[(l1, n)]) / (l2 - l1) for n in (n1, n2)}
-    unsharded = (n2 * growth[n2] - n1 * growth[n1]) / (n2 - n1)
-    sharded = (growth[n1] - unsharded) * n1
-    expected_n2 = setup.carry_bytes + STATE_BYTES_PER_PARAM * setup.layer_params / n2
-    kept = (unsharded - setup.carry_bytes) / setup.gathered_layer_bytes
-    return {
-        "strategy": strategy,
-        "peak_bytes": {f"L{layers}_N{n}": peak for (layers, n), peak in sorted(peaks.items())},
-        "growth_per_layer_bytes": {f"N{n}": g for n, g in growth.items()},
-        "unsharded_growth_per_layer_bytes": unsharded,
-        "unsharded_growth_in_carries": unsharded / setup.carry_bytes,
-        "sharded_growth_bytes_per_param": sharded / setup.layer_params,
-        "carry_bytes": setup.carry_bytes,
-        "gathered_layer_bytes": setup.gathered_layer_bytes,
-        "kept_gathered_layers": kept,
-        "released": kept < RELEASE_TOLERANCE,
-        f"growth_vs_carry_plus_state_shards_N{n2}": growth[n2] / expected_n2,
-    }
+DEFAULT_OUT = str(results_path("zero_release.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,10 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     setup = ReleaseSetup(args.d_model, args.n_heads, args.d_ff, tuple(args.depths),
                          tuple(sorted(args.devices)), args.seq_len, args.seqs_per_device)
-    from parallel.devices import request_cpu_devices
 
     request_cpu_devices(max(setup.devices))
-    from tqdm import tqdm
 
     jobs = [(s, layers, n) for s in args.strategies for layers in setup.depths
             for n in setup.devices]
@@ -157,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           "remat": "full", "micro_steps": 1,
                                           "peak": "argument + output + temp - alias"}}
     path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    write_result(path, out)
     if not args.json:
         for r in results:
             print(f"{r['strategy']:>10}: growth/layer {r['growth_per_layer_bytes']} B; "

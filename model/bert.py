@@ -13,15 +13,13 @@ Dense layers, which is false here (a post-norm also feeds the residual); see qua
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.layer_stack import Runner, scan_layers
 from model.layers import Axes, Dense, Embed, _lead, dtype_of, param
-
-LayerRunner = Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +157,13 @@ class BertEncoder(nnx.Module):
 
     def __call__(self, tokens_BxT: jax.Array, mask_BxT: jax.Array | None = None,
                  token_types_BxT: jax.Array | None = None, *,
-                 layer_runner: LayerRunner | None = None) -> jax.Array:
+                 runner: Runner = scan_layers) -> jax.Array:
         """Hidden states [B, T, D] in fp32.
 
         The mask defaults to `tokens != pad_id`, which is what lets quant/calibrate.py call the
-        encoder like the decoder (token rows only). `layer_runner(run_layer, stacked, x, mask)`
-        replaces the layer scan (calibration runs layers eagerly through it), with
-        `run_layer(layer_params, x, mask)` applying one block.
+        encoder like the decoder (token rows only). `runner` (model/layer_stack.py) runs the
+        blocks with the mask as their shared input; calibration passes one that runs them
+        eagerly.
         """
         if mask_BxT is None:
             mask_BxT = tokens_BxT != self.cfg.pad_id
@@ -178,11 +176,7 @@ class BertEncoder(nnx.Module):
         def run_layer(layer_params, x, mask):
             return nnx.merge(block_def, layer_params)(x, mask)
 
-        if layer_runner is not None:
-            x = layer_runner(run_layer, stacked, x, mask_BxT)
-        else:
-            x, _ = jax.lax.scan(lambda x, p: (run_layer(p, x, mask_BxT), None), x, stacked)
-        return x.astype(jnp.float32)
+        return runner(run_layer, stacked, x, mask_BxT).astype(jnp.float32)
 
 
 def mean_pool(hidden_BxTxD: jax.Array, mask_BxT: jax.Array) -> jax.Array:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-REMAT_POLICIES = ("none", "full", "save_dots")
+from model.layer_stack import REMAT_POLICIES
+
 DTYPES = ("float32", "bfloat16")
 
 

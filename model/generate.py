@@ -35,13 +35,13 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
                          f"the context of {model.cfg.max_len}")
     cache = (make_cache(model.cfg, B, total) if make_cache is not None
              else model.init_cache(B, total, cache_dtype))
-    logits, cache = model(prompt_BxT, cache=cache, cache_index=0)
+    logits, cache = model.decode(prompt_BxT, cache, 0)
     key, sub = jax.random.split(key)
     first = sample_token(logits[:, -1], sub, temperature, top_k)
 
     def step(carry, i):
         token, cache, key = carry
-        logits, cache = model(token[:, None], cache=cache, cache_index=T + i)
+        logits, cache = model.decode(token[:, None], cache, T + i)
         key, sub = jax.random.split(key)
         nxt = sample_token(logits[:, -1], sub, temperature, top_k)
         return (nxt, cache, key), token

@@ -1,32 +1,21 @@
 """Decoder-only transformer language model (pre-norm, RMSNorm, rotary attention, GELU MLP).
 
 The blocks are created with `nnx.vmap`, so every block parameter is stacked on a leading
-`layers` axis, and they run under one `lax.scan`. The scan body accepts a `layer_hook` that
-sees each layer's parameters right before use: `parallel/` uses it to all-gather a layer's
-shards (ZeRO-3) without this file knowing about meshes.
+`layers` axis, and a runner (model/layer_stack.py; by default one `lax.scan`) runs them. A
+caller may pass its own runner: `parallel/` gathers each layer's shards right before it runs
+(ZeRO-3) without this file knowing about meshes. `decode` runs with a KV cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from model.config import ModelConfig
 from model.kv_cache import KVCache
+from model.layer_stack import Runner, default_runner
 from model.layers import Dense, Embed, RMSNorm, dtype_of, rotary
-
-LayerHook = Callable[[nnx.State], nnx.State]
-LayerRunner = Callable[..., jax.Array]
-HOOKED_PARAMS = "hooked_layer_params"  # checkpoint name of a layer's params after the hook
-
-_REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 class Attention(nnx.Module):
@@ -102,50 +91,46 @@ class DecoderLM(nnx.Module):
                           param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
 
     def __call__(self, tokens_BxT: jax.Array, *, positions_BxT: jax.Array | None = None,
-                 cache: KVCache | None = None, cache_index: jax.Array | int = 0,
-                 layer_hook: LayerHook | None = None, layer_runner: LayerRunner | None = None):
-        """Logits [B, T, vocab] in fp32 (and the updated cache when one is given).
+                 runner: Runner | None = None) -> jax.Array:
+        """Logits [B, T, vocab] in fp32.
 
-        `layer_runner(run_layer, stacked_params, x, positions) -> x` replaces the default scan
-        over layers entirely (e.g. a ZeRO-3 runner that prefetches the next layer's weights);
-        `run_layer(layer_params, x, positions)` applies one block.
+        `runner` (see model/layer_stack.py) runs the stacked blocks; the default is one scan
+        with the config's remat policy and unroll.
         """
         cfg = self.cfg
         B, T = tokens_BxT.shape
         if positions_BxT is None:
-            positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
-        x = self.embed(tokens_BxT)
+            positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
         block_def, stacked = nnx.split(self.blocks)
-        if layer_runner is not None:
-            if cache is not None:
-                raise ValueError("layer_runner: a KV cache needs the default layer scan")
 
-            def run_layer(layer_params, x, positions):
-                return nnx.merge(block_def, layer_params)(x, positions)[0]
+        def run_layer(layer_params, x, positions):
+            return nnx.merge(block_def, layer_params)(x, positions)[0]
 
-            x = layer_runner(run_layer, stacked, x, positions_BxT)
-            return self.head(self.final_norm(x)).astype(jnp.float32)
+        runner = runner or default_runner(cfg.remat, cfg.scan_unroll)
+        x = runner(run_layer, stacked, self.embed(tokens_BxT), positions_BxT)
+        return self.logits(x)
+
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache,
+               cache_index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+        """(logits [B, T, vocab] fp32, updated cache) for tokens at positions cache_index + t.
+
+        Writes this chunk's keys and values into the cache and attends over everything written
+        so far: a prompt (prefill) or one new token at a time (generation).
+        """
+        B, T = tokens_BxT.shape
+        positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
+        block_def, stacked = nnx.split(self.blocks)
 
         def layer(x, xs):
             layer_params, layer_cache = xs
-            if layer_hook is not None:
-                layer_params = jax.tree.map(
-                    lambda p: checkpoint_name(p, HOOKED_PARAMS), layer_hook(layer_params))
-            block = nnx.merge(block_def, layer_params)
-            return block(x, positions_BxT, layer_cache, cache_index)
+            return nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache, cache_index)
 
-        policy = _REMAT.get(cfg.remat)
-        if policy is None and layer_hook is not None:
-            # A hook may say what of its work must not be kept for the backward pass (ZeRO-3:
-            # the gathered weights, which are gathered again instead); "full" and "save_dots"
-            # never keep them anyway.
-            policy = getattr(layer_hook, "remat_policy", None)
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        x, new_cache = jax.lax.scan(layer, x, (stacked, cache),
-                                    unroll=min(cfg.scan_unroll, cfg.n_layers))
-        logits = self.head(self.final_norm(x)).astype(jnp.float32)
-        return logits if cache is None else (logits, new_cache)
+        x, cache = jax.lax.scan(layer, self.embed(tokens_BxT), (stacked, cache))
+        return self.logits(x), cache
+
+    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Final norm and output head, in fp32."""
+        return self.head(self.final_norm(x_BxTxD)).astype(jnp.float32)
 
     def init_cache(self, batch: int, length: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

@@ -56,6 +56,21 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) ->
     return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
 
 
+def logical_shardings(axes, mesh: Mesh, sharded: bool):
+    """The one map from logical axes (a tree of PartitionSpecs of logical names, as
+    `logical_specs` returns) to NamedShardings: through the rules table when `sharded`,
+    replicated otherwise."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec_for(a, sharded)), axes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def place_params(params: dict, axes: dict, mesh: Mesh, strategy: Strategy) -> dict:
+    """Params on a mesh: sharded by their logical axes where the strategy shards parameters,
+    replicated otherwise (clear error if a sharded dimension does not divide)."""
+    check_divisible(params, axes, mesh, strategy)
+    return jax.device_put(params, logical_shardings(axes, mesh, strategy.shards_params))
+
+
 def state_specs(abstract_state: dict, axes: dict, strategy: Strategy,
                 tx: optax.GradientTransformation) -> dict:
     """PartitionSpec tree matching the state, from the logical axes and the strategy."""

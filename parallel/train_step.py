@@ -19,19 +19,21 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model import ModelConfig
+from model.layer_stack import REMAT_POLICIES, Runner, scan_layers
 from model.layers import dtype_of
 from model.loss import nll_sum
-from model.transformer import HOOKED_PARAMS
 from parallel.prefetch import prefetching_runner
 from parallel.rules import BATCH_AXES, sharded_dim
 from parallel.state import state_specs, to_shardings
-from parallel.strategies import Strategy
+from parallel.strategies import ALL_REDUCE, SCATTER_PER_MICRO, SCATTER_PER_STEP, Strategy
 
 FSDP = "fsdp"
+GATHERED = "gathered_layer_params"  # checkpoint name of a layer's params after its all-gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,6 @@ class StepConfig:
     seq_len: int
     micro_steps: int = 1
     clip_norm: float = 1.0
-    prefetch: bool = False  # zero3: gather layer i+1 while layer i computes
 
 
 def batch_spec() -> P:
@@ -83,17 +84,32 @@ def _keep_all_but_gathered(prim, *_, **params) -> bool:
     """Remat policy for remat="none" under zero3: keep every activation, no gathered weight."""
     if prim.name in _GATHER_PRIMITIVES:
         return False
-    return not (prim.name == "name" and params.get("name") == HOOKED_PARAMS)
+    return not (prim.name == "name" and params.get("name") == GATHERED)
 
 
-def make_layer_hook(dtype) -> Callable[[nnx.State], nnx.State]:
-    """Gather-then-release for one layer: called inside the scan, right before the layer runs.
+def make_layer_gather(dtype) -> Callable[[nnx.State], nnx.State]:
+    """One layer's shards -> its whole parameters, in the compute dtype."""
+    return _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
 
-    Its `remat_policy` makes the backward pass gather the layer again rather than keep it.
-    """
-    hook = _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
-    hook.remat_policy = _keep_all_but_gathered
-    return hook
+
+def gathering_runner(gather: Callable[[nnx.State], nnx.State], model_cfg: ModelConfig) -> Runner:
+    """Gather-then-release: the model's layer scan, each layer's shards all-gathered inside the
+    scan body right before the layer runs. The gathered weights are never kept for the backward
+    pass (it gathers them again): "full" and "save_dots" keep no weights anyway, and under
+    remat "none" every activation is kept except the gathered weights."""
+    policy = REMAT_POLICIES[model_cfg.remat] or _keep_all_but_gathered
+
+    def gathered(run_layer):
+        def run(layer_params, x, aux):
+            whole = jax.tree.map(lambda p: checkpoint_name(p, GATHERED), gather(layer_params))
+            return run_layer(whole, x, aux)
+        return run
+
+    def runner(run_layer, stacked, x, aux):
+        return scan_layers(gathered(run_layer), stacked, x, aux, policy=policy,
+                           unroll=model_cfg.scan_unroll)
+
+    return runner
 
 
 def _varies_over(x, axis: str) -> bool:
@@ -168,25 +184,22 @@ def _finish(state, target, adam, params, mixed, metrics):
 
 
 def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):
-    name = strategy.name
     dims = _gather_dims(axes)
     cdt, pdt = dtype_of(model_cfg.compute_dtype), dtype_of(model_cfg.param_dtype)
     mixed = model_cfg.param_dtype != "float32"
-    hook = make_layer_hook(cdt) if name == "zero3" else None
-    runner = (prefetching_runner(hook, make_layer_scatter(pdt))
-              if name == "zero3" and step_cfg.prefetch else None)
+    runner = None
+    if strategy.gathers_layers:
+        gather = make_layer_gather(cdt)
+        runner = (prefetching_runner(gather, make_layer_scatter(pdt)) if strategy.prefetch
+                  else gathering_runner(gather, model_cfg))
     is_dim = lambda x: x is None or isinstance(x, int)
 
     def loss_fn(params, tokens):
-        if name == "zero3":  # non-layer params (embedding, final norm, head) are gathered whole
+        if strategy.gathers_layers:  # the embedding, final norm and head are gathered whole
             params = {k: v if k == "blocks" else jax.tree.map(
                 lambda x, d: _gather(x, d, cdt), v, dims[k], is_leaf=None)
                 for k, v in params.items()}
-        model = nnx.merge(graphdef, params)
-        if runner is not None:
-            logits = model(tokens[:, :-1], layer_runner=runner)
-        else:
-            logits = model(tokens[:, :-1], layer_hook=hook)
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1], runner=runner)
         return nll_sum(logits, tokens[:, 1:]) / denom
 
     def scatter(g, d):  # gradient leaves leave as a reduce-scatter over fsdp
@@ -195,7 +208,7 @@ def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cf
 
     def local_step(state, batch):
         params = state["params"]
-        if name == "zero3":
+        if strategy.gathers_layers:
             # Autodiff transposes each all_gather into a psum_scatter: gradients arrive sharded.
             diff_params = params
         else:
@@ -206,37 +219,40 @@ def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cf
         def micro(carry, tokens):
             acc, loss_acc = carry
             loss, g = jax.value_and_grad(loss_fn)(diff_params, tokens)
-            if name == "zero2":
+            if strategy.grad_reduce == SCATTER_PER_MICRO:
                 g = jax.tree.map(scatter, g, dims, is_leaf=is_dim)
             return (jax.tree.map(jnp.add, acc, g), loss_acc + loss), None
 
-        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), _local_grad_shape(
-            name, params, dims))
-        # The accumulator must carry the same device-variance as the gradients it sums: zero3's
-        # arrive reduced over `data` and sharded over fsdp; the others are still local.
-        acc0 = lax.pcast(acc0, FSDP if name == "zero3" else BATCH_AXES, to="varying")
+        acc_shape = (jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(_shard_shape(p.shape, d),
+                                                                    p.dtype),
+                                  params, dims, is_leaf=is_dim)
+                     if strategy.grad_reduce == SCATTER_PER_MICRO else params)
+        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), acc_shape)
+        # The accumulator must carry the same device-variance as the gradients it sums: gathered
+        # layers' arrive reduced over `data` and sharded over fsdp; the others are still local.
+        acc0 = lax.pcast(acc0, FSDP if strategy.gathers_layers else BATCH_AXES, to="varying")
         (grads, loss), _ = lax.scan(micro, (acc0, lax.pcast(jnp.zeros((), jnp.float32),
                                                            BATCH_AXES, to="varying")), batch)
         loss = lax.psum(loss, BATCH_AXES)
-        if name == "dp":
+        if strategy.grad_reduce == ALL_REDUCE:
             grads = lax.psum(grads, BATCH_AXES)
-        elif name == "zero1":
+        elif strategy.grad_reduce == SCATTER_PER_STEP:
             grads = jax.tree.map(scatter, grads, dims, is_leaf=is_dim)
-        if name in ("zero1", "zero2"):  # shards are replicated across `data` (free when size 1)
+        if strategy.updates_shards_of_replicas:  # shards are replicated across `data`
             grads = jax.tree.map(lambda g, d: g if d is None else lax.psum(g, "data"), grads, dims,
                                  is_leaf=is_dim)
-        sharded = name != "dp"
-        grads, gnorm = _clip(grads, _global_norm_sq(grads, dims, sharded), step_cfg.clip_norm)
+        norm_sq = _global_norm_sq(grads, dims, strategy.shards_optimizer)
+        grads, gnorm = _clip(grads, norm_sq, step_cfg.clip_norm)
 
         if mixed:
             target = state["opt"]["master"]
-        elif name in ("zero1", "zero2"):  # this device's slice of the replicated params
+        elif strategy.updates_shards_of_replicas:  # this device's slice of the whole params
             target = jax.tree.map(_local_slice, params, dims, is_leaf=is_dim)
         else:
             target = params
         updates, adam = tx.update(grads, state["opt"]["adam"], target)
         target = optax.apply_updates(target, updates)
-        if name in ("zero1", "zero2"):  # re-assemble the whole parameters on every device
+        if strategy.updates_shards_of_replicas:  # re-assemble the whole parameters everywhere
             new_params = jax.tree.map(
                 lambda t, d: t.astype(pdt) if d is None else lax.all_gather(
                     t.astype(pdt), FSDP, axis=d, tiled=True, to="invarying"),
@@ -247,14 +263,6 @@ def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cf
 
     return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, batch_spec()),
                          out_specs=(specs, P()))
-
-
-def _local_grad_shape(name, params, dims):
-    """Shape of the gradient accumulator: sharded for zero2/zero3, whole otherwise."""
-    if name in ("zero2",):
-        return jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(_shard_shape(p.shape, d), p.dtype),
-                            params, dims, is_leaf=lambda x: x is None or isinstance(x, int))
-    return params
 
 
 def _shard_shape(shape, dim):

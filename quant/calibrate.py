@@ -5,7 +5,7 @@ share of outlier columns; with twins (the candidate int8 model), the relative RM
 int8 Dense's output against its float output *on the same float input* (automatic precision).
 
 Variable mutations inside the model's layer scan do not escape it, so calibration runs the
-layers eagerly through the model's `layer_runner` argument, one layer at a time, with every
+layers eagerly through the model's `runner` argument, one layer at a time, with every
 Dense wrapped in a `Tap` that reports to a sink. Slow per op, but it is a few batches, once.
 """
 
@@ -91,7 +91,7 @@ def recording(sink: Sink):
 
 
 def eager_layer_runner(sink: Sink):
-    """A `layer_runner` for DecoderLM that runs the layers one by one, telling the sink which."""
+    """A runner (model/layer_stack.py) that runs the layers one by one, telling the sink which."""
 
     def runner(run_layer, stacked, x, positions):
         n_layers = jax.tree.leaves(stacked)[0].shape[0]
@@ -133,7 +133,7 @@ def calibrate(graphdef, params, batches, twins: nnx.Module | None = None,
     runner = eager_layer_runner(sink)
     with recording(sink):
         for rows in batches:
-            model(jnp.asarray(rows[:, :-1]), layer_runner=runner)
+            model(jnp.asarray(rows[:, :-1]), runner=runner)
     absmax = _stack(sink.absmax, paths, lambda v: v)
     mean_cols = _stack(sink.outlier_cols, paths, lambda v: float(np.mean(v)))
     stats = {"absmax": absmax,

@@ -26,11 +26,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from model import DecoderLM, ModelConfig
-from parallel.rules import spec_for
-from parallel.state import logical_specs
+from parallel.state import logical_shardings, logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
 # /2 added the outlier capacity to the plan and made kept layers' kernels bf16. A /1 plan has no
@@ -81,9 +80,8 @@ def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
     shapes = nnx.to_pure_dict(abstract)
     if mesh is not None:
         target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                              sharding=NamedSharding(mesh, spec_for(s, sharded))),
-            shapes, specs)
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            shapes, logical_shardings(specs, mesh, sharded))
     else:
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
     try:

@@ -40,22 +40,32 @@ NORM_FEEDS = {"blocks/attn_norm": ("blocks/attn/q", "blocks/attn/k", "blocks/att
               "blocks/mlp_norm": ("blocks/mlp/up",)}
 
 
+def _field(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
 class QuantError(ValueError):
     """Bad input for quantisation: launchers print it on one line and exit 2."""
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    mode: str = "w8a8"
-    weights: str = "channel"  # channel | tensor
-    clip_search: bool = False
-    alpha: float = 0.5  # SmoothQuant migration strength
-    outlier_threshold: float = 6.0
-    # Share of a layer's input columns that may take the float path (static shapes need a cap).
-    outlier_capacity: float = 0.0625
-    error_budget: float = 0.02  # auto: relative RMS output error above which a layer stays float
-    rules: tuple[str, ...] = DEFAULT_RULES
-    calib_batches: int = 8
+    """How a float model becomes int8; each field's `help` is also its command-line help."""
+    mode: str = _field("w8a8", f"one of {', '.join(MODES)}")
+    weights: str = _field("channel", "weight scales: channel | tensor")
+    clip_search: bool = _field(False, "search the weight clipping ratio that minimises the "
+                                      "squared error")
+    alpha: float = _field(0.5, "SmoothQuant migration strength")
+    outlier_threshold: float = _field(6.0, "w8a8-outlier: |x| at or above which an input "
+                                           "column is multiplied in float")
+    outlier_capacity: float = _field(0.0625, "w8a8-outlier: largest share of a layer's input "
+                                             "columns that may take the float path (static "
+                                             "shapes need a cap)")
+    error_budget: float = _field(0.02, "auto: relative RMS output error above which a layer "
+                                       "stays float")
+    rules: tuple[str, ...] = _field(DEFAULT_RULES, "comma-separated path rules of the modules to "
+                                                   "quantise, e.g. 'blocks/*,head,embed'")
+    calib_batches: int = _field(8, "calibration batches")
 
     def validate(self) -> None:
         if self.mode not in MODES:

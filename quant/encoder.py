@@ -2,7 +2,7 @@
 
 Every mode but SmoothQuant needs nothing new: the encoder's blocks are `Dense` modules under
 "blocks/...", and it accepts quant/calibrate.py's call (token rows only, the padding mask is
-derived from the pad id; `layer_runner` runs the layers eagerly), so `quant.pipeline.quantize`
+derived from the pad id; `runner` runs the layers eagerly), so `quant.pipeline.quantize`
 runs as is.
 
 SmoothQuant does not carry over: quant/smoothquant.py folds 1/s into the scale of the pre-norm

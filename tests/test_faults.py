@@ -154,8 +154,8 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, six_ste
     assert "skipping checkpoint 6" in err
     # Resumed from step 3: steps 4..6 replayed with the same batches, same losses.
     assert _losses(workdir) == _losses(ref)
-    _, a, _ = restore_params(workdir, cfg)
-    _, b, _ = restore_params(ref, cfg)
+    a = restore_params(workdir, cfg).params
+    b = restore_params(ref, cfg).params
     assert max_tree_diff(a, b) == 0.0
 
 
@@ -190,8 +190,8 @@ def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _losses(workdir) == _losses(tmp_path / "ref")
-    _, a, _ = restore_params(workdir, cfg)
-    _, b, _ = restore_params(tmp_path / "ref", cfg)
+    a = restore_params(workdir, cfg).params
+    b = restore_params(tmp_path / "ref", cfg).params
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -98,10 +98,10 @@ def test_kv_cache_decoding_matches_full_forward():
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)), jnp.int32)
     full = m(tokens)
     cache = m.init_cache(2, 12)
-    logits, cache = m(tokens[:, :7], cache=cache, cache_index=0)
+    logits, cache = m.decode(tokens[:, :7], cache, 0)
     steps = [logits]
     for i in range(7, 12):
-        step_logits, cache = m(tokens[:, i:i + 1], cache=cache, cache_index=i)
+        step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i)
         steps.append(step_logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 

@@ -65,14 +65,14 @@ def test_mesh_parsing_errors():
 def test_zero3_state_is_sharded_and_dp_is_not():
     from experiments.optim import make_optimizer
     from parallel.state import abstract_model, init_state, state_specs
-    from parallel.strategies import Strategy
+    from parallel.strategies import get_strategy
 
     tx = make_optimizer(TINY.train)
     _, axes, _ = abstract_model(TINY.model)
     abstract = jax.eval_shape(lambda: init_state(TINY.model, tx, 0))
-    z3 = state_specs(abstract, axes, Strategy("zero3"), tx)
-    dp = state_specs(abstract, axes, Strategy("dp"), tx)
-    z1 = state_specs(abstract, axes, Strategy("zero1"), tx)
+    z3 = state_specs(abstract, axes, get_strategy("zero3"), tx)
+    dp = state_specs(abstract, axes, get_strategy("dp"), tx)
+    z1 = state_specs(abstract, axes, get_strategy("zero1"), tx)
     kernel = ("blocks", "mlp", "up", "kernel")
     get = lambda tree: tree["blocks"]["mlp"]["up"]["kernel"]
     assert tuple(get(z3["params"])) == (None, "fsdp", None) and len(kernel) == 4

@@ -462,10 +462,10 @@ def test_int8_kv_cache_decodes_like_the_float_cache():
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
     full = model(tokens)
     cache = init_int8_cache(cfg, 2, 12)
-    logits, cache = model(tokens[:, :7], cache=cache, cache_index=0)
+    logits, cache = model.decode(tokens[:, :7], cache, 0)
     steps = [logits]
     for i in range(7, 12):
-        step_logits, cache = model(tokens[:, i:i + 1], cache=cache, cache_index=i)
+        step_logits, cache = model.decode(tokens[:, i:i + 1], cache, i)
         steps.append(step_logits)
     assert cache.k.dtype == jnp.int8 and cache.k_scale.dtype == jnp.float32
     # int8 keys/values (per token and head) perturb logits by well under the logits' spread.

@@ -4,7 +4,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from experiments import report
+from experiments import tables as report
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -11,14 +11,23 @@ import functools
 
 import pytest
 
-from experiments.comm_volume import EXPECTED_PSI, layer_param_count, model_config, volume_report
-from experiments.compiled import compile_step, lower_step
-from experiments.zero_memory import model_state
-from experiments.zero_release import ReleaseSetup, measure_depth, release_report
+from experiments.config import TrainConfig
+from experiments.optim import make_optimizer
+from experiments.zero_evidence import (
+    EXPECTED_PSI,
+    ReleaseSetup,
+    compile_step,
+    layer_param_count,
+    measure_depth,
+    model_config,
+    model_state,
+    release_report,
+    volume_report,
+)
 from model.config import MODEL_PRESETS
 from model.flops import param_count
-from parallel import hlo
-from parallel.strategies import Strategy
+from parallel import hlo, sharded_run
+from parallel.strategies import get_strategy
 
 N = 8
 COMM_CFG = model_config("small", remat="full")  # what experiments.comm_volume reports
@@ -80,7 +89,8 @@ def test_prefetch_moves_what_zero3_moves():
 def test_zero3_gathers_move_bf16_when_compute_is_bf16():
     cfg = dataclasses.replace(MODEL_PRESETS["tiny"], param_dtype="float32",
                               compute_dtype="bfloat16", remat="full")
-    lowered, _ = lower_step(cfg, "zero3", N, seq_len=16, micro_steps=1)
+    lowered, _ = sharded_run.lower_step(cfg, "zero3", N, tx=make_optimizer(TrainConfig()),
+                                        seq_len=16, micro_steps=1)
     lowered_text = lowered.as_text(dialect="hlo")
     param_gathers = [c for c in hlo.collectives(lowered_text) if c.kind == "all-gather"]
     # The program JAX hands to XLA: every parameter all-gather is bf16 (cast before the wire).
@@ -97,7 +107,7 @@ def test_zero3_gathers_move_bf16_when_compute_is_bf16():
 @pytest.mark.parametrize("stage", ["dp", "zero1", "zero2", "zero3"])
 def test_model_state_bytes_match_zero_formulas_exactly(stage):
     psi = param_count(TINY_MIXED)
-    strategy = Strategy(stage)
+    strategy = get_strategy(stage)
     compiled, args = compile_step(TINY_MIXED, stage, N, seq_len=16, micro_steps=2)
     parts = model_state(compiled, args, micro_steps=2)
     assert parts["params"] == 2 * psi // (N if strategy.shards_params else 1)

@@ -1,0 +1,28 @@
+"""Where experiments write their results, and the one writer they use.
+
+A results file appears whole or not at all (written beside, then renamed), so an interrupted
+experiment never leaves a half-written table source behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def results_path(name: str) -> Path:
+    """experiments/results/NAME (the committed results the README tables come from)."""
+    return RESULTS_DIR / name
+
+
+def write_result(path: str | Path, data: dict, indent: int = 1) -> Path:
+    """Write `data` as JSON to `path` atomically (parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path

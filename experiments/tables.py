@@ -1,0 +1,194 @@
+"""Regenerate the README's result tables from the JSON files the experiments wrote.
+
+  python -m experiments.report            # rewrites the marked sections of README.md
+  python -m experiments.report --check    # exit 1 if README.md is out of date
+
+Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`; a table whose
+results file does not exist yet says so instead of showing numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+from experiments.results_io import RESULTS_DIR
+
+RESULTS = RESULTS_DIR
+SHOWN = "experiments/results"  # how the README names that folder
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _head(*columns: str) -> list[str]:
+    """A markdown table's header and separator lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def main_job(d: dict) -> str:
+    return "\n".join([
+        *_head("preset", "params", "devices", "steps", "val bits/byte (after reload)",
+               "job time", "train", "reload + eval", "median tokens/s"),
+        f"| {d['preset']} | {d['params']:,} | {d['devices']} | {d['step']} | "
+        f"**{d['bits_per_byte']:.3f}** (target ≤ {d['target_bits_per_byte']}) | "
+        f"**{d['job_s']:.0f} s** (budget {d['budget_s']} s) | {d['train_s']:.0f} s | "
+        f"{d['reload_eval_s']:.1f} s | {d['median_tokens_per_s']:,.0f} |"])
+
+
+def equivalence(d: dict) -> str:
+    rows = _head("precision", "strategy", "mesh", "max loss diff", "max param diff")
+    for r in d["results"]:
+        rows.append(f"| {r['dtype']} | {r['strategy']} | {r['mesh']} | "
+                    f"{r['max_loss_diff']:.1e} | {r['max_param_diff']:.1e} |")
+    rows.append(f"\n{d['steps']} steps of the `{d['preset']}` preset, global batch "
+                f"{d['global_batch']} in {d['micro_steps']} micro-steps; reference: "
+                f"{d['reference']}. fp32 worst loss difference {d['fp32_max_loss_diff']:.1e} "
+                f"(tolerance {d['fp32_tolerance']:.0e}).")
+    return "\n".join(rows)
+
+
+def strategy_speed(d: dict) -> str:
+    rows = [f"`{d['preset']}` preset on {d['devices']} {d['backend']} devices "
+            f"({d['device_kind']}), median of {d['steps']} steps:", "",
+            *_head("strategy", "ms/step", "× dp", "tokens/s", "peak MB/device")]
+    for r in d["results"]:
+        rows.append(f"| {r['strategy']} | {r['median_step_s'] * 1e3:.1f} | "
+                    f"{r['ratio_to_dp']:.2f} | {r['tokens_per_s']:,.0f} | "
+                    f"{r['peak_bytes'] / 1e6:.1f} |")
+    return "\n".join(rows)
+
+
+def zero_memory(d: dict) -> str:
+    cells = {}
+    for r in d["results"]:
+        cells[(r["params"], r["n_devices"], r["stage"])] = r
+    models = sorted({k[0] for k in cells})
+    nds = sorted({k[1] for k in cells})
+    stages = ["dp", "zero1", "zero2", "zero3"]
+    rows = _head("params", "N_d", *(f"{s} ours / paper GB" for s in stages))
+    for m in models:
+        for n in nds:
+            parts = []
+            for s in stages:
+                r = cells.get((m, n, s))
+                parts.append("—" if r is None else
+                             f"{r['model_state_gb']:.4g} / {r['paper_gb']:.4g}")
+            rows.append(f"| {m} | {n} | " + " | ".join(parts) + " |")
+    return "\n".join(rows)
+
+
+def comm_volume(d: dict) -> str:
+    rows = _head("strategy", "volume (× Ψ)", "all-gathers in layer loop")
+    for r in d["results"]:
+        rows.append(f"| {r['strategy']} | {r['volume_psi']:.3f} | "
+                    f"{r['all_gathers_in_layer_loop']} |")
+    return "\n".join(rows)
+
+
+def zero_release(d: dict) -> str:
+    c = d["config"]
+    rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "
+            f"{c['devices'][0]} and {c['devices'][1]} devices, {c['dtype']}, remat {c['remat']}:",
+            "", *_head("strategy", "peak growth per added layer",
+                       "of which does not shrink with N_d", "one gathered layer",
+                       "gathered layers kept", "released")]
+    for r in d["results"]:
+        growth = ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in r["growth_per_layer_bytes"].items())
+        rows.append(f"| {r['strategy']} | {growth} | "
+                    f"{r['unsharded_growth_per_layer_bytes'] / 1e6:.2f} MB | "
+                    f"{r['gathered_layer_bytes'] / 1e6:.2f} MB | "
+                    f"{r['kept_gathered_layers']:.2f} | {r['released']} |")
+    return "\n".join(rows)
+
+
+def quant_eval(d: dict) -> str:
+    rows = [f"`{d['preset']}` checkpoint at step {d['step']} ({d['workdir'].split('/')[-1]}), "
+            f"{d['eval_tokens']:,} validation tokens, {d['calib_batches']} calibration batches:",
+            "", *_head("mode", "val loss", "bits/byte", "vs float", "param bytes",
+                       "Dense bytes / fp32", "on disk vs fp32")]
+    for r in d["rows"]:
+        dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
+        disk = r.get("disk_ratio_vs_fp32")
+        disk = "baseline" if disk is None else f"{disk:.2f}× smaller"
+        rows.append(f"| {r['mode']} | {r['val_loss']:.5f} | {r['bits_per_byte']:.4f} | "
+                    f"{r['rel_to_float'] * 100:+.3f}% | {r['param_bytes']:,} | {dense} | "
+                    f"{disk} |")
+    return "\n".join(rows)
+
+
+def int8_bench(d: dict) -> str:
+    cpu = d["host_cpu"]
+    host = f"host CPU {cpu['model']} (int8 flags: {', '.join(cpu['int8_flags']) or 'none'})"
+    rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}, {host}:", "",
+            *_head("m × k × n", "fp32 ms", "bf16 ms", "int8 dot ms", "int8 Dense ms",
+                   "LLM.int8() Dense ms (1/16 cap / uncapped)", "int8 dot vs bf16",
+                   "int8 Dense vs fp32")]
+    for r in d["matmuls"]:
+        rows.append(f"| {r['m']}×{r['k']}×{r['n']} | {r['float32_ms']:.3f} | "
+                    f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
+                    f"{r['int8_outlier_dense_ms']:.3f} / {r['int8_outlier_full_dense_ms']:.3f} | "
+                    f"{r['int8_dot_speedup_vs_bf16']:.2f}× | "
+                    f"{r['int8_dense_speedup_vs_f32']:.2f}× |")
+    rows += ["", *_head("decoding mode", "tokens/s", "× float", "param bytes")]
+    for r in d["decoding"]:
+        rows.append(f"| {r['mode']} (batch {r['batch']}, {r['new_tokens']} tokens) | "
+                    f"{r['tokens_per_s']:,.0f} | {r['speedup_vs_float']:.2f} | "
+                    f"{r['param_bytes']:,} |")
+    return "\n".join(rows)
+
+
+def embed_fidelity(d: dict) -> str:
+    rows = [f"{d['n_sentences']} sentences ({d['n_calib']} other sentences for calibration), "
+            f"Python {d['python']}; float parameters {d['float_param_bytes']:,} bytes:", "",
+            *_head("mode", "mean cosine", "min cosine", "top-1 agreement", "top-10 overlap",
+                   "param bytes")]
+    for r in d["results"]:
+        rows.append(f"| {r['mode']} | {r['mean_cosine']:.5f} | {r['min_cosine']:.5f} | "
+                    f"{r['top1_agreement']:.3f} | {r['top10_overlap']:.3f} | "
+                    f"{r['param_bytes']:,} |")
+    speed = ", ".join(f"{k} {v:.0f}" for k, v in d["sentences_per_s"].items())
+    worst = max(d["outliers"], key=lambda o: o["top_over_median"])
+    rows += ["", f"Encoding throughput (sentences/s, this CPU): {speed}. Largest activation "
+             f"outlier: input of `{worst['input_of']}` in layer {worst['layer']}, channels "
+             f"{worst['top_channels']} up to {max(worst['top_absmax']):.1f} "
+             f"({worst['top_over_median']:.0f}× the median channel)."]
+    return "\n".join(rows)
+
+
+def fault_injection(d: dict) -> str:
+    rows = [f"`{d['preset']}` on {d['devices']} devices, {d['steps']} steps, a checkpoint every "
+            f"{d['ckpt_every']}:", "",
+            *_head("scenario", "injected", "recovered", "lost steps", "recovery (s)")]
+    for r in d["results"]:
+        rows.append(f"| {r['scenario']} | {r['injected']} | {r['recovered']} | "
+                    f"{r['lost_steps']} | {r['recovery_s']:.1f} |")
+    return "\n".join(rows)
+
+
+SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
+    "main_job": ("main_job.json", main_job),
+    "equivalence": ("equivalence.json", equivalence),
+    "strategy_speed": ("strategy_speed.json", strategy_speed),
+    "zero_memory": ("zero_memory.json", zero_memory),
+    "comm_volume": ("comm_volume.json", comm_volume),
+    "zero_release": ("zero_release.json", zero_release),
+    "quant_eval": ("quant_eval.json", quant_eval),
+    "quant_disk_medium": ("quant_disk_medium.json", quant_eval),
+    "int8_bench": ("int8_bench.json", int8_bench),
+    "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
+    "fault_injection": ("fault_injection.json", fault_injection),
+}
+
+
+def render(readme: str) -> str:
+    for name, (file, fn) in SECTIONS.items():
+        data = _load(file)
+        body = fn(data) if data else f"_(no {SHOWN}/{file} yet: run the command above)_"
+        pattern = re.compile(rf"(<!-- report:{name} -->\n)(?:.*?\n)?(<!-- /report:{name} -->)",
+                             re.S)
+        readme = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), readme)
+    return readme
