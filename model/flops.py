@@ -7,16 +7,25 @@ import jax
 from model.config import ModelConfig
 
 
+def _block_matmul_params(cfg: ModelConfig) -> int:
+    d, f = cfg.d_model, cfg.d_ff
+    kv = cfg.kv_heads * cfg.head_dim  # k and v outputs (d without grouped-query attention)
+    attn = 2 * d * d + 2 * d * kv  # q, o + k, v
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f  # (gate,) up, down
+    return attn + mlp
+
+
 def param_count(cfg: ModelConfig) -> int:
-    d, f, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
-    per_layer = 4 * d * d + 2 * d * f + 2 * d  # q,k,v,o + up,down + two RMSNorm scales
-    return L * per_layer + V * d + d * V + d  # + embedding, head, final norm
+    d, V, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
+    per_layer = _block_matmul_params(cfg) + 2 * d  # + two RMSNorm scales
+    head = 0 if cfg.tie_embeddings else d * V
+    return L * per_layer + V * d + head + d  # + embedding, head, final norm
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (the embedding lookup is a gather)."""
-    d, f, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
-    return L * (4 * d * d + 2 * d * f) + d * V
+    """Parameters that take part in a matmul per token (the embedding lookup is a gather; a tied
+    head still multiplies by the whole table)."""
+    return cfg.n_layers * _block_matmul_params(cfg) + cfg.d_model * cfg.vocab_size
 
 
 def param_bytes(tree) -> int:

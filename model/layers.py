@@ -85,6 +85,12 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.compute_dtype))
 
+    def attend(self, x: jax.Array) -> jax.Array:
+        """x @ embedding^T: the output head of a model whose input and output embeddings are
+        tied (one [vocab, embed] table serves both)."""
+        dt = dtype_of(self.compute_dtype)
+        return jnp.einsum("...d,vd->...v", x.astype(dt), self.embedding[...].astype(dt))
+
 
 def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
     """Rotary position embedding (rotate-half convention), computed in fp32."""

