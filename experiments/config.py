@@ -9,11 +9,54 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import typing
 
 from model.config import MODEL_PRESETS, ModelConfig
 from parallel.strategies import STRATEGIES
+
+
+class ConfigError(ValueError):
+    """Bad input: the launcher prints it on one line (`fail`) and exits with status 2."""
+
+
+# Seeds feed numpy's Generator (which refuses negative seeds) and jax.random.key, which keeps only
+# the low 32 bits with 64-bit types off (2**32 and 0 would give the same run).
+SEED_LIMIT = 2**32
+
+BYTE_VOCAB = 256  # the corpus is raw bytes: token ids 0..255
+
+# What each float field allows besides being finite (`not lr > 0` lets inf through). A float
+# field without an entry only has to be finite.
+_FLOAT_RULES = {
+    "lr": (lambda v: v > 0, "> 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    # The step scales the gradient by min(1, clip_norm / norm): 0 freezes the model and a
+    # negative value reverses the update; there is no "off" value, a large one never clips.
+    "clip_norm": (lambda v: v > 0, "> 0"),
+    "rope_base": (lambda v: v > 0, "> 0"),
+    "norm_eps": (lambda v: v > 0, "> 0"),
+}
+
+
+def check_floats(obj) -> None:
+    """Every float field of the config dataclass `obj` is finite and within _FLOAT_RULES."""
+    for f in dataclasses.fields(obj):
+        if _field_type(type(obj), f) is not float:
+            continue
+        value = getattr(obj, f.name)
+        test, allowed = _FLOAT_RULES.get(f.name, (lambda v: True, ""))
+        if not (math.isfinite(value) and test(value)):
+            raise ConfigError(f"{f.name}={value}: must be a finite number {allowed}".rstrip())
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"seed={seed}: must be an integer in 0..{SEED_LIMIT - 1}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,27 +86,32 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop the run, or skip that step
 
     def validate(self) -> None:
+        """Raise ConfigError naming the first bad field and what it allows."""
         for name in ("steps", "batch_size", "micro_steps", "eval_every", "eval_batches",
                      "log_every", "ckpt_every", "keep_ckpts"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be a positive integer")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: must be >= 0")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}: must be positive")
+                raise ConfigError(f"{name}={getattr(self, name)}: must be a positive integer")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps}: must be in 0..steps "
+                              f"({self.steps})")
+        check_floats(self)
+        check_seed(self.seed)
         if self.batch_size % self.micro_steps:
-            raise ValueError(f"micro_steps={self.micro_steps}: must divide "
-                             f"batch_size={self.batch_size}")
+            raise ConfigError(f"micro_steps={self.micro_steps}: must divide "
+                              f"batch_size={self.batch_size}")
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
+            raise ConfigError(f"strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
         if self.prefetch and self.strategy != "zero3":
-            raise ValueError(f"prefetch=True: only for strategy zero3, not {self.strategy!r}")
+            raise ConfigError(f"prefetch=True: only for strategy zero3, not {self.strategy!r}")
         if self.devices is not None and self.devices < 1:
-            raise ValueError(f"devices={self.devices}: must be a positive integer")
+            raise ConfigError(f"devices={self.devices}: must be a positive integer")
+        if self.data is not None and not self.data.strip():
+            raise ConfigError("data='': must be a file or folder (leave --data out for the "
+                              "default corpus)")
         if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
         if not 0 < self.val_percent < 100:
-            raise ValueError(f"val_percent={self.val_percent}: must be in 1..99")
+            raise ConfigError(f"val_percent={self.val_percent}: must be in 1..99")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +121,15 @@ class Config:
     train: TrainConfig
 
     def validate(self) -> None:
-        self.model.validate()
+        """Raise ConfigError naming the first bad field of the model or the training config."""
+        try:
+            self.model.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        check_floats(self.model)
+        if self.model.vocab_size < BYTE_VOCAB:
+            raise ConfigError(f"vocab_size={self.model.vocab_size}: must be >= {BYTE_VOCAB}; "
+                              f"the training data is bytes (token ids 0..{BYTE_VOCAB - 1})")
         self.train.validate()
 
     def to_json(self) -> dict:
@@ -155,9 +211,9 @@ def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """Preset + overrides; raises ValueError naming the bad field."""
+    """Preset + overrides; raises ConfigError naming the bad field."""
     if args.preset not in PRESETS:
-        raise ValueError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
+        raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     base = PRESETS[args.preset]
     cfg = Config(base.preset,
                  dataclasses.replace(base.model, **field_overrides(args, ModelConfig)),
@@ -166,8 +222,25 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-class ConfigError(ValueError):
-    """Bad input: the launcher prints it on one line (`fail`) and exits with status 2."""
+def check_sampling(model: ModelConfig, prompt_len: int, max_new_tokens: int, temperature: float,
+                   top_k: int, seed: int) -> None:
+    """Sampling settings against the trained model; raises ConfigError naming the field."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be a positive integer")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
+    if not 0 <= top_k <= model.vocab_size:
+        raise ConfigError(f"top_k={top_k}: must be in 0..{model.vocab_size}, the vocabulary size "
+                          f"(0 = no top-k cut)")
+    check_seed(seed)
+    if prompt_len < 1:
+        raise ConfigError("prompt: must not be empty")
+    if prompt_len >= model.max_len:
+        raise ConfigError(f"prompt: {prompt_len} bytes; must be shorter than the context of "
+                          f"{model.max_len}")
+    if prompt_len + max_new_tokens > model.max_len:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: prompt ({prompt_len} bytes) + new "
+                          f"tokens must fit the context of {model.max_len}")
 
 
 def fail(prog: str, message: str, code: int = 2) -> typing.NoReturn:

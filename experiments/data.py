@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.config import ConfigError
+
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 _SEPARATOR = b"\0"
 
@@ -40,24 +42,49 @@ def is_validation(rel_path: str, val_percent: int) -> bool:
     return zlib.crc32(rel_path.encode()) % 100 < val_percent
 
 
+def _read(path: Path, data: str | None) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data={data!r}: cannot read {path} ({e.strerror})") from None
+
+
+def _check_text_file(raw: bytes, data: str) -> None:
+    """A file named on its own must be text: a binary one (an archive, a checkpoint passed by
+    mistake) would otherwise train silently on noise. Folders are read as bytes, because real
+    source trees (the default corpus included) hold a few files in other encodings."""
+    allowed = "allowed: a non-empty UTF-8 text file, or a folder of .py .txt .md .rst files"
+    if not raw:
+        raise ConfigError(f"data={data!r}: the file is empty; {allowed}")
+    nul = raw.find(_SEPARATOR)
+    if nul >= 0:
+        raise ConfigError(f"data={data!r}: binary, a NUL byte at offset {nul}; {allowed}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data={data!r}: not UTF-8 text (byte {e.start}); {allowed}") from None
+
+
 def load_corpus(path: str | None, val_percent: int = 5) -> tuple[np.ndarray, np.ndarray]:
-    """(train_bytes, val_bytes) as uint8 arrays. A single file is split by position instead."""
+    """(train_bytes, val_bytes) as uint8 arrays. A single file is split by position instead.
+    Raises ConfigError naming `data` for a missing, unreadable, empty or binary path."""
     root = Path(path) if path else default_corpus_root()
     if not root.exists():
-        raise ValueError(f"data={path!r}: no such file or folder")
+        raise ConfigError(f"data={path!r}: no such file or folder")
     files = list_files(root)
     if root.is_file():
-        raw = root.read_bytes()
+        raw = _read(root, path)
+        _check_text_file(raw, path)
         cut = len(raw) - len(raw) * val_percent // 100
         train, val = raw[:cut], raw[cut:]
     else:
         parts = {True: [], False: []}
         for f in files:
-            parts[is_validation(str(f.relative_to(root)), val_percent)].append(f.read_bytes())
+            parts[is_validation(str(f.relative_to(root)), val_percent)].append(_read(f, path))
         train, val = _SEPARATOR.join(parts[False]), _SEPARATOR.join(parts[True])
     if not train or not val:
-        raise ValueError(f"data={path!r}: holds no text for both a train and a validation split "
-                         f"(files found: {len(files)})")
+        raise ConfigError(f"data={path!r}: holds no text for both a train and a validation split "
+                          f"(files found: {len(files)})")
     return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
 
 

@@ -80,12 +80,12 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
 def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:
     """The run's fixed validation batches (token rows), as its trainer evaluated them."""
     t = cfg.train
-    try:
+    try:  # the corpus may have changed since training: it is read again here
         _, val_bytes = load_corpus(t.data, t.val_percent)
+        return validation_batches(pack(val_bytes, cfg.model.max_len),
+                                  t.batch_size // t.micro_steps, eval_batches or t.eval_batches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return validation_batches(pack(val_bytes, cfg.model.max_len), t.batch_size // t.micro_steps,
-                              eval_batches or t.eval_batches)
 
 
 def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
@@ -94,9 +94,9 @@ def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
     t = cfg.train
     try:
         train_bytes, _ = load_corpus(t.data, t.val_percent)
+        sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len), t.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len), t.seed)
     batch = t.batch_size // t.micro_steps
     rows = [sampler.next_batch(batch) for _ in range(n)]
     return rows, {"source": "train split", "sampler_seed": t.seed, "start_position": 0,

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from experiments import runtime
-from experiments.config import ConfigError, fail
-from experiments.restore import calibration_rows, restore_params
+from experiments.config import ConfigError, check_sampling, fail
+from experiments.restore import calibration_rows, load_config, restore_params
 from model.generate import generate
 from quant.convert import ALL_MODES, QuantError
 from quant.kv_cache import init_int8_cache
@@ -47,28 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> str:
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        fail(PROG, f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
-    if args.temperature < 0:
-        fail(PROG, f"temperature={args.temperature}: must be >= 0 (0 = greedy)")
-    if not args.prompt:
-        fail(PROG, "prompt: must not be empty")
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
+    prompt = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)[None]
+    try:
+        # Only config.json is read before the settings are checked against the model.
+        cfg = load_config(args.workdir)
+        check_sampling(cfg.model, prompt.shape[1], args.max_new_tokens, args.temperature,
+                       args.top_k, args.seed)
+    except ConfigError as e:
+        fail(PROG, str(e))
     runtime.start(1)
     try:
-        model = restore_params(args.workdir, step=args.step, devices=1, strategy="dp")
+        model = restore_params(args.workdir, cfg, step=args.step, devices=1, strategy="dp")
         graphdef, params = model.graphdef, model.params
         if args.quant != "none":
             graphdef, params, _, _ = load_or_quantize(
                 args.workdir, args.quant, model.cfg.model, graphdef, params, mesh=model.mesh,
                 sharded=False, step=model.step,
                 calibration=functools.partial(calibration_rows, model.cfg))
-        prompt = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)[None]
-        max_len = model.cfg.model.max_len
-        if prompt.shape[1] + args.max_new_tokens > max_len:
-            raise ConfigError(f"max_new_tokens={args.max_new_tokens}: prompt ({prompt.shape[1]} "
-                              f"bytes) + new tokens must fit the context of {max_len}")
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     make_cache = init_int8_cache if args.kv_int8 else None

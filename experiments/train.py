@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-    except ValueError as e:
+    except ConfigError as e:
         fail(PROG, str(e))
     runtime.start(cfg.train.devices)
 

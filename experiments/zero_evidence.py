@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from experiments.config import TrainConfig
+from experiments.config import ConfigError, TrainConfig
 from experiments.optim import make_optimizer
 from model.config import MODEL_PRESETS, ModelConfig
 from model.flops import param_count
@@ -176,6 +176,21 @@ class ReleaseSetup:
     seq_len: int = 128
     seqs_per_device: int = 4
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the field: the report divides by the difference of the two
+        depths and of the two device counts, so each pair must hold two different values."""
+        for name in ("depths", "devices"):
+            a, b = getattr(self, name)
+            if a < 1 or b < 1 or a == b:
+                raise ConfigError(f"{name}={a} {b}: must be two different positive integers")
+        if self.seqs_per_device < 1:
+            raise ConfigError(f"seqs_per_device={self.seqs_per_device}: must be a positive "
+                              f"integer")
+        try:
+            self.model(max(self.depths)).validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def model(self, n_layers: int):
         return ModelConfig(d_model=self.d_model, n_layers=n_layers, n_heads=self.n_heads,
                            d_ff=self.d_ff, max_len=self.seq_len, param_dtype="bfloat16",
@@ -212,6 +227,7 @@ def measure_depth(setup: ReleaseSetup, strategy: str, n_layers: int, n_devices: 
 
 def release_report(setup: ReleaseSetup, strategy: str, peaks: dict[tuple[int, int], int]) -> dict:
     """Growth per added layer at each device count and its split into sharded / unsharded."""
+    setup.validate()
     (l1, l2), (n1, n2) = setup.depths, setup.devices
     growth = {n: (peaks[(l2, n)] - peaks[(l1, n)]) / (l2 - l1) for n in (n1, n2)}
     unsharded = (n2 * growth[n2] - n1 * growth[n1]) / (n2 - n1)

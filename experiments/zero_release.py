@@ -35,6 +35,7 @@ import sys
 
 from tqdm import tqdm
 
+from experiments.config import ConfigError, fail
 from experiments.results_io import results_path, write_result
 from experiments.zero_evidence import (
     ReleaseSetup,
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     setup = ReleaseSetup(args.d_model, args.n_heads, args.d_ff, tuple(args.depths),
                          tuple(sorted(args.devices)), args.seq_len, args.seqs_per_device)
+    try:
+        setup.validate()
+    except ConfigError as e:
+        fail(PROG, str(e))
 
     request_cpu_devices(max(setup.devices))
 

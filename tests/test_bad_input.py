@@ -1,0 +1,203 @@
+"""Bad input ends in one line that names the field and what is allowed, exit status 2, and
+nothing written.
+
+Train's flags run in-process through the config flags and the `prepare` the launcher uses (tests
+do not import launchers); one subprocess per launcher proves that its ConfigError becomes
+`<prog>: error: <one line>` and exit status 2 with nothing written.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.config import (
+    PRESETS,
+    ConfigError,
+    add_override_flags,
+    check_sampling,
+    config_from_args,
+    dumps,
+)
+from experiments.data import load_corpus
+from experiments.trainer import prepare
+from experiments.zero_evidence import ReleaseSetup, release_report
+from parallel.mesh import parse_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_parser = argparse.ArgumentParser()
+_parser.add_argument("--preset", default="tiny")
+add_override_flags(_parser)
+
+TEXT = "def f(x):\n    return x + 1\n" * 200
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """{name}: format fields for the table's argv."""
+    files = {"binary": bytes(range(256)) * 40, "nul": TEXT.encode() + b"\0" + TEXT.encode(),
+             "latin1": ("caf\u00e9 " * 2000).encode("latin-1"), "empty": b""}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    (tmp_path / "folder").mkdir()
+    return {name: str(tmp_path / name) for name in [*files, "folder", "missing"]}
+
+
+# argv (on top of --preset tiny), the field the line starts with, what it says is allowed.
+TRAIN = [
+    (["--lr", "inf"], "lr", "finite number > 0"),
+    (["--lr", "nan"], "lr", "finite number > 0"),
+    (["--lr=-inf"], "lr", "finite"),
+    (["--weight-decay", "nan"], "weight_decay", ">= 0"),
+    (["--weight-decay", "-0.1"], "weight_decay", ">= 0"),
+    (["--clip-norm", "0"], "clip_norm", "> 0"),
+    (["--clip-norm", "-1"], "clip_norm", "> 0"),
+    (["--clip-norm", "inf"], "clip_norm", "finite"),
+    (["--b1", "1"], "b1", "[0, 1)"),
+    (["--b1", "-0.1"], "b1", "[0, 1)"),
+    (["--b2", "nan"], "b2", "[0, 1)"),
+    (["--min-lr-ratio", "1.5"], "min_lr_ratio", "[0, 1]"),
+    (["--min-lr-ratio", "-0.1"], "min_lr_ratio", "[0, 1]"),
+    (["--rope-base", "inf"], "rope_base", "finite"),
+    (["--norm-eps", "0"], "norm_eps", "> 0"),
+    (["--warmup-steps", "-1"], "warmup_steps", "0..steps"),
+    (["--warmup-steps", "21"], "warmup_steps", "0..steps (20)"),
+    (["--seed", "-1"], "seed", "0..4294967295"),
+    (["--seed", str(2**32)], "seed", "0..4294967295"),
+    (["--vocab-size", "100"], "vocab_size", ">= 256"),
+    (["--mesh", "fsdp=2,fsdp=4"], "mesh", "at most once"),
+    (["--mesh", "data=2,,fsdp=4"], "mesh", "positive integers"),
+    (["--mesh", "data=two,fsdp=4"], "mesh", "positive integers"),
+    (["--mesh", "data=\u00b2,fsdp=4"], "mesh", "positive integers"),
+    (["--mesh", "data=0,fsdp=8"], "mesh", "positive integers"),
+    (["--mesh", "data=2,fsdp=2"], "mesh", "device count 8"),
+    (["--data", "{binary}"], "data", "UTF-8 text file"),
+    (["--data", "{nul}"], "data", "NUL byte at offset"),
+    (["--data", "{latin1}"], "data", "not UTF-8"),
+    (["--data", "{empty}"], "data", "empty"),
+    (["--data", "{folder}"], "data", "holds no text"),
+    (["--data", "{missing}"], "data", "no such file"),
+    (["--data", ""], "data", "default corpus"),
+]
+
+
+@pytest.mark.parametrize("argv,field,allowed", TRAIN, ids=[" ".join(c[0]) for c in TRAIN])
+def test_train_refuses_before_writing(tmp_path, paths, argv, field, allowed):
+    workdir = tmp_path / "run"
+    args = _parser.parse_args([a.format(**paths) for a in argv])
+    with pytest.raises(ConfigError) as err:
+        prepare(config_from_args(args), workdir)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{field}="), line
+    assert allowed in line, line
+    assert not workdir.exists()
+
+
+def test_the_tiny_preset_and_a_text_file_pass(tmp_path, paths):
+    """The table's refusals come from its one bad field: the same run with good values checks."""
+    (tmp_path / "good.txt").write_text(TEXT * 10)
+    args = _parser.parse_args(["--data", str(tmp_path / "good.txt"), "--warmup-steps", "20",
+                               "--seed", str(2**32 - 1), "--mesh", "data=2,fsdp=4",
+                               "--min-lr-ratio", "1", "--b1", "0", "--weight-decay", "0"])
+    run = prepare(config_from_args(args), tmp_path / "run")
+    assert run.mesh.shape == {"data": 2, "fsdp": 4}
+    assert not (tmp_path / "run").exists()
+
+
+def one_line(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def cli(module, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def trained_config(tmp_path):
+    """A work dir holding only a run's config.json: enough for the checks made before a
+    checkpoint is read."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(dumps(PRESETS["tiny"]))
+    return workdir
+
+
+# One subprocess per launcher: module, argv ({workdir}, {out} filled in), field of the line.
+LAUNCHERS = [
+    ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--seed", "-1"], "seed"),
+    ("sample", ["--workdir", "{workdir}", "--top-k", "300"], "top_k"),
+    ("evaluate", ["--workdir", "{workdir}", "--eval-batches", "0"], "eval_batches"),
+    ("zero_release", ["--depths", "4", "4", "--out", "{out}"], "depths"),
+]
+
+
+@pytest.mark.parametrize("module,argv,field", LAUNCHERS, ids=[c[0] for c in LAUNCHERS])
+def test_launcher_prints_one_line_exits_2_writes_nothing(tmp_path, trained_config, module, argv,
+                                                         field):
+    fresh, out = tmp_path / "fresh", tmp_path / "out.json"
+    proc = cli(module, *[a.format(workdir=trained_config, fresh=fresh, out=out) for a in argv])
+    line = one_line(proc)
+    assert line.startswith(f"experiments.{module}: error: {field}="), line
+    assert not fresh.exists() and not out.exists()
+    assert os.listdir(trained_config) == ["config.json"]
+
+
+SAMPLING = [  # check_sampling keywords on the tiny model (vocab 256, context 32)
+    (dict(top_k=257), "top_k=257: must be in 0..256"),
+    (dict(top_k=-1), "top_k=-1: must be in 0..256"),
+    (dict(temperature=-0.5), "temperature=-0.5: must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature=float("inf")), "temperature=inf"),
+    (dict(max_new_tokens=0), "max_new_tokens=0: must be a positive integer"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(prompt_len=0), "prompt: must not be empty"),
+    (dict(prompt_len=40), "prompt: 40 bytes; must be shorter than the context of 32"),
+    (dict(prompt_len=4, max_new_tokens=29), "max_new_tokens=29: prompt (4 bytes)"),
+]
+
+
+@pytest.mark.parametrize("bad,message", SAMPLING, ids=[m.split(":")[0] for _, m in SAMPLING])
+def test_sampling_settings_are_checked_against_the_model(bad, message):
+    good = dict(prompt_len=4, max_new_tokens=28, temperature=0.8, top_k=256, seed=2**32 - 1)
+    check_sampling(PRESETS["tiny"].model, **good)
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        check_sampling(PRESETS["tiny"].model, **(good | bad))
+
+
+def test_mesh_parser():
+    assert parse_mesh("data=2, fsdp=4", 8) == {"data": 2, "fsdp": 4}
+    assert parse_mesh("fsdp=8", 8) == {"data": 1, "fsdp": 8}
+    assert parse_mesh(None, 8) == {"data": 1, "fsdp": 8}
+    for spec in ("fsdp=2,fsdp=4", "data=1,data=1,fsdp=8", "data=2,", "fsdp", "fsdp=-8",
+                 "fsdp=8.0", "model=8"):
+        with pytest.raises(ValueError, match=r"^mesh="):
+            parse_mesh(spec, 8)
+
+
+def test_data_checks_single_files_only(tmp_path):
+    """A folder is read as bytes: the default corpus itself holds files in other encodings."""
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_bytes(("caf\u00e9 " * 100).encode("latin-1"))
+    train, val = load_corpus(str(tmp_path), val_percent=50)
+    assert b"\xe9" in train.tobytes() and len(val) > 0
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_corpus(str(tmp_path / "a.txt"))
+
+
+@pytest.mark.parametrize("field,value", [("depths", (4, 4)), ("devices", (8, 8)),
+                                         ("devices", (0, 8)), ("depths", (0, 4))])
+def test_zero_release_needs_two_different_values(field, value):
+    setup = ReleaseSetup(d_model=64, n_heads=2, d_ff=128, seq_len=8, **{field: value})
+    with pytest.raises(ConfigError, match=f"^{field}=.*two different positive integers"):
+        setup.validate()
+    peaks = {(depth, n): 1000 for depth in setup.depths for n in setup.devices}
+    with pytest.raises(ConfigError, match=f"^{field}="):  # not a ZeroDivisionError
+        release_report(setup, "zero3", peaks)
