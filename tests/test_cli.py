@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+from experiments.config import ConfigError
+from experiments.restore import restore_params
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -65,7 +68,7 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(open(json.__file__).read() * 4)
     proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "4",
-               "--data", str(corpus), "--no-progress")
+               "--ckpt-every", "2", "--eval-every", "2", "--data", str(corpus), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"config.json", "metrics.jsonl", "checkpoints"} <= set(os.listdir(workdir))
@@ -79,6 +82,16 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     assert ev["step"] == 4 and ev["param_bytes"] == 41120 * 4
     assert ev["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     assert ev["bits_per_byte"] == pytest.approx(ev["val_loss"] / 0.6931471805599453)
+
+    # An older checkpoint: --step restores that one, not the newest.
+    proc = cli("evaluate", "--workdir", str(workdir), "--json", "--devices", "2", "--step", "2")
+    assert proc.returncode == 0, proc.stderr
+    older = json.loads(proc.stdout.strip().splitlines()[-1])
+    val_at = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert older["step"] == 2 and older["val_loss"] == pytest.approx(val_at[2], rel=1e-5)
+    assert older["val_loss"] != pytest.approx(val_at[4], rel=1e-5)
+    with pytest.raises(ConfigError, match=r"^step=3: no such checkpoint; available: \[2, 4\]$"):
+        restore_params(workdir, step=3)
 
     proc = cli("sample", "--workdir", str(workdir), "--prompt", "def ", "--max-new-tokens",
                "10", "--json")
