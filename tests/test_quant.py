@@ -2,7 +2,9 @@
 SmoothQuant folding, outliers, automatic precision, the int8 checkpoint, generation, bad input.
 
 References: the float model (same parameters), the rounding bound s/2 of symmetric absmax
-quantisation, and a float re-computation of the int8 product from the dequantised operands.
+quantisation, a float re-computation of the int8 product from the dequantised operands, the
+float model's greedy tokens (trained tiny model), and plain w8a8 where SmoothQuant or the
+outlier split must differ from it.
 """
 
 import dataclasses
