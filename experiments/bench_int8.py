@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from experiments.config import fail
+from experiments.machine import host_cpu
 from experiments.results_io import results_path, write_result
 from model import MODEL_PRESETS, DecoderLM
 from model.generate import generate
@@ -137,18 +137,6 @@ def bench_decoding(preset: str, batch: int, new_tokens: int, repeats: int) -> li
     for r in rows:
         r["speedup_vs_float"] = r["tokens_per_s"] / base
     return rows
-
-
-def host_cpu() -> dict:
-    """The host CPU's model name and the int8 dot instruction sets it advertises (Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return {"model": None, "int8_flags": []}
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lines
-                              if ln.startswith(key)), "")
-    flags = set(field("flags").split()) & {"avx512_vnni", "avx_vnni", "amx_int8", "avx512_bw"}
-    return {"model": field("model name") or None, "int8_flags": sorted(flags)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -141,6 +141,47 @@ def int8_bench(d: dict) -> str:
     return "\n".join(rows)
 
 
+def smollm2_quant(d: dict) -> str:
+    m = d["machine"]
+    rows = [f"{d['model']} ({d['layers']} layers), perplexity on {d['rows'][0]['tokens']:,} "
+            f"validation tokens of `pydoc_data` (windows of {d['rows'][0]['window']}):", "",
+            *_head("mode", "perplexity", "vs float", "param bytes", "int8 share")]
+    for r in d["rows"]:
+        rows.append(f"| {r['quant']} | {r['perplexity']:.3f} | {r['vs_float_pct']:+.2f}% | "
+                    f"{r['param_bytes']:,} | {r['quantized_fraction']:.3f} |")
+    out = d["outliers"]
+    top = ", ".join(f"`{e['module'].split('/')[-1]}` input in layer {e['layer']} (channel "
+                    f"{e['channel']}: {e['absmax']:.0f}, {e['ratio_to_median']:.0f}× the median "
+                    f"channel)" for e in out["top"][:3])
+    rows += ["", f"Largest activations (float model, {out['calibration']['rows']} calibration "
+             f"rows of {out['calibration']['tokens_per_row']} tokens): {top}.", "",
+             *_head("decoding, batch 1 (greedy, 64 new tokens)", "KV cache", "tokens/s")]
+    for r in d["decoding"]:
+        rows.append(f"| {r['quant']} | {'int8' if r['kv_int8'] else 'float'} | "
+                    f"{r['tokens_per_s']:.1f} |")
+    rows += ["", f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
+             f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}."]
+    return "\n".join(rows)
+
+
+def smollm2_int8_checkpoint(d: dict) -> str:
+    return "\n".join([
+        *_head("mode", "rules", "int8 checkpoint on disk", "float32 parameters", "smaller by",
+               "float32 checkpoint on disk (compressed)", "smaller by",
+               "zero3 reload: largest Δ mean NLL", "next tokens identical"),
+        f"| {d['mode']} | `{','.join(d['rules'])}` | {d['int8_disk_bytes']:,} | "
+        f"{d['float32_param_bytes']:,} | **{d['disk_ratio']:.2f}×** | "
+        f"{d['float32_disk_bytes']:,} | {d['disk_ratio_vs_float_checkpoint']:.2f}× | "
+        f"{d['max_abs_nll_diff']:.1e} ({d['texts']} texts, {d['devices']} devices) | "
+        f"{d['next_tokens_identical']} |"])
+
+
+def smollm2_parity(d: dict) -> str:
+    return (f"{d['texts']} texts: token ids identical for {d['ids_identical']}, greedy next "
+            f"token identical for {d['next_identical']}, max |Δ mean NLL| "
+            f"**{d['max_abs_nll_diff']:.1e}** nats (full {d['layers']}-layer model, float32).")
+
+
 def embed_fidelity(d: dict) -> str:
     rows = [f"{d['n_sentences']} sentences ({d['n_calib']} other sentences for calibration), "
             f"Python {d['python']}; float parameters {d['float_param_bytes']:,} bytes:", "",
@@ -181,6 +222,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "int8_bench": ("int8_bench.json", int8_bench),
     "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
     "fault_injection": ("fault_injection.json", fault_injection),
+    "smollm2_parity": ("smollm2_parity.json", smollm2_parity),
+    "smollm2_quant": ("smollm2_quant.json", smollm2_quant),
+    "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
 }
 
 

@@ -48,3 +48,37 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
 
     (_, _, _), out = jax.lax.scan(step, (first, cache, key), jnp.arange(max_new_tokens))
     return jnp.concatenate([prompt_BxT, out.T], axis=1)
+
+
+def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: jax.Array,
+           temperature: float = 0.0, top_k: int = 0, stop_ids: tuple[int, ...] = (),
+           make_cache=None):
+    """Yield new tokens one at a time (batch 1), stopping after a token in `stop_ids`.
+
+    The same prefill + cached single-position steps as `generate`, but each step is its own
+    jitted call so a caller can print tokens as they come and stop early (a chat turn ends at
+    its end-of-turn token, usually long before `max_new_tokens`). The cache is sized for the
+    prompt plus `max_new_tokens`, so every step reuses one compiled program.
+    """
+    model = nnx.merge(graphdef, params)
+    T = prompt_1xT.shape[1]
+    total = T + max_new_tokens
+    if total > model.cfg.max_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: prompt ({T}) + new tokens must fit "
+                         f"the context of {model.cfg.max_len}")
+    cache = (make_cache(model.cfg, 1, total) if make_cache is not None
+             else model.init_cache(1, total))
+
+    @jax.jit
+    def step(params, tokens, cache, index, key):
+        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index)
+        return sample_token(logits[:, -1], key, temperature, top_k), cache
+
+    token, cache = step(params, prompt_1xT, cache, 0, key)  # prefill: its own program
+    for i in range(max_new_tokens):
+        value = int(token[0])
+        yield value
+        if value in stop_ids or i + 1 == max_new_tokens:
+            return
+        key, sub = jax.random.split(key)
+        token, cache = step(params, token[:, None], cache, T + i, sub)

@@ -35,9 +35,6 @@ MODES: dict[str, tuple[str, bool, bool, bool]] = {
 }
 ALL_MODES = ("none",) + tuple(MODES)
 DEFAULT_RULES = ("blocks/*",)
-# Which norm feeds which Dense: SmoothQuant folds 1/s into the norm scale, s into the kernels.
-NORM_FEEDS = {"blocks/attn_norm": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
-              "blocks/mlp_norm": ("blocks/mlp/up",)}
 
 
 def _field(default, help_text: str):
@@ -148,7 +145,7 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
     plan = {}
     for path in selected:
         if isinstance(candidates[path], Embed):
-            plan[path] = {"kind": "embed"}
+            plan[path] = {"kind": "embed", "act": qcfg.act}
             continue
         in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
@@ -204,12 +201,15 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                       keep_float=keep_float, bias=bias)
 
 
-def quantize_embed(embed: Embed) -> QuantEmbed:
+def quantize_embed(embed: Embed, act: str = "token") -> QuantEmbed:
+    """`act` matters only for a tied head (`QuantEmbed.attend`): per-token int8 activations,
+    or "none" (weight-only); a static scale is not calibrated for the head, so it is per token."""
     table = embed.embedding[...]
     scale = qz.scale_from_absmax(qz.absmax(table, axis=-1))  # one scale per token id
     return QuantEmbed(qz.quantize(table, scale), scale,
                       axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
-                      compute_dtype=embed.compute_dtype)
+                      compute_dtype=embed.compute_dtype,
+                      act="none" if act == "none" else "token")
 
 
 def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
@@ -219,7 +219,7 @@ def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
     for path, entry in plan.items():
         module = get_module(model, path)
         if entry["kind"] == "embed":
-            set_module(model, path, quantize_embed(module))
+            set_module(model, path, quantize_embed(module, entry.get("act", "token")))
         else:
             set_module(model, path, quantize_dense(module, entry, qcfg, act_absmax.get(path)))
     return model

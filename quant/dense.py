@@ -128,11 +128,17 @@ class QuantDense(nnx.Module):
 
 
 class QuantEmbed(nnx.Module):
-    """int8 embedding table with one float32 scale per row (per token id): gather, then scale."""
+    """int8 embedding table with one float32 scale per row (per token id): gather, then scale.
+
+    A model whose output head is tied to this table calls `attend`: then the per-row scales are
+    the head's per-output-channel scales, and the product runs in integers like a QuantDense
+    (`act` "token", per-token int8 activations; "none" for weight-only modes).
+    """
 
     def __init__(self, table_q: jax.Array, row_scale: jax.Array, *, axes: Axes,
-                 compute_dtype: str):
+                 compute_dtype: str, act: str = "token"):
         self.compute_dtype = compute_dtype
+        self.act = act
         self.embedding_q = param(table_q, axes)
         self.row_scale = param(row_scale.reshape(-1), axes[:1])
 
@@ -140,3 +146,18 @@ class QuantEmbed(nnx.Module):
         rows = jnp.take(self.embedding_q[...], tokens, axis=0).astype(jnp.float32)
         scale = jnp.take(self.row_scale[...], tokens, axis=0)[..., None]
         return (rows * scale).astype(dtype_of(self.compute_dtype))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """x @ table^T with the int8 table: [..., embed] -> [..., vocab]."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        table_q, row_scale = self.embedding_q[...], self.row_scale[...][None, :]
+        contract = (((1,), (1,)), ((), ()))  # x's embed with the table's embed: no transpose
+        if self.act == "none":
+            y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), contract) * row_scale
+        else:
+            s_x = qz.token_scale(x2)
+            acc = jax.lax.dot_general(qz.quantize(x2, s_x), table_q, contract,
+                                      preferred_element_type=jnp.int32)
+            y = acc.astype(jnp.float32) * (s_x * row_scale)
+        return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))

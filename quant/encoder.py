@@ -6,8 +6,8 @@ derived from the pad id; `runner` runs the layers eagerly), so `quant.pipeline.q
 runs as is.
 
 SmoothQuant does not carry over: quant/smoothquant.py folds 1/s into the scale of the pre-norm
-that feeds q/k/v (NORM_FEEDS). In a post-LN encoder that norm's output is also the residual
-stream, so the fold would change the function. Here instead:
+that feeds q/k/v (`smoothquant.norm_feeds`). In a post-LN encoder that norm's output is also
+the residual stream, so the fold would change the function. Here instead:
   - v -> o is folded exactly as in the decoder (o's input is a convex combination of v's output
     rows per head; v's bias is divided too, since attention weights sum to one);
   - q/k/v (one shared factor), up and down get a `Smooth` wrapper: s folded into the kernel rows

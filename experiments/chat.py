@@ -1,0 +1,101 @@
+"""Talk to a pretrained chat model: the reply streams token by token from the KV cache.
+
+  python -m experiments.chat --model smollm2 --prompt "What is the capital of France?"
+  python -m experiments.chat --model smollm2 --quant w8a8 --kv-int8 --prompt "Name a prime."
+  python -m experiments.chat --prompt "Tell a story." --temperature 0.7 --top-k 40 --seed 1
+
+The prompt goes through the model's ChatML template (a default system message, then the user
+turn, then `<|im_start|>assistant\\n`); decoding stops at `<|im_end|>` or after
+--max-new-tokens. Greedy unless --temperature > 0. With --json the last line is {"reply",
+"tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after the prompt's prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+
+from experiments import pretrained_lm, runtime
+from experiments.config import ConfigError, fail
+from model.generate import stream
+from model.gguf import GGUFError
+from model.tokenizer import chat_prompt
+from quant.convert import QuantError
+from quant.kv_cache import init_int8_cache
+
+PROG = "experiments.chat"
+
+
+def check(args) -> None:
+    pretrained_lm.check_model_flags(args)
+    if not args.prompt.strip():
+        raise ConfigError("prompt: empty; give at least one non-blank character")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"temperature={args.temperature}: must be finite and >= 0 (0: greedy)")
+    if args.top_k < 0:
+        raise ConfigError(f"top_k={args.top_k}: must be >= 0 (0: no cut)")
+    if not 0 <= args.seed < 2**32:
+        raise ConfigError(f"seed={args.seed}: must be in 0..{2**32 - 1}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrained_lm.add_model_flags(p)
+    p.add_argument("--prompt", required=True, help="the user's message")
+    p.add_argument("--system", default=None, help="a system message (default: the model's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-int8", action="store_true", help="keep the KV cache in int8")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON last")
+    args = p.parse_args(argv)
+    try:
+        check(args)
+        runtime.start(1)
+        pre = pretrained_lm.load_from_flags(args)
+        if args.top_k > pre.cfg.vocab_size:
+            raise ConfigError(f"top_k={args.top_k}: must be at most the vocabulary "
+                              f"({pre.cfg.vocab_size})")
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = np.asarray([pre.tokenizer.encode(chat_prompt(messages))], np.int32)
+        if prompt.shape[1] + args.max_new_tokens > pre.cfg.max_len:
+            raise ConfigError(f"max_new_tokens={args.max_new_tokens}: the prompt "
+                              f"({prompt.shape[1]} tokens) + new tokens must fit the context "
+                              f"of {pre.cfg.max_len}")
+        tokens, first = [], None
+        for tok in stream(pre.graphdef, pre.params, prompt, args.max_new_tokens,
+                          jax.random.key(args.seed), args.temperature, args.top_k,
+                          stop_ids=(pre.tokenizer.eos_id,),
+                          make_cache=init_int8_cache if args.kv_int8 else None):
+            if first is None:
+                first = time.perf_counter()  # prefill (and its compile) done
+            tokens.append(tok)
+            if not args.json and tok != pre.tokenizer.eos_id:
+                sys.stdout.write(pre.tokenizer.decode([tok]))
+                sys.stdout.flush()
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    seconds = time.perf_counter() - first
+    reply = pre.tokenizer.decode(tokens, skip_special=True)
+    row = {"reply": reply, "tokens": tokens, "new_tokens": len(tokens), "seconds": seconds,
+           "tokens_per_s": (len(tokens) - 1) / seconds if len(tokens) > 1 else None}
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print()
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The pretrained LLM's int8 checkpoint: size on disk against float32, and a zero3 reload.
+
+  python -m experiments.llm_int8_checkpoint            # writes results/smollm2_int8_checkpoint.json
+  python -m experiments.llm_int8_checkpoint --mode smoothquant --out runs/smollm2-int8
+
+Quantises SmolLM2 with --mode under --rules (default: the blocks and the tied embedding/head,
+so nothing large stays float), writes the Orbax int8 checkpoint (quant/checkpoint.py, the
+layout `experiments.quantize` writes) and the float32 parameters in the same layout, and
+compares their sizes: against the float32 parameters (4 bytes each), and against that float
+checkpoint on disk (Orbax compresses it, and weights dequantised from Q4_1 blocks, 16 distinct
+values per block, compress well). Then reads the int8 checkpoint back sharded over --devices
+fake devices in the zero3 layout and scores texts with it (each layer gathered right before it
+runs) and with the in-memory int8 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+
+from experiments import pretrained_lm, runtime
+from experiments.config import ConfigError, fail
+from experiments.results_io import project_relative, results_path, write_result
+from model.flops import param_bytes
+from model.gguf import GGUFError
+from parallel.mesh import make_mesh
+from quant import checkpoint as qckpt
+from quant.convert import MODES, QuantConfig, QuantError
+from quant.stored import quantize_with_meta, save_atomic
+
+PROG = "experiments.llm_int8_checkpoint"
+OUT = results_path("smollm2_int8_checkpoint.json")
+TEXTS = ("The capital of France is Paris, and the capital of Italy is Rome.",
+         "def add(a, b):\n    return a + b\n",
+         "In 1969, Apollo 11 landed 2 astronauts on the Moon.",
+         "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
+    p.add_argument("--mode", default="w8a8", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--rules", default="blocks/*,embed", help="modules to quantise")
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices for the reload")
+    p.add_argument("--out", default=None, help="keep the int8 checkpoint in this folder "
+                                               "(default: a temporary one)")
+    p.add_argument("--json-out", default=str(OUT))
+    args = p.parse_args(argv)
+    try:
+        if args.model not in pretrained_lm.MODELS:
+            raise ConfigError(f"model={args.model!r}: allowed {', '.join(pretrained_lm.MODELS)}")
+        if args.devices < 1:
+            raise ConfigError(f"devices={args.devices}: must be a positive integer")
+        qcfg = QuantConfig(mode=args.mode, rules=tuple(r for r in args.rules.split(",") if r))
+        qcfg.validate()
+        runtime.start(args.devices)
+        result = run(args, qcfg)
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    print(f"{result['mode']}: {result['int8_disk_bytes'] / 1e6:.1f} MB on disk, "
+          f"{result['disk_ratio']:.2f}x smaller than float32; zero3 reload over "
+          f"{result['devices']} devices: max |d mean NLL| {result['max_abs_nll_diff']:.2e}, "
+          f"next tokens identical: {result['next_tokens_identical']}")
+    return result
+
+
+def run(args, qcfg: QuantConfig) -> dict:
+    pre = pretrained_lm.load(args.model)
+    rows = pretrained_lm.calibration_rows(pre.tokenizer, qcfg.calib_batches)
+    qdef, qparams, plan, report, meta = quantize_with_meta(
+        pre.graphdef, pre.params, qcfg, rows, pre.cfg,
+        {"source": "pydoc_data train topics", "rows": len(rows)})
+    work = Path(tempfile.mkdtemp(prefix="shardq-int8-"))
+    try:
+        target = Path(args.out) if args.out else work / args.mode
+        save_atomic(target, qparams, meta, report)
+        int8_bytes = qckpt.disk_bytes(target / "ckpt")
+        float_bytes = qckpt.save_float_reference(work / "float", jax.device_get(pre.params))
+        mesh = make_mesh(args.devices)
+        gdef, sharded, _ = qckpt.load(target, pre.cfg, mesh, sharded=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the float copy, and the int8 one unless --out
+    local = pretrained_lm.Pretrained(pre.name, pre.cfg, qdef, qparams, pre.tokenizer, args.mode)
+    remote = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, sharded, pre.tokenizer, args.mode)
+    a = pretrained_lm.score_texts(local, list(TEXTS))
+    b = pretrained_lm.score_texts(remote, list(TEXTS))
+    float_params = param_bytes(pre.params)
+    result = {"model": pre.name, "mode": args.mode, "rules": list(qcfg.rules),
+              "int8_disk_bytes": int8_bytes, "float32_param_bytes": float_params,
+              "disk_ratio": float_params / int8_bytes, "float32_disk_bytes": float_bytes,
+              "disk_ratio_vs_float_checkpoint": float_bytes / int8_bytes, "devices": args.devices,
+              "strategy": "zero3", "texts": len(TEXTS),
+              "max_abs_nll_diff": max(abs(x["mean_nll"] - y["mean_nll"])
+                                      for x, y in zip(a, b, strict=True)),
+              "next_tokens_identical": all(x["next_token"] == y["next_token"]
+                                           for x, y in zip(a, b, strict=True)),
+              "checkpoint": project_relative(target) if args.out else None}
+    write_result(args.json_out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

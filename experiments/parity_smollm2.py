@@ -1,0 +1,57 @@
+"""Our SmolLM2 against Hugging Face transformers on the full model (the tests use 4 layers).
+
+  python -m experiments.parity_smollm2            # writes results/smollm2_parity.json
+
+Reads the fixture experiments/make_smollm2_reference.py wrote (tests/fixtures/
+smollm2_reference.json: token ids, mean NLL and greedy next token per text from transformers),
+tokenizes and scores the same texts with the project's tokenizer and float32 model, and
+records how far apart they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from experiments import pretrained_lm, runtime
+from experiments.config import fail
+from experiments.results_io import results_path, write_result
+from model.gguf import GGUFError
+
+PROG = "experiments.parity_smollm2"
+FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_reference.json"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fixture", default=str(FIXTURE))
+    p.add_argument("--out", default=str(results_path("smollm2_parity.json")))
+    args = p.parse_args(argv)
+    try:
+        ref = json.loads(Path(args.fixture).read_text())
+    except (OSError, ValueError) as e:
+        fail(PROG, f"fixture={args.fixture!r}: cannot be read ({str(e).splitlines()[0]})")
+    runtime.start(1)
+    try:
+        pre = pretrained_lm.load("smollm2")
+    except GGUFError as e:
+        fail(PROG, str(e))
+    ids = [pre.tokenizer.encode(t) for t in ref["texts"]]
+    rows = pretrained_lm.score_ids(pre, ref["tokens"])
+    diffs = [abs(r["mean_nll"] - x["mean_nll"]) for r, x in zip(rows, ref["full"], strict=True)
+             if x["mean_nll"] is not None]
+    out = {"model": ref["model"], "reference_versions": ref["versions"],
+           "layers": pre.cfg.n_layers, "texts": len(ref["texts"]),
+           "ids_identical": sum(a == b for a, b in zip(ids, ref["tokens"], strict=True)),
+           "next_identical": sum(r["next_token"] == x["next_token"]
+                                 for r, x in zip(rows, ref["full"], strict=True)),
+           "max_abs_nll_diff": max(diffs), "mean_abs_nll_diff": sum(diffs) / len(diffs)}
+    write_result(args.out, out)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Perplexity of a pretrained LM (float or int8) on the validation topics of `pydoc_data`.
+
+  python -m experiments.perplexity --model smollm2 --json
+  python -m experiments.perplexity --model smollm2 --quant w8a8 --json --tokens 8192
+
+The text: the validation topics of the standard library's `pydoc_data/topics.py` (split by a
+hash of the topic name, `experiments/pydoc_corpus.py`), in name order, tokenized once; the
+first --tokens tokens are read in non-overlapping windows of --window tokens and every position
+after a window's first is scored. The last line with --json: {"model", "quant", "tokens",
+"scored", "window", "nll", "perplexity", "param_bytes", "quantized_fraction"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from experiments import pretrained_lm, runtime
+from experiments.config import ConfigError, fail
+from model.gguf import GGUFError
+from quant.convert import QuantError
+
+PROG = "experiments.perplexity"
+DEFAULT_TOKENS = 8192
+DEFAULT_WINDOW = 512
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrained_lm.add_model_flags(p)
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help=f"validation tokens to read (default {DEFAULT_TOKENS})")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window (default {DEFAULT_WINDOW})")
+    p.add_argument("--json", action="store_true", help="print the result as JSON last")
+    args = p.parse_args(argv)
+    try:
+        pretrained_lm.check_model_flags(args)
+        if args.tokens < 2:
+            raise ConfigError(f"tokens={args.tokens}: must be at least 2")
+        runtime.start(1)
+        pre = pretrained_lm.load_from_flags(args)
+        row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print(f"{row['model']} {row['quant']}: perplexity {row['perplexity']:.3f} "
+              f"(nll {row['nll']:.4f} nats over {row['scored']} tokens)")
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Score texts with a pretrained LM: token ids, mean NLL and the greedy next token.
+
+  python -m experiments.score --model smollm2 --json --text "The capital of France is"
+  python -m experiments.score --model smollm2 --quant w8a8 --json --text A --text "B C"
+
+With --json the last line is {"results": [{"tokens": [ids], "mean_nll": x, "next_token": id},
+...]}: `mean_nll` is the mean over positions 1..n-1 of -log p(token_i | tokens before it) in
+nats (null for a one-token text), the text tokenized without BOS, and `next_token` the argmax
+after the whole text. Without --json one line per text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from experiments import pretrained_lm, runtime
+from experiments.config import ConfigError, fail
+from model.gguf import GGUFError
+from quant.convert import QuantError
+
+PROG = "experiments.score"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pretrained_lm.add_model_flags(p)
+    p.add_argument("--text", action="append", default=[], help="a text to score (repeatable)")
+    p.add_argument("--json", action="store_true", help='print {"results": [...]} last')
+    args = p.parse_args(argv)
+    try:
+        pretrained_lm.check_model_flags(args)
+        if not args.text:
+            raise ConfigError("text: give at least one --text")
+        for i, t in enumerate(args.text):
+            if not t:
+                raise ConfigError(f"text {i}: empty; give at least one character")
+        runtime.start(1)
+        pre = pretrained_lm.load_from_flags(args)
+        rows = pretrained_lm.score_texts(pre, args.text)
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    if args.json:
+        print(json.dumps({"results": rows}))
+    else:
+        for text, r in zip(args.text, rows, strict=True):
+            nll = "-" if r["mean_nll"] is None else f"{r['mean_nll']:.4f}"
+            nxt = pre.tokenizer.decode([r["next_token"]])
+            print(f"nll {nll}  tokens {len(r['tokens'])}  next {nxt!r}  {text!r}")
+    return {"results": rows}
+
+
+if __name__ == "__main__":
+    main()

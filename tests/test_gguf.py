@@ -1,0 +1,155 @@
+"""The GGUF reader and Llama loader against untrusted files: every bad file is one GGUFError
+line (never another exception, a hang, or an allocation sized by a forged header), and a good
+file loads into exactly the parameters our DecoderLM declares."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import DecoderLM
+from model.gguf import GGUFError, GGUFFile
+from model.llama_gguf import load_gguf
+from model.tokenizer import chat_prompt, tokenizer_from_gguf
+from tests import gguf_files
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return gguf_files.write(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def load_all(path):
+    cfg, params, g = load_gguf(path)
+    return cfg, params, tokenizer_from_gguf(g)
+
+
+def test_a_good_file_fills_every_declared_parameter(good):
+    cfg, params, _ = load_all(good)
+    assert (cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.mlp, cfg.tie_embeddings) == \
+        (gguf_files.LAYERS, gguf_files.HEADS, gguf_files.KV_HEADS, "swiglu", True)
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DecoderLM(cfg,
+                                                                          rngs=nnx.Rngs(0)))))
+    want = {jax.tree_util.keystr(k): v.shape for k, v in
+            jax.tree_util.tree_leaves_with_path(abstract)}
+    got = {jax.tree_util.keystr(k): v.shape for k, v in
+           jax.tree_util.tree_leaves_with_path(params)}
+    assert got == want
+    # Linear weights are transposed to [in, out]; the down projection is not permuted.
+    raw = gguf_files.tensors(np.random.default_rng(0))
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["down"]["kernel"][1],
+                                  raw["blk.1.ffn_down.weight"].T)
+
+
+def test_rotary_rows_are_unpermuted_per_head(good):
+    """llama.cpp interleaves each head's rotary pairs; the loader restores rotate-half order:
+    row (head h, pair i, half j) of the file is row (h, j, i) of ours."""
+    cfg, params, _ = load_all(good)
+    raw = gguf_files.tensors(np.random.default_rng(0))["blk.0.attn_k.weight"]  # [kv*hd, d]
+    hd = cfg.head_dim
+    ours = params["blocks"]["attn"]["k"]["kernel"][0].T  # [kv*hd, d]
+    for h in range(cfg.kv_heads):
+        for i in range(hd // 2):
+            for j in range(2):
+                np.testing.assert_array_equal(ours[h * hd + j * hd // 2 + i],
+                                              raw[h * hd + 2 * i + j])
+
+
+def test_tokenizer_and_chat_template(good):
+    _, _, tok = load_all(good)
+    text = chat_prompt([{"role": "user", "content": "the"}], default_system=None)
+    assert text == "<|im_start|>user\nthe<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and 2 in ids  # control tokens matched whole
+    assert tok.decode(ids) == text
+    assert tok.encode(" the 12") == [gguf_files.TOKENS.index("Ġthe"),
+                                     *tok.encode(" "), *tok.encode("1"), *tok.encode("2")]
+
+
+@pytest.mark.parametrize("case, kwargs, message", [
+    ("missing", dict(drop="blk.1.ffn_up.weight"), "missing tensor for blocks/mlp/up/kernel"),
+    ("extra", dict(extra="blk.0.attn_bias.weight"), "extra tensor 'blk.0.attn_bias.weight'"),
+    ("shape", dict(reshape="blk.0.attn_v.weight"), "tensor 'blk.0.attn_v.weight' has shape"),
+    ("arch", dict(arch="gpt2"), "architecture 'gpt2' is not supported"),
+    ("layers", dict(block_count=7), "block_count=7"),
+    ("heads", dict(metadata_overrides={"llama.attention.head_count_kv": 3}), "n_kv_heads=3"),
+    ("type", dict(metadata_overrides={"llama.embedding_length": "32"}), "embedding_length"),
+])
+def test_a_bad_model_file_is_one_line(tmp_path, case, kwargs, message):
+    path = gguf_files.write(tmp_path / f"{case}.gguf", **kwargs)
+    with pytest.raises(GGUFError) as e:
+        load_all(path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _must_fail_cleanly(path, allow_success=False):
+    start = time.perf_counter()
+    try:
+        load_all(path)
+    except GGUFError as e:
+        assert "\n" not in str(e) and str(e)
+    else:
+        assert allow_success, "a damaged file loaded"
+    assert time.perf_counter() - start < 10  # no loop or allocation sized by a forged count
+
+
+def test_fuzz_truncated_files(good, tmp_path):
+    data = good.read_bytes()
+    rng = np.random.default_rng(1234)
+    offsets = [0, 3, 4, 8, 23, 24] + sorted(rng.integers(25, len(data) - 1, 24).tolist())
+    for off in offsets:
+        bad = tmp_path / f"cut{off}.gguf"
+        bad.write_bytes(data[:off])
+        _must_fail_cleanly(bad)
+
+
+@pytest.mark.parametrize("offset, value", [
+    (4, 99),  # version
+    (8, 2**63 - 1), (8, 10**6),  # tensor count
+    (16, 2**63 - 1), (16, 10**6),  # metadata count
+])
+def test_fuzz_forged_header_counts(good, tmp_path, offset, value):
+    data = bytearray(good.read_bytes())
+    fmt = "<I" if offset == 4 else "<Q"
+    struct.pack_into(fmt, data, offset, value)
+    bad = tmp_path / "forged.gguf"
+    bad.write_bytes(bytes(data))
+    _must_fail_cleanly(bad)
+
+
+def test_fuzz_forged_string_lengths_and_tensor_dims(good, tmp_path):
+    data = good.read_bytes()
+    # The first key's length field follows the 24-byte header: claim 2**40 bytes.
+    forged = bytearray(data)
+    struct.pack_into("<Q", forged, 24, 2**40)
+    (tmp_path / "strlen.gguf").write_bytes(bytes(forged))
+    _must_fail_cleanly(tmp_path / "strlen.gguf")
+    # Every tensor-info dimension field found by name: set one to a huge size.
+    g = GGUFFile(good)
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name) + 4  # skip n_dims (uint32)
+    forged = bytearray(data)
+    struct.pack_into("<Q", forged, at, 2**40)
+    (tmp_path / "dims.gguf").write_bytes(bytes(forged))
+    _must_fail_cleanly(tmp_path / "dims.gguf")
+    assert g.tensors  # the original still reads
+
+
+def test_fuzz_random_header_bytes(good, tmp_path):
+    """Random byte flips before the tensor data: a flip may still leave a valid file (a
+    changed float, a token's letter), but nothing may raise anything but GGUFError."""
+    data = good.read_bytes()
+    end = GGUFFile(good).data_offset
+    rng = np.random.default_rng(99)
+    for i in range(40):
+        forged = bytearray(data)
+        for pos in rng.integers(0, end, 3):
+            forged[pos] = int(rng.integers(0, 256))
+        bad = tmp_path / f"flip{i}.gguf"
+        bad.write_bytes(bytes(forged))
+        _must_fail_cleanly(bad, allow_success=True)
