@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from pathlib import Path
 
 import jax
@@ -112,14 +113,36 @@ class _SaveTracebacks(logging.Filter):
         return not (record.exc_info and "orbax" in record.pathname)
 
 
+def _late_write_callback(unraisable) -> bool:
+    """A TensorStore write of a failed save that completes after Orbax closed the event loop
+    the save ran on: its callback finds the loop closed. Nothing is left to do with it."""
+    frames, tb = [], unraisable.exc_traceback
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and "call_soon_threadsafe" in frames)
+
+
 @contextlib.contextmanager
 def save_errors_raised_not_logged():
-    """While a run saves: Orbax's background threads log each failed write with its traceback
-    (several per failure) and then raise it in the caller's wait; the caller reports it in one
-    line, so those logged tracebacks are left out."""
+    """While a run saves: when a write fails (a full disk), Orbax's background threads log it
+    with its traceback several times, and the save's other writes, finishing later, each print
+    one more; the same error is then raised in the caller's wait, which reports it in one line.
+    Those tracebacks are left out. After a failed save the hook stays: late writes can still
+    finish while the run stops."""
     absl, quiet = logging.getLogger("absl"), _SaveTracebacks()
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _late_write_callback(unraisable):
+            previous(unraisable)
+
     absl.addFilter(quiet)
+    sys.unraisablehook = hook
     try:
         yield
     finally:
         absl.removeFilter(quiet)
+    sys.unraisablehook = previous  # not reached when the run stops on an error

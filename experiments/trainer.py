@@ -310,7 +310,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
     return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
             "train_seconds": train_s, "params": param_count(cfg.model),
             "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
-            "skipped_steps": watch.skipped}
+            "skipped_steps": watch.skipped, "resumed_from": start}
 
 
 class _Saver:
