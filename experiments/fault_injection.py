@@ -16,7 +16,7 @@ reference run of the same config and seed. Per row:
                    exit).
 The kill points are drawn from --seed (recorded in the output). Writes
 experiments/results/fault_injection.json (--out); the last stdout line is its JSON.
-Runtime: about 6 minutes on 2 CPU cores.
+Runtime: about 4 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
