@@ -9,7 +9,9 @@ A checkpoint restores onto any mesh and strategy: the target shardings come from
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from pathlib import Path
 
 import jax
@@ -24,8 +26,11 @@ def manager(workdir: str | Path, keep: int = 2, read_only: bool = False,
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
                                                save_interval_steps=0)
     else:
+        # A step whose write was cut short (a kill, a full disk) stays in a temporary folder;
+        # it holds nothing that was saved, so a writer clears it away.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save,
+                                               cleanup_tmp_directories=True)
     absl = logging.getLogger("absl")
     level = absl.level
     if read_only:  # Orbax warns that a read-only directory is read-only; that is the point here
@@ -75,7 +80,8 @@ def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_s
     """(state, meta, step) of the newest checkpoint that passes its integrity check and
     restores; each one skipped is named in a warning (and, with quarantine, moved to
     WORKDIR/checkpoints.damaged/ so the resumed run can write that step again). None if there
-    is no checkpoint at all; NoIntactCheckpoint if there are some but none is intact."""
+    is no checkpoint at all; NoIntactCheckpoint if there are some but none is intact (no
+    warnings then: its message names every one and why)."""
     steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
     if not steps:
         return None
@@ -85,10 +91,12 @@ def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_s
         if reason is None:
             try:
                 state, meta = restore(mngr, candidate, abstract_state, shardings, params_only)
-                return state, meta, candidate
             except Exception as e:  # noqa: BLE001 - any failure to read means "not intact"
                 reason = f"it does not restore ({type(e).__name__}: {str(e)[:120]})"
-        integrity.warn(f"skipping checkpoint {candidate}: {reason}")
+            else:
+                for skipped in reasons:
+                    integrity.warn(f"skipping checkpoint {skipped}")
+                return state, meta, candidate
         reasons.append(f"{candidate}: {reason}")
         if quarantine:
             integrity.quarantine(Path(workdir), candidate)
@@ -98,3 +106,43 @@ def restore_latest_intact(workdir: Path, mngr: ocp.CheckpointManager, abstract_s
 
 class NoIntactCheckpoint(ValueError):
     """Checkpoints exist but every one failed its check: nothing safe to resume from."""
+
+
+class _SaveTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "orbax" in record.pathname)
+
+
+def _late_write_callback(unraisable) -> bool:
+    """A TensorStore write of a failed save that completes after Orbax closed the event loop
+    the save ran on: its callback finds the loop closed. Nothing is left to do with it."""
+    frames, tb = [], unraisable.exc_traceback
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and "call_soon_threadsafe" in frames)
+
+
+@contextlib.contextmanager
+def save_errors_raised_not_logged():
+    """While a run saves: when a write fails (a full disk), Orbax's background threads log it
+    with its traceback several times, and the save's other writes, finishing later, each print
+    one more; the same error is then raised in the caller's wait, which reports it in one line.
+    Those tracebacks are left out. After a failed save the hook stays: late writes can still
+    finish while the run stops."""
+    absl, quiet = logging.getLogger("absl"), _SaveTracebacks()
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _late_write_callback(unraisable):
+            previous(unraisable)
+
+    absl.addFilter(quiet)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        absl.removeFilter(quiet)
+    sys.unraisablehook = previous  # not reached when the run stops on an error

@@ -1,14 +1,22 @@
 """Inject the faults a long run meets and show that nothing is lost.
 
-  python -m experiments.fault_injection --json
+  python -m experiments.fault_injection --json [--seed N]
 
 Each scenario trains the `tiny` preset on 8 fake CPU devices (real text: the json module's
 source), injects one fault, recovers the way a user would, and compares with an uninterrupted
-reference run of the same config and seed. `lost_steps` counts the steps whose loss or final
-parameters differ from the reference (0 = nothing lost). `recovery_s` is the wall time of the
-recovery (the resumed run, or from the signal to a clean exit). Writes
+reference run of the same config and seed. Per row:
+  recovered        measured: the recovered run reached the last step and its final parameters
+                   equal the reference's bit for bit (or, where nothing is to be resumed, the
+                   fault was refused or reported as described);
+  lost_steps       steps whose logged loss differs from the reference, or all of them if the
+                   final parameters differ (0 = nothing lost);
+  retrained_steps  steps trained twice: the interrupted run had trained them, but they came
+                   after the checkpoint the resumed run started from;
+  recovery_s       wall time of the recovery (the resumed run, or from the signal to a clean
+                   exit).
+The kill points are drawn from --seed (recorded in the output). Writes
 experiments/results/fault_injection.json (--out); the last stdout line is its JSON.
-Runtime: about 3 minutes on 2 CPU cores.
+Runtime: about 4 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
-from experiments import runtime, trainer
+from experiments import integrity, runtime, trainer
 from experiments.config import PRESETS
 from experiments.guards import NonFiniteError
 from experiments.integrity import MANIFESTS
@@ -40,6 +49,9 @@ from parallel.sharded_run import max_tree_diff
 
 PROG = "experiments.fault_injection"
 STEPS, CKPT_EVERY = 12, 3
+# Once the disk "fills up", no file may grow past this: above metrics.jsonl and a manifest,
+# below the largest file of a `tiny` checkpoint.
+FILE_LIMIT = 1 << 16
 
 
 def _losses(workdir: Path) -> dict[int, float]:
@@ -47,15 +59,32 @@ def _losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def _last_trained(workdir: Path) -> int:
+    """The last step the interrupted run logged (every step is logged: log_every is 1)."""
+    return max(_losses(workdir), default=0)
+
+
 def _lost(workdir: Path, ref: Path, cfg) -> int:
     """Steps whose logged loss differs from the reference, or all of them if the final
-    parameters differ (bitwise)."""
+    parameters differ (bitwise) or cannot be read."""
 
     a, b = _losses(workdir), _losses(ref)
     lost = sum(1 for k in b if a.get(k) != b[k])
-    pa = restore_params(workdir, cfg).params
+    try:
+        pa = restore_params(workdir, cfg).params
+    except ValueError:  # no intact checkpoint at all
+        return len(b)
     pb = restore_params(ref, cfg).params
     return lost if max_tree_diff(pa, pb) == 0.0 else max(lost, len(b))
+
+
+def _outcome(workdir: Path, ref: Path, cfg, trained: int, summary: dict | None) -> dict:
+    """What a resume recovered: `summary` is the resumed run's (None if it failed), `trained`
+    the last step the interrupted run had trained."""
+    lost = _lost(workdir, ref, cfg)
+    return {"recovered": summary is not None and summary["step"] == STEPS and lost == 0,
+            "lost_steps": lost,
+            "retrained_steps": max(0, trained - summary["resumed_from"]) if summary else None}
 
 
 def _cli(workdir: Path, data: str, *extra: str) -> list[str]:
@@ -68,12 +97,26 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-def _wait_for_steps(proc, metrics: Path, n: int) -> None:
+def _resume(workdir: Path, data: str) -> tuple[dict | None, float, str]:
+    """`train --resume` as a user runs it: (its summary or None, seconds, stderr)."""
+    t = time.perf_counter()
+    done = subprocess.run([*_cli(workdir, data), "--resume"], env=_env(), capture_output=True,
+                          text=True)
+    summary = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    return summary, time.perf_counter() - t, done.stderr
+
+
+def _wait_for(proc, ready, what: str, poll_s: float = 0.05) -> None:
     deadline = time.time() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+    while not ready():
         if time.time() > deadline or proc.poll() is not None:
-            raise RuntimeError("the training process never reached the fault point")
-        time.sleep(0.05)
+            raise RuntimeError(f"the training process never reached {what}")
+        time.sleep(poll_s)
+
+
+def _wait_for_steps(proc, metrics: Path, n: int) -> None:
+    _wait_for(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n,
+              f"step {n}")
 
 
 def crash_and_resume(root: Path, data: str, ref: Path, cfg, rng) -> dict:
@@ -84,12 +127,30 @@ def crash_and_resume(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     _wait_for_steps(proc, workdir / "metrics.jsonl", kill_at)
     proc.kill()
     proc.wait()
-    t = time.perf_counter()
-    resumed = subprocess.run([*_cli(workdir, data), "--resume"], env=_env(),
-                             capture_output=True, text=True)
+    trained = _last_trained(workdir)
+    summary, seconds, _ = _resume(workdir, data)
     return {"scenario": "crash_and_resume", "injected": f"SIGKILL after step {kill_at}",
-            "recovered": resumed.returncode == 0, "recovery_s": time.perf_counter() - t,
-            "lost_steps": _lost(workdir, ref, cfg)}
+            **_outcome(workdir, ref, cfg, trained, summary), "recovery_s": seconds}
+
+
+def killed_in_first_save(root: Path, data: str, ref: Path, cfg) -> dict:
+    """SIGKILL the moment the first checkpoint's folder appears: before its seal, as a rule."""
+    workdir = root / "first-save"
+    first = workdir / "checkpoints" / str(CKPT_EVERY)
+    proc = subprocess.Popen(_cli(workdir, data), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(proc, first.is_dir, f"checkpoint {CKPT_EVERY}", poll_s=0.001)
+    proc.kill()
+    proc.wait()
+    sealed = (workdir / MANIFESTS / f"{CKPT_EVERY}.json").exists()
+    trained = _last_trained(workdir)
+    summary, seconds, err = _resume(workdir, data)
+    warnings = [x for x in err.splitlines() if x.startswith("warning:")]
+    return {"scenario": "killed_in_first_save",
+            "injected": f"SIGKILL as checkpoint {CKPT_EVERY} appeared "
+                        f"({'after' if sealed else 'before'} its seal)",
+            **_outcome(workdir, ref, cfg, trained, summary), "recovery_s": seconds,
+            "warnings": warnings}
 
 
 def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
@@ -102,13 +163,13 @@ def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     exit_s = time.perf_counter() - t
-    stopped = json.loads(out.strip().splitlines()[-1])["step"]
-    resumed = subprocess.run([*_cli(workdir, data), "--resume"], env=_env(),
-                             capture_output=True, text=True)
-    return {"scenario": "preemption", "injected": f"SIGTERM after step {at}",
-            "recovered": proc.returncode == 0 and resumed.returncode == 0,
-            "recovery_s": exit_s, "checkpointed_step": stopped,
-            "lost_steps": _lost(workdir, ref, cfg)}
+    stopped = json.loads(out.strip().splitlines()[-1])["step"] if proc.returncode == 0 else 0
+    trained = _last_trained(workdir)
+    summary, _, _ = _resume(workdir, data)
+    outcome = _outcome(workdir, ref, cfg, trained, summary)
+    outcome["recovered"] &= proc.returncode == 0
+    return {"scenario": "preemption", "injected": f"SIGTERM after step {at}", **outcome,
+            "recovery_s": exit_s, "checkpointed_step": stopped}
 
 
 def damaged_checkpoint(root: Path, data: str, ref: Path, cfg, how: str) -> dict:
@@ -125,10 +186,38 @@ def damaged_checkpoint(root: Path, data: str, ref: Path, cfg, how: str) -> dict:
     else:  # interrupted: the process died before the checkpoint was sealed
         (workdir / MANIFESTS / f"{STEPS}.json").unlink()
     t = time.perf_counter()
-    train_and_evaluate(cfg, workdir, resume=True, progress=False)
+    summary = train_and_evaluate(cfg, workdir, resume=True, progress=False)
     return {"scenario": f"{how}_checkpoint", "injected": f"{how} checkpoint {STEPS}",
-            "recovered": True, "recovery_s": time.perf_counter() - t,
-            "lost_steps": _lost(workdir, ref, cfg)}
+            **_outcome(workdir, ref, cfg, STEPS, summary),
+            "recovery_s": time.perf_counter() - t}
+
+
+def disk_full_during_save(root: Path, data: str, ref: Path, cfg) -> dict:
+    """Once the first checkpoint is sealed, no file of the run may grow past FILE_LIMIT (the
+    process's RLIMIT_FSIZE, lowered from outside): a later save fails inside Orbax's
+    background write with EFBIG, as one on a full disk fails with ENOSPC. (Python ignores
+    SIGXFSZ, so the write fails instead of the process being killed.)"""
+    workdir = root / "disk-full"
+    proc = subprocess.Popen(_cli(workdir, data), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(proc, (workdir / MANIFESTS / f"{CKPT_EVERY}.json").exists,
+              f"the seal of checkpoint {CKPT_EVERY}", poll_s=0.005)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (FILE_LIMIT, resource.RLIM_INFINITY))
+    _, err = proc.communicate(timeout=180)
+    message = err.strip()
+    clean = proc.returncode == 1 and len(message.splitlines()) == 1 \
+        and "could not be written" in message
+    sealed = sorted(int(p.stem) for p in (workdir / MANIFESTS).glob("*.json"))
+    intact = bool(sealed) and all(integrity.problem(workdir, s) is None for s in sealed)
+    trained = _last_trained(workdir)
+    summary, seconds, _ = _resume(workdir, data)
+    outcome = _outcome(workdir, ref, cfg, trained, summary)
+    outcome["recovered"] &= clean and intact
+    return {"scenario": "disk_full_during_save",
+            "injected": f"files capped at {FILE_LIMIT // 1024} kB after checkpoint "
+                        f"{CKPT_EVERY} (EFBIG mid-save)", **outcome, "recovery_s": seconds,
+            "exit_status": proc.returncode, "message": message,
+            "sealed_after_failure": sealed, "sealed_intact": intact}
 
 
 def resharding(ref: Path, cfg) -> dict:
@@ -139,21 +228,18 @@ def resharding(ref: Path, cfg) -> dict:
         params = restore_params(ref, cfg, strategy=strategy, devices=devices).params
         worst = max(worst, max_tree_diff(params, base))
     return {"scenario": "resharding", "injected": "zero3@8 checkpoint read as zero3@4, "
-            "zero3@2, dp@1", "recovered": worst == 0.0, "recovery_s": time.perf_counter() - t,
-            "lost_steps": 0 if worst == 0.0 else STEPS, "max_param_diff": worst}
+            "zero3@2, dp@1", "recovered": worst == 0.0,
+            "lost_steps": 0 if worst == 0.0 else STEPS, "retrained_steps": 0,
+            "recovery_s": time.perf_counter() - t, "max_param_diff": worst}
 
 
-def nonfinite(root: Path, cfg) -> dict:
-    original = trainer.init_sharded_state
-
-    def poisoned(run):
-        state = original(run)
-        table = state["params"]["embed"]["embedding"]
-        state["params"]["embed"]["embedding"] = table.at[:, 0].set(jnp.inf)
-        return state
-
-    workdir = root / "nonfinite"
-    trainer.init_sharded_state = poisoned
+def _stops_at_step_1(root: Path, cfg, name: str, injected: str, patch: tuple) -> dict:
+    """A run with `patch` (module, attribute, replacement) applied must stop at step 1 with a
+    NonFiniteError and save nothing."""
+    module, attr, replacement = patch
+    original = getattr(module, attr)
+    workdir = root / name
+    setattr(module, attr, replacement(original))
     t = time.perf_counter()
     try:
         trainer.train_and_evaluate(cfg, workdir, progress=False)
@@ -161,14 +247,39 @@ def nonfinite(root: Path, cfg) -> dict:
     except NonFiniteError as e:
         message = str(e).split(";")[0]
     finally:
-        trainer.init_sharded_state = original
+        setattr(module, attr, original)
     saved = ckpt.manager(workdir, read_only=True).all_steps()
-    return {"scenario": "nonfinite", "injected": "Inf in the embedding (NaN loss at step 1)",
-            "recovered": message.startswith("step 1") and saved == [],
-            "recovery_s": time.perf_counter() - t, "lost_steps": 0, "message": message}
+    return {"scenario": name, "injected": injected,
+            "recovered": message.startswith("step 1:") and saved == [], "lost_steps": 0,
+            "retrained_steps": 0, "recovery_s": time.perf_counter() - t, "message": message}
 
 
-def disk_full(root: Path, cfg) -> dict:
+def nonfinite(root: Path, cfg) -> dict:
+    def poison(init):
+        def poisoned(run):
+            state = init(run)
+            table = state["params"]["embed"]["embedding"]
+            state["params"]["embed"]["embedding"] = table.at[:, 0].set(jnp.inf)
+            return state
+        return poisoned
+
+    return _stops_at_step_1(root, cfg, "nonfinite", "Inf in the embedding (NaN loss at step 1)",
+                            (trainer, "init_sharded_state", poison))
+
+
+def nonfinite_update(root: Path, cfg) -> dict:
+    """lr=inf past the config's validation: finite loss and gradient, non-finite parameters."""
+    def infinite_lr(make):
+        return lambda train: make(dataclasses.replace(train, lr=float("inf")))
+
+    return _stops_at_step_1(root, cfg, "nonfinite_update",
+                            "lr=inf in the optimizer (finite loss, NaN update)",
+                            (trainer, "make_optimizer", infinite_lr))
+
+
+def disk_too_small(root: Path, cfg) -> dict:
+    """The pre-flight check: the disk's free space (reported, mocked) cannot hold the
+    checkpoints kept; refused before anything is written."""
     workdir = root / "diskfull"
 
     class Usage:
@@ -184,21 +295,23 @@ def disk_full(root: Path, cfg) -> dict:
         message = str(e)
     finally:
         trainer.shutil.disk_usage = real
-    return {"scenario": "disk_full", "injected": "10 kB free on the work dir's disk",
-            "recovered": "GB free" in message and not workdir.exists(),
-            "recovery_s": time.perf_counter() - t, "lost_steps": 0, "message": message}
+    return {"scenario": "disk_too_small", "injected": "disk_usage reports 10 kB free (mocked)",
+            "recovered": "GB free" in message and not workdir.exists(), "lost_steps": 0,
+            "retrained_steps": 0, "recovery_s": time.perf_counter() - t, "message": message}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=None, help="fault points (default: random)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draws the kill and SIGTERM points (default: a random seed, recorded)")
     p.add_argument("--out", default=str(results_path("fault_injection.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     runtime.start(8)
 
-    rng = np.random.default_rng(args.seed)
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = root / "corpus.txt"
@@ -209,28 +322,34 @@ def main(argv: list[str] | None = None) -> dict:
             devices=8, strategy="zero3", keep_ckpts=3))
         ref = root / "reference"
         train_and_evaluate(cfg, ref, progress=False)
+        # The command-line runs below use the CLI's default strategy, dp.
         dp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="dp"))
         ref_dp = root / "reference-dp"
         train_and_evaluate(dp, ref_dp, progress=False)
         scenarios = [
             lambda: crash_and_resume(root, str(data), ref_dp, dp, rng),
+            lambda: killed_in_first_save(root, str(data), ref_dp, dp),
             lambda: preemption(root, str(data), ref_dp, dp, rng),
             lambda: damaged_checkpoint(root, str(data), ref, cfg, "interrupted"),
             lambda: damaged_checkpoint(root, str(data), ref, cfg, "truncated"),
             lambda: damaged_checkpoint(root, str(data), ref, cfg, "altered"),
+            lambda: disk_full_during_save(root, str(data), ref_dp, dp),
             lambda: resharding(ref, cfg),
             lambda: nonfinite(root, cfg),
-            lambda: disk_full(root, cfg),
+            lambda: nonfinite_update(root, cfg),
+            lambda: disk_too_small(root, cfg),
         ]
         results = [run() for run in tqdm(scenarios, desc="scenarios", file=sys.stderr)]
     out = {"preset": "tiny", "devices": 8, "steps": STEPS, "ckpt_every": CKPT_EVERY,
+           "seed": seed,
            "all_recovered_nothing_lost": all(r["recovered"] and r["lost_steps"] == 0
                                              for r in results), "results": results}
     write_result(args.out, out)
     if not args.json:
         for r in results:
-            print(f"{r['scenario']:24s} {r['injected']:45s} recovered={r['recovered']} "
-                  f"lost={r['lost_steps']} {r['recovery_s']:.1f} s")
+            print(f"{r['scenario']:24s} {r['injected']:48s} recovered={r['recovered']} "
+                  f"lost={r['lost_steps']} retrained={r['retrained_steps']} "
+                  f"{r['recovery_s']:.1f} s")
     print(json.dumps(out))
     return out
 

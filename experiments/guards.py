@@ -1,4 +1,5 @@
-"""What stops a run early: a non-finite loss or gradient, and a polite SIGTERM (preemption).
+"""What stops a run early: a non-finite loss, gradient or update, a checkpoint or log that
+cannot be written, and a polite SIGTERM (preemption).
 
 The train step itself never lets a NaN/Inf into the state (parallel/train_step.py keeps the old
 state and reports `finite=False`); here the host decides what to do about it, one step behind
@@ -17,8 +18,18 @@ from jax.experimental import multihost_utils
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-class NonFiniteError(RuntimeError):
-    """The run stopped on a NaN/Inf; the message names the step. Launchers exit with status 1."""
+class RunStopped(RuntimeError):
+    """The run stopped early for the one-line reason in its message. Launchers exit with status
+    1 (not 2: the input was fine)."""
+
+
+class NonFiniteError(RunStopped):
+    """The run stopped on a NaN/Inf; the message names the step."""
+
+
+class WriteFailed(RunStopped):
+    """A checkpoint, manifest or log could not be written (a full disk, a file-size limit); the
+    message names what, and the newest sealed checkpoint to resume from."""
 
 
 class FiniteWatch:
@@ -46,11 +57,14 @@ class FiniteWatch:
             return
         self.skipped += 1
         if self.policy == "stop":
+            loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            what = (f"loss {loss} / gradient norm {norm} is not finite"
+                    if not (np.isfinite(loss) and np.isfinite(norm)) else
+                    f"the update made the parameters non-finite (loss {loss} and gradient norm "
+                    f"{norm} were finite: is the learning rate too large?)")
             raise NonFiniteError(
-                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
-                f"{float(metrics['grad_norm'])} is not finite; the state was left as after step "
-                f"{step - 1} and nothing non-finite was saved (--on-nonfinite skip skips such "
-                f"steps instead)")
+                f"step {step}: {what}; the state was left as after step {step - 1} and nothing "
+                f"non-finite was saved (--on-nonfinite skip skips such steps instead)")
 
 
 class Preemption:

@@ -42,10 +42,13 @@ def seal(workdir: Path, steps) -> None:
     root.mkdir(exist_ok=True)
     for step in steps:
         target = root / f"{step}.json"
-        if not target.exists():
+        if not target.exists() and _step_dir(workdir, step).is_dir():  # a failed save has none
             tmp = target.with_suffix(".tmp")
-            tmp.write_text(json.dumps(_digests(_step_dir(workdir, step))))
-            os.replace(tmp, target)
+            try:
+                tmp.write_text(json.dumps(_digests(_step_dir(workdir, step))))
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)  # a full disk leaves no half manifest behind
     keep = {f"{s}.json" for s in steps}
     for manifest in root.glob("*.json"):
         if manifest.name not in keep:

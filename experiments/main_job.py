@@ -19,7 +19,7 @@ import jax
 
 from experiments import runtime
 from experiments.config import ConfigError, add_override_flags, config_from_args, fail
-from experiments.guards import NonFiniteError
+from experiments.guards import RunStopped
 from experiments.plots import loss_curve
 from experiments.restore import restore_params, validation_rows
 from experiments.results_io import write_result
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         trained = train_and_evaluate(cfg, workdir, progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
-    except NonFiniteError as e:
+    except RunStopped as e:  # a non-finite step, a checkpoint that could not be written
         fail(PROG, str(e), code=1)
     t_train = time.perf_counter()
     # Reload from the Orbax checkpoint in a fresh layout and evaluate what was *stored*.

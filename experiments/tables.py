@@ -203,10 +203,11 @@ def embed_fidelity(d: dict) -> str:
 def fault_injection(d: dict) -> str:
     rows = [f"`{d['preset']}` on {d['devices']} devices, {d['steps']} steps, a checkpoint every "
             f"{d['ckpt_every']}:", "",
-            *_head("scenario", "injected", "recovered", "lost steps", "recovery (s)")]
+            *_head("scenario", "injected", "recovered", "lost steps", "retrained steps",
+                   "recovery (s)")]
     for r in d["results"]:
         rows.append(f"| {r['scenario']} | {r['injected']} | {r['recovered']} | "
-                    f"{r['lost_steps']} | {r['recovery_s']:.1f} |")
+                    f"{r['lost_steps']} | {r['retrained_steps']} | {r['recovery_s']:.1f} |")
     return "\n".join(rows)
 
 

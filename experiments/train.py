@@ -15,7 +15,7 @@ import jax
 
 from experiments import runtime
 from experiments.config import PRESETS, ConfigError, add_override_flags, config_from_args, fail
-from experiments.guards import NonFiniteError
+from experiments.guards import RunStopped
 from experiments.trainer import train_and_evaluate
 
 PROG = "experiments.train"
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
-    except NonFiniteError as e:
+    except RunStopped as e:  # a non-finite step, a checkpoint that could not be written
         fail(PROG, str(e), code=1)
 
     if jax.process_index() == 0:

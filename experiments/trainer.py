@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from experiments import checkpoint as ckpt
 from experiments import integrity
 from experiments.config import Config, ConfigError, dumps
 from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
-from experiments.guards import FiniteWatch, Preemption
+from experiments.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.optim import learning_rate, make_optimizer
 from model import ModelConfig, param_count, train_flops_per_token
 from model.flops import param_bytes
@@ -36,8 +37,10 @@ from parallel.sharded_run import ShardedRun, build
 from parallel.strategies import get_strategy
 from parallel.train_step import StepConfig
 
-# Fields a resumed run may change; everything else must match the checkpointed run.
-RESUMABLE_CHANGES = {"steps", "strategy", "prefetch", "mesh", "devices", "eval_every",
+# Fields a resumed run may change; everything else must match the checkpointed run. Not
+# `steps`: it is also the length of the cosine schedule, so another value would change every
+# learning rate still to come and the run would not continue as it was going.
+RESUMABLE_CHANGES = {"strategy", "prefetch", "mesh", "devices", "eval_every",
                      "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
 
 
@@ -105,9 +108,11 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
         for f in dataclasses.fields(old.train):
             if f.name not in RESUMABLE_CHANGES and \
                     getattr(old.train, f.name) != getattr(cfg.train, f.name):
+                why = (" (the learning-rate schedule's length; a resumed run keeps it)"
+                       if f.name == "steps" else "")
                 raise ConfigError(f"resume: {f.name}={getattr(cfg.train, f.name)!r} differs from "
-                                  f"the run's {getattr(old.train, f.name)!r}; allowed to change: "
-                                  f"{', '.join(sorted(RESUMABLE_CHANGES))}")
+                                  f"the run's {getattr(old.train, f.name)!r}{why}; allowed to "
+                                  f"change: {', '.join(sorted(RESUMABLE_CHANGES))}")
 
 
 def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> Run:
@@ -199,8 +204,11 @@ def _append_jsonl(path: Path, row: dict) -> None:
 def _write_atomic(path: Path, text: str) -> None:
     if jax.process_index() == 0:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
 
 
 def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
@@ -218,8 +226,15 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                                                quarantine=jax.process_index() == 0)
                     if resume else None)
     except ckpt.NoIntactCheckpoint as e:
-        mngr.close()
-        raise ConfigError(str(e)) from None
+        # Every checkpoint there is damaged and now lies in checkpoints.damaged/ (nothing is
+        # deleted); the run has nothing to continue from, so it starts again.
+        if jax.process_index() == 0:
+            integrity.warn(f"{e}; moved to {workdir / 'checkpoints.damaged'}, training again "
+                           f"from step 0")
+        restored = None
+    if resume and jax.process_count() > 1:  # process 0 may have moved steps out of sight
+        multihost_utils.sync_global_devices("shardq: checkpoints checked")
+        mngr.reload()
     if restored is not None:
         state, meta, _ = restored
         run.sampler.position = int(meta["data_position"])
@@ -246,8 +261,9 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
     last_t, last_step, val_loss = time.perf_counter(), start, None
     t0 = time.perf_counter()
     watch, step, preempted = FiniteWatch(t.on_nonfinite), start, False
-    try:
-        with Preemption() as preemption:
+    saver = _Saver(mngr, workdir)
+    with Preemption() as preemption, ckpt.save_errors_raised_not_logged():
+        try:
             for step in range(start + 1, t.steps + 1):
                 batch = global_batch(run, run.sampler.next_batch)
                 state, metrics = run.step_fn(state, batch)
@@ -272,40 +288,108 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                     if jax.process_index() == 0:
                         bar.write(f"step {step}: val loss {val_loss:.4f}, "
                                   f"{val_loss / np.log(2):.3f} bits/byte")
+                saver.seal_if_written(step)
                 preempted = preemption.requested()
                 if step % t.ckpt_every == 0 or step == t.steps or preempted:
                     watch.flush()
-                    _seal_finished(mngr, workdir)  # the previous save is long done by now
-                    ckpt.save(mngr, step, state, meta(step))
+                    saver.save(step, state, meta(step))
                 bar.update(1)
                 if preempted:
                     bar.write(f"SIGTERM: checkpointed step {step}; resume with --resume")
                     break
             watch.flush()
-    finally:
-        bar.close()
-        _seal_finished(mngr, workdir)  # a pending save completes even when the run stops
-        mngr.close()
+            saver.finish(step)  # a pending save completes and is sealed before we return
+        except OSError as e:  # metrics.jsonl, config.json or a manifest: a full disk
+            raise WriteFailed(saver.stopped(step, _reason(e))) from None
+        finally:
+            bar.close()
+            saver.close()  # seals a save that did finish; closes the manager
     train_s = time.perf_counter() - t0
     if val_loss is None or preempted:  # report the state the run ends with
         val_loss = evaluate(state["params"])
     return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
             "train_seconds": train_s, "params": param_count(cfg.model),
             "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
-            "skipped_steps": watch.skipped}
+            "skipped_steps": watch.skipped, "resumed_from": start}
 
 
-def _seal_finished(mngr, workdir: Path) -> None:
-    """Wait for Orbax's pending save, then seal every finished step with its hash manifest."""
-    mngr.wait_until_finished()
-    if jax.process_index() == 0:
-        integrity.seal(workdir, mngr.all_steps())
+class _Saver:
+    """Asynchronous saves, each sealed as soon as Orbax has finished writing it (a checkpoint
+    without its manifest is not resumed from), and a failed write turned into one line."""
+
+    def __init__(self, mngr, workdir: Path):
+        self.mngr, self.workdir = mngr, workdir
+        self.pending: int | None = None  # the step being written, not yet sealed
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        self._seal(step)  # the previous save is long done by now
+        try:
+            ckpt.save(self.mngr, step, state, meta)
+        except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the write did not happen
+            raise WriteFailed(self.stopped(step, _reason(e), writing=step)) from None
+        self.pending = step
+
+    def seal_if_written(self, step: int) -> None:
+        """Seal the pending save if it has finished (never waits for it)."""
+        if self.pending is not None and not self.mngr.is_saving_in_progress():
+            self._seal(step)
+
+    def finish(self, step: int) -> None:
+        self._seal(step)
+
+    def close(self) -> None:
+        """On the way out, also after an error: seal a save that did finish, and close the
+        manager. A failed write is reported once (by the save, the seal or finish that met it),
+        so it is not raised again here, nor does it hide the error the run stops with."""
+        try:
+            self._seal(None)
+        except WriteFailed:
+            pass
+        try:
+            self.mngr.close()
+        except Exception:  # noqa: BLE001 - Orbax raises the same failed write once more
+            pass
+
+    def _seal(self, step: int | None) -> None:
+        writing, self.pending = self.pending, None
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the background write failed
+            raise WriteFailed(self.stopped(step, _reason(e), writing=writing)) from None
+        if jax.process_index() == 0:
+            integrity.seal(self.workdir, self.mngr.all_steps())
+
+    def stopped(self, step: int | None, reason: str, writing: int | None = None) -> str:
+        """The one line a failed write stops the run with."""
+        what = f"checkpoint {writing}" if writing is not None else "the run's files"
+        intact = [s for s in sorted(self.mngr.all_steps(), reverse=True)
+                  if integrity.problem(self.workdir, s) is None]
+        resume = (f"checkpoint {intact[0]} is intact: make room, then --resume continues "
+                  f"from it" if intact else "no checkpoint is intact: make room, then --resume "
+                  "trains again from step 0")
+        return f"{what} could not be written ({reason}); stopped at step {step}; {resume}"
+
+
+def _reason(e: Exception) -> str:
+    """An OS error out of Orbax's (long, nested) message, else its first line, shortened."""
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}, errno {e.errno}" + (f", {e.filename}" if e.filename else "")
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop rows logged after the checkpoint we resume from: they will be logged again."""
     if not path.exists() or jax.process_index() != 0:
         return
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run died or the disk filled
+            continue
+        if row["step"] <= step:
+            rows.append(line)
     _write_atomic(path, "".join(r + "\n" for r in rows))

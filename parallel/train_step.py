@@ -169,18 +169,32 @@ def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: Model
     return step, shardings, batch_sharding
 
 
+def _all_finite(tree) -> jax.Array:
+    """Whether every element of tree is finite: one isfinite reduction per leaf, which XLA fuses
+    with the update that produced it. Inside shard_map a leaf may be this device's shard, so the
+    verdict is then agreed on (a min) over the mesh axes it varies over."""
+    ok = jnp.ones((), jnp.int32)
+    for x in jax.tree.leaves(tree):
+        ok = jnp.minimum(ok, jnp.all(jnp.isfinite(x)).astype(jnp.int32))
+    axes = tuple(a for a in BATCH_AXES if _varies_over(ok, a))
+    return (lax.pmin(ok, axes) if axes else ok) > 0
+
+
 def _finish(state, target, adam, params, mixed, metrics):
-    """The updated state, or the previous one unchanged when the loss or the gradient norm is
-    not finite: a NaN or Inf never enters the parameters or optimizer state (nor, so, a
+    """The updated state, or the previous one unchanged when the loss, the gradient norm or the
+    updated parameters are not finite (a finite gradient times a huge learning rate can still
+    overflow): a NaN or Inf never enters the parameters or optimizer state (nor, so, a
     checkpoint). The step counter moves on either way, so the data position stays exact."""
     opt = {"adam": adam}
     if mixed:
         opt["master"] = target
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    params_finite = _all_finite(params)  # a non-finite master shows up in its cast too
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & params_finite
     keep = lambda new, old: jnp.where(finite, new, old)
     return {"params": jax.tree.map(keep, params, state["params"]),
             "opt": jax.tree.map(keep, opt, state["opt"]),
-            "step": state["step"] + 1}, {**metrics, "finite": finite}
+            "step": state["step"] + 1}, {**metrics, "finite": finite,
+                                         "params_finite": params_finite}
 
 
 def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):

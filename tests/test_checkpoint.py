@@ -7,6 +7,7 @@ import pytest
 
 from experiments import checkpoint as ckpt
 from experiments.config import Config, ConfigError
+from experiments.guards import Preemption
 from experiments.restore import restore_params
 from experiments.trainer import train_and_evaluate
 from parallel.state import logical_shardings
@@ -26,11 +27,19 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_resume_continues_exactly(tmp_path):
+def stop_after(monkeypatch, n):
+    """Preempt the next run after n steps, as a SIGTERM would (it checkpoints that step)."""
+    calls = iter(range(1, 1 << 30))
+    monkeypatch.setattr(Preemption, "requested", lambda self: next(calls) >= n)
+
+
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    # 6 steps with warm-up 2, stopped after 4: the resumed steps are on the cosine's decay.
     cfg = tiny(tmp_path)
     full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
-    short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3))
-    train_and_evaluate(short, tmp_path / "split", progress=False)
+    stop_after(monkeypatch, 4)
+    assert train_and_evaluate(cfg, tmp_path / "split", progress=False)["preempted"]
+    monkeypatch.undo()
     resumed = train_and_evaluate(cfg, tmp_path / "split", resume=True, progress=False)
     assert losses(tmp_path / "split") == losses(tmp_path / "full")
     assert resumed["val_loss"] == full["val_loss"]
@@ -82,18 +91,32 @@ def test_resume_refuses_an_incompatible_model(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
 
 
+def test_resume_refuses_another_schedule_length(tmp_path):
+    """`steps` is the cosine schedule's length: resuming with another would change every
+    learning rate still to come, so it is refused (one line, nothing written)."""
+    cfg = tiny(tmp_path, steps=3)
+    train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6))
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    with pytest.raises(ConfigError, match=r"^resume: steps=6 differs from the run's 3 \(the "
+                                          r"learning-rate schedule's length"):
+        train_and_evaluate(longer, tmp_path / "run", resume=True, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+
+
 def test_config_json_round_trips(tmp_path):
     cfg = tiny(tmp_path)
     assert Config.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
 
 
-def test_resume_under_another_strategy_and_device_count(tmp_path):
+def test_resume_under_another_strategy_and_device_count(tmp_path, monkeypatch):
     """Written by zero3 on 8 devices, continued by zero2 on 4: same losses as one dp run."""
     cfg = tiny(tmp_path)
     train_and_evaluate(cfg, tmp_path / "ref", progress=False)
-    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3,
-                                                               strategy="zero3"))
+    first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="zero3"))
+    stop_after(monkeypatch, 3)
     train_and_evaluate(first, tmp_path / "mixed", progress=False)
+    monkeypatch.undo()
     rest = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="zero2",
                                                               devices=4))
     train_and_evaluate(rest, tmp_path / "mixed", resume=True, progress=False)

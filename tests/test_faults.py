@@ -1,8 +1,10 @@
-"""Faults injected into training: non-finite values and preemption lose nothing."""
+"""Faults injected into training: non-finite values, preemption, kills, damaged checkpoints and
+a disk that fills up mid-save lose nothing."""
 
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -15,10 +17,14 @@ import numpy as np
 import pytest
 
 from experiments import checkpoint as ckpt
-from experiments import trainer
+from experiments import integrity, trainer
+from experiments.config import ConfigError
 from experiments.guards import NonFiniteError
-from experiments.restore import restore_params
+from experiments.optim import make_optimizer
+from experiments.restore import load_config, restore_params
 from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
+from parallel.sharded_run import build
+from parallel.strategies import get_strategy
 from tests.helpers import TINY, max_tree_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +60,40 @@ def test_a_nonfinite_step_leaves_the_state_untouched(tmp_path, strategy):
         np.testing.assert_array_equal(x, y)
 
 
+def infinite_lr(train):
+    """The run's optimizer with lr=inf, past the config's validation: the loss and the
+    gradient norm stay finite, the updated parameters do not (the warm-up's 0 * inf is NaN)."""
+    return make_optimizer(dataclasses.replace(train, lr=float("inf")))
+
+
+# dp (the default strategy) is covered by the run-level test below.
+@pytest.mark.parametrize("strategy", ["zero1", "zero3", "zero3_auto"])
+def test_a_step_whose_update_is_not_finite_leaves_the_state_untouched(tmp_path, strategy):
+    run = prepare(tiny(tmp_path, strategy=strategy))
+    sharded = build(run.cfg.model, get_strategy(strategy), run.mesh, infinite_lr(run.cfg.train),
+                    run.sharded.step_cfg)
+    state = sharded.init(run.cfg.train.seed)
+    before = jax.device_get(state)
+    after, metrics = sharded.step(state, trainer.global_batch(run, run.sampler.next_batch))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert not bool(metrics["params_finite"]) and not bool(metrics["finite"])
+    assert int(after["step"]) == 1
+    assert max_tree_diff(jax.device_get(after["params"]), before["params"]) == 0.0
+    assert max_tree_diff(jax.device_get(after["opt"]), before["opt"]) == 0.0
+
+
+def test_a_nonfinite_update_stops_or_is_skipped_like_a_nonfinite_loss(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "make_optimizer", infinite_lr)
+    with pytest.raises(NonFiniteError, match="step 1: the update made the parameters "
+                                             "non-finite"):
+        train_and_evaluate(tiny(tmp_path), tmp_path / "stop", progress=False)
+    assert ckpt.manager(tmp_path / "stop", read_only=True).all_steps() == []
+    cfg = tiny(tmp_path, on_nonfinite="skip")
+    assert train_and_evaluate(cfg, tmp_path / "skip", progress=False)["skipped_steps"] == 4
+    saved = restore_params(tmp_path / "skip", cfg).params
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(saved))
+
+
 def test_nonfinite_stops_the_run_naming_the_step_and_saves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "init_sharded_state", poisoned)
     with pytest.raises(NonFiniteError, match="step 1: loss .* is not finite"):
@@ -72,35 +112,50 @@ def test_nonfinite_steps_can_be_skipped_and_counted(tmp_path, monkeypatch):
     assert mngr.all_steps() == [2, 4]
 
 
-def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
-    cfg = tiny(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    workdir = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.train", "--workdir", str(workdir), "--preset",
-            "tiny", "--data", cfg.train.data, "--ckpt-every", "100000", "--eval-every", "100000",
-            "--no-progress"]
-    proc = subprocess.Popen([*args, "--steps", "100000"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = workdir / "metrics.jsonl"
+def _train_cli(workdir, data, *extra):
+    return [sys.executable, "-m", "experiments.train", "--workdir", str(workdir), "--preset",
+            "tiny", "--data", data, "--no-progress", *extra]
+
+
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _logged_steps(metrics):
+    return [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x]
+
+
+def _sigterm_after(proc, metrics, rows):
+    """SIGTERM once `rows` training rows are logged; the run's JSON summary."""
     deadline = time.time() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.time() < deadline and proc.poll() is None, "training never started"
-        time.sleep(0.2)
+    while not (metrics.exists() and len(_logged_steps(metrics)) >= rows):
+        assert time.time() < deadline and proc.poll() is None, "training never got there"
+        time.sleep(0.05)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     assert time.time() - sent < 30
-    summary = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
+    cfg = tiny(tmp_path)
+    workdir = tmp_path / "run"
+    # --steps must stay the same on resume, so the resumed run is stopped the same way.
+    args = _train_cli(workdir, cfg.train.data, "--steps", "100000", "--ckpt-every", "100000",
+                      "--eval-every", "100000")
+    metrics = workdir / "metrics.jsonl"
+    summary = _sigterm_after(subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True), metrics, 3)
     assert summary["preempted"] and summary["step"] >= 3
     stopped = summary["step"]
     assert ckpt.manager(workdir, read_only=True).all_steps() == [stopped]
-    resumed = subprocess.run([*args, "--steps", str(stopped + 2), "--resume"], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert steps == list(range(1, stopped + 3))  # nothing trained twice, nothing skipped
+    resumed = _sigterm_after(subprocess.Popen([*args, "--resume"], cwd=ROOT, env=ENV,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True), metrics, stopped + 2)
+    assert resumed["preempted"] and resumed["step"] >= stopped + 2
+    # nothing trained twice, nothing skipped
+    assert _logged_steps(metrics) == list(range(1, resumed["step"] + 1))
 
 
 def _losses(workdir):
@@ -159,34 +214,62 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning(tmp_path, capfd, six_ste
     assert max_tree_diff(a, b) == 0.0
 
 
-def test_no_intact_checkpoint_stops_with_an_error(tmp_path):
-    cfg = tiny(tmp_path, steps=3, ckpt_every=3)
+@pytest.mark.parametrize("damage", ["unsealed", "flip"])
+def test_with_no_intact_checkpoint_resume_starts_over_and_evaluate_refuses(tmp_path, capfd,
+                                                                         six_steps, damage):
+    """The run was killed at step 4, after its first checkpoint (3) was written but before it
+    was sealed (or that checkpoint was altered since). `evaluate` and `sample` have nothing to
+    read and say so; `--resume` moves the damaged step aside, says so in one line and trains
+    from step 0: the same run as the uninterrupted one."""
+    cfg, ref = six_steps
     workdir = tmp_path / "run"
-    train_and_evaluate(cfg, workdir, progress=False)
-    _flip(max(_files(workdir, 3), key=lambda p: p.stat().st_size))
-    with pytest.raises(trainer.ConfigError, match="none is intact .*3: .* changed"):
-        train_and_evaluate(cfg, workdir, resume=True, progress=False)
+    shutil.copytree(ref, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    _unseal(workdir, 6)
+    metrics = workdir / "metrics.jsonl"
+    metrics.write_text("".join(x + "\n" for x in metrics.read_text().splitlines()
+                               if json.loads(x)["step"] <= 4))
+    (workdir / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()  # the write the kill cut short
+    if damage == "unsealed":
+        _unseal(workdir, 3)
+    else:
+        _flip(max(_files(workdir, 3), key=lambda p: p.stat().st_size))
+    with pytest.raises(ConfigError, match=r"none is intact \(3: "):
+        restore_params(workdir, cfg)  # what evaluate and sample load through
+    capfd.readouterr()
+    summary = train_and_evaluate(cfg, workdir, resume=True, progress=False)
+    warnings = [x for x in capfd.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and "none is intact (3: " in warnings[0] \
+        and "training again from step 0" in warnings[0], warnings
+    assert summary["step"] == 6
+    assert [p.name.split("-")[0] for p in (workdir / "checkpoints.damaged").iterdir()] == ["3"]
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3", "6"]
+    assert _losses(workdir) == _losses(ref)
+    assert max_tree_diff(restore_params(workdir, cfg).params,
+                         restore_params(ref, cfg).params) == 0.0
+
+
+SIGKILL_SEED = 20240611  # the kill point is drawn, but the same on every run of the suite
 
 
 def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
     cfg = tiny(tmp_path, steps=12, ckpt_every=2, eval_every=100)
     train_and_evaluate(cfg, tmp_path / "ref", progress=False)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     workdir = tmp_path / "run"
-    args = [sys.executable, "-m", "experiments.train", "--workdir", str(workdir), "--preset",
-            "tiny", "--data", cfg.train.data, "--steps", "12", "--ckpt-every", "2",
-            "--eval-every", "100", "--no-progress"]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    args = _train_cli(workdir, cfg.train.data, "--steps", "12", "--ckpt-every", "2",
+                      "--eval-every", "100")
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = workdir / "metrics.jsonl"
-    kill_after = np.random.default_rng().integers(3, 9)  # a random step count
+    kill_after = int(np.random.default_rng(SIGKILL_SEED).integers(3, 9))
+    print(f"SIGKILL once {kill_after} steps are logged (seed {SIGKILL_SEED})")
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after):
         assert time.time() < deadline and proc.poll() is None, "training never got there"
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, env=env, capture_output=True,
+    resumed = subprocess.run([*args, "--resume"], cwd=ROOT, env=ENV, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _losses(workdir) == _losses(tmp_path / "ref")
@@ -194,6 +277,38 @@ def test_sigkill_at_a_random_point_then_resume_is_bit_identical(tmp_path):
     b = restore_params(tmp_path / "ref", cfg).params
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_disk_filling_up_during_a_save_stops_cleanly_and_resume_continues(tmp_path, capfd):
+    """Once checkpoint 2 is sealed, the run's files may no longer grow past 64 kB (a
+    checkpoint's largest file is bigger, metrics.jsonl is smaller): the next save fails inside
+    Orbax's background write. The run stops with one line and status 1, checkpoint 2 stays
+    sealed and intact, and --resume continues from it. (Python ignores SIGXFSZ, so past the
+    limit a write fails with EFBIG, as one on a full disk fails with ENOSPC.)"""
+    cfg = tiny(tmp_path)
+    workdir = tmp_path / "run"
+    args = _train_cli(workdir, cfg.train.data, "--steps", "8", "--ckpt-every", "2",
+                      "--eval-every", "100")
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / integrity.MANIFESTS / "2.json").exists():
+        assert time.time() < deadline and proc.poll() is None, "checkpoint 2 was never sealed"
+        time.sleep(0.005)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert len(err.strip().splitlines()) == 1, err[-3000:]
+    assert "could not be written (File too large, errno 27)" in err
+    sealed = sorted(int(p.stem) for p in (workdir / integrity.MANIFESTS).glob("*.json"))
+    assert sealed and sealed == ckpt.manager(workdir, read_only=True).all_steps(), sealed
+    assert all(integrity.problem(workdir, s) is None for s in sealed)
+    assert f"checkpoint {sealed[-1]} is intact" in err
+    capfd.readouterr()
+    summary = train_and_evaluate(load_config(workdir), workdir, resume=True, progress=False)
+    assert "warning" not in capfd.readouterr().err
+    assert summary["resumed_from"] == sealed[-1] and summary["step"] == 8
+    assert _logged_steps(workdir / "metrics.jsonl") == list(range(1, 9))
 
 
 def test_unwritable_workdir_or_full_disk_is_refused_before_training(tmp_path, monkeypatch):
