@@ -26,6 +26,8 @@ class ConfigError(ValueError):
 SEED_LIMIT = 2**32
 
 BYTE_VOCAB = 256  # the corpus is raw bytes: token ids 0..255
+CORPORA = ("stdlib", "pydoc-topics")
+PRETRAINED_INITS = ("smollm2",)
 
 # What each float field allows besides being finite (`not lr > 0` lets inf through). A float
 # field without an entry only has to be finite.
@@ -81,7 +83,11 @@ class TrainConfig:
     prefetch: bool = False  # zero3 only: gather layer i+1 while layer i computes
     mesh: str | None = None  # "data=A,fsdp=B"; default: every device on fsdp
     devices: int | None = None  # fake this many CPU devices (default 8 on a CPU-only machine)
-    data: str | None = None  # text file or folder; default: the Python standard library sources
+    data: str | None = None  # text file or folder; default: the corpus named by `corpus`
+    corpus: str = "stdlib"  # stdlib: the Python standard library's sources; pydoc-topics: the
+    # documentation topics of pydoc_data (experiments/pydoc_corpus.py; a train/validation split)
+    init: str | None = None  # start from pretrained weights (smollm2); the data is then
+    # tokenized with that model's tokenizer instead of read as bytes
     val_percent: int = 5
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop the run, or skip that step
 
@@ -108,6 +114,10 @@ class TrainConfig:
         if self.data is not None and not self.data.strip():
             raise ConfigError("data='': must be a file or folder (leave --data out for the "
                               "default corpus)")
+        if self.corpus not in CORPORA:
+            raise ConfigError(f"corpus={self.corpus!r}: allowed {', '.join(CORPORA)}")
+        if self.init is not None and self.init not in PRETRAINED_INITS:
+            raise ConfigError(f"init={self.init!r}: allowed {', '.join(PRETRAINED_INITS)}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
         if not 0 < self.val_percent < 100:
@@ -127,7 +137,7 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         check_floats(self.model)
-        if self.model.vocab_size < BYTE_VOCAB:
+        if self.train.init is None and self.model.vocab_size < BYTE_VOCAB:
             raise ConfigError(f"vocab_size={self.model.vocab_size}: must be >= {BYTE_VOCAB}; "
                               f"the training data is bytes (token ids 0..{BYTE_VOCAB - 1})")
         self.train.validate()
@@ -153,6 +163,15 @@ PRESETS: dict[str, Config] = {
     "medium": Config("medium", MODEL_PRESETS["medium"], TrainConfig(
         steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=500, eval_batches=32,
         ckpt_every=500)),
+    # Fine-tuning SmolLM2-135M-Instruct on the pydoc topics under ZeRO-3 (experiments.finetune):
+    # bf16 working weights and compute, fp32 master weights and moments, remat, a short context;
+    # sized for about ten minutes on a 2-core CPU with 8 fake devices.
+    "smollm2": Config("smollm2", dataclasses.replace(
+        MODEL_PRESETS["smollm2"], max_len=128, param_dtype="bfloat16", compute_dtype="bfloat16",
+        remat="full"), TrainConfig(
+        steps=24, batch_size=8, lr=1e-4, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0,
+        eval_every=12, eval_batches=4, log_every=1, ckpt_every=12, strategy="zero3",
+        corpus="pydoc-topics", init="smollm2", val_percent=20)),
 }
 
 

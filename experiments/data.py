@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import pydoc_corpus
 from experiments.config import ConfigError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -86,6 +87,22 @@ def load_corpus(path: str | None, val_percent: int = 5) -> tuple[np.ndarray, np.
         raise ConfigError(f"data={path!r}: holds no text for both a train and a validation split "
                           f"(files found: {len(files)})")
     return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
+
+
+def load_tokens(path: str | None, val_percent: int, corpus: str = "stdlib",
+                encode=None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) token streams: `path` (or the named corpus: the stdlib sources, or the
+    pydoc_data documentation topics split by topic name) as bytes, or, with a tokenizer's
+    `encode`, its token ids (a pretrained model's vocabulary)."""
+    if path is None and corpus == "pydoc-topics":
+        train, val = (np.frombuffer(pydoc_corpus.split_text(split, val_percent).encode(),
+                                    np.uint8) for split in ("train", "validation"))
+    else:
+        train, val = load_corpus(path, val_percent)
+    if encode is None:
+        return train, val
+    return tuple(np.asarray(encode(part.tobytes().decode("utf-8", errors="replace")), np.int32)
+                 for part in (train, val))
 
 
 def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from experiments import runtime
 from experiments.config import PRESETS, fail
 from experiments.data import SequenceSampler, load_corpus, pack
 from experiments.optim import make_optimizer
+from experiments.pretrained_init import truncated_model
 from experiments.results_io import results_path, write_result
 from parallel.sharded_run import max_tree_diff, run_label
 from parallel.strategies import LABELS
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--micro-steps", type=int, default=2, help="gradient accumulation")
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", default=None, choices=("smollm2-truncated",),
+                   help="instead of a preset: SmolLM2's first --layers blocks from its "
+                        "pretrained weights, fp32, 8 devices against 1 (results: "
+                        "equivalence_smollm2.json)")
+    p.add_argument("--layers", type=int, default=2, help="blocks kept with --model")
     p.add_argument("--out", default=str(results_path("equivalence.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"devices={args.devices}: must be a power of two")
     if args.preset not in PRESETS:
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
+    if args.layers < 1:
+        fail(PROG, f"layers={args.layers}: must be a positive integer")
     runtime.start(args.devices)
+    if args.model:
+        return pretrained(args)
 
     base = PRESETS[args.preset]
     train = base.train
@@ -89,6 +99,40 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{r['dtype']:8s} {r['strategy']:10s} {r['mesh']:14s} "
                   f"loss diff {r['max_loss_diff']:.2e}  param diff {r['max_param_diff']:.2e}")
     print(json.dumps(out))
+    return out
+
+
+def pretrained(args) -> dict:
+    """Every strategy on `args.devices` devices against dp on one, from pretrained weights."""
+    cfg, params, rows = truncated_model("smollm2", args.layers)
+    train = PRESETS["smollm2"].train
+    tx = make_optimizer(train)
+    sampler = SequenceSampler(rows, seed=0)
+    batch = args.devices * args.micro_steps
+    batches = [sampler.next_batch(batch).reshape(args.micro_steps, -1, rows.shape[1])
+               for _ in range(args.steps)]
+    t0 = time.perf_counter()
+    ref_losses, ref_params = run_label("dp", 1, batches, cfg, tx, seed=0,
+                                       clip_norm=train.clip_norm, init_params=params)
+    results = []
+    for strategy in tqdm([s for s in LABELS if s != "zero3_auto"], desc="equivalence"):
+        losses, out = run_label(strategy, args.devices, batches, cfg, tx, seed=0,
+                                clip_norm=train.clip_norm, init_params=params)
+        results.append({"strategy": strategy, "devices": args.devices,
+                        "max_loss_diff": float(np.abs(losses - ref_losses).max()),
+                        "max_param_diff": max_tree_diff(out, ref_params),
+                        "losses": losses.tolist()})
+    out = {"model": f"smollm2, first {args.layers} blocks (pretrained), fp32",
+           "steps": args.steps, "global_batch": batch, "micro_steps": args.micro_steps,
+           "seq_len": cfg.max_len, "reference": "dp on 1 device",
+           "reference_losses": ref_losses.tolist(), "fp32_tolerance": FP32_TOLERANCE,
+           "max_loss_diff": max(r["max_loss_diff"] for r in results),
+           "all_within_tolerance": all(r["max_loss_diff"] <= FP32_TOLERANCE for r in results),
+           "seconds": time.perf_counter() - t0, "results": results}
+    if args.out == str(results_path("equivalence.json")):
+        args.out = str(results_path("equivalence_smollm2.json"))
+    write_result(args.out, out)
+    print(json.dumps({k: v for k, v in out.items() if k != "results"}))
     return out
 
 

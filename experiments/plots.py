@@ -7,22 +7,27 @@ import math
 from pathlib import Path
 
 
-def loss_curve(metrics_path: Path, out_path: Path, title: str = "") -> Path:
+def loss_curve(metrics_path: Path, out_path: Path, title: str = "",
+               per_token: bool = False) -> Path:
+    """Train and validation loss by step: bits per byte (byte-level runs), or nats per token
+    (`per_token`: a pretrained model's tokens; step 0 is the model before fine-tuning)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-    train = [(r["step"], r["loss"] / math.log(2)) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_bits_per_byte"]) for r in rows if "val_bits_per_byte" in r]
+    scale, unit = (1.0, "nats per token") if per_token else (1 / math.log(2), "bits per byte")
+    train = [(r["step"], r["loss"] * scale) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"] * scale) for r in rows if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(*zip(*train, strict=True), label="train (bits/byte)", lw=1)
+    ax.plot(*zip(*train, strict=True), label=f"train ({unit})", lw=1)
     if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation (bits/byte)")
+        ax.plot(*zip(*val, strict=True), "o-", label=f"validation ({unit})")
     ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
-    ax.set_ylim(top=min(8.0, max(v for _, v in train)))
+    ax.set_ylabel(unit)
+    if not per_token:
+        ax.set_ylim(top=min(8.0, max(v for _, v in train)))
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title)

@@ -17,7 +17,9 @@ from jax.sharding import Mesh
 
 from experiments import checkpoint as ckpt
 from experiments.config import Config, ConfigError
-from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
+from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
+from experiments.pretrained_init import check_model
+from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.state import abstract_model, check_divisible, logical_shardings
 from parallel.strategies import Strategy, get_strategy
@@ -77,11 +79,20 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
     return Restored(cfg, device_mesh, strat, graphdef, axes, state["params"], found)
 
 
+def run_tokens(cfg: Config) -> tuple:
+    """(train, val) token streams of a run: bytes, or its pretrained model's token ids."""
+    t = cfg.train
+    encode = None
+    if t.init is not None:
+        encode = tokenizer_from_gguf(check_model(t.init, cfg.model)).encode
+    return load_tokens(t.data, t.val_percent, t.corpus, encode)
+
+
 def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:
     """The run's fixed validation batches (token rows), as its trainer evaluated them."""
     t = cfg.train
     try:  # the corpus may have changed since training: it is read again here
-        _, val_bytes = load_corpus(t.data, t.val_percent)
+        _, val_bytes = run_tokens(cfg)
         return validation_batches(pack(val_bytes, cfg.model.max_len),
                                   t.batch_size // t.micro_steps, eval_batches or t.eval_batches)
     except ValueError as e:
@@ -93,7 +104,7 @@ def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
     from: pinned, reproducible calibration data for quantisation."""
     t = cfg.train
     try:
-        train_bytes, _ = load_corpus(t.data, t.val_percent)
+        train_bytes, _ = run_tokens(cfg)
         sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len), t.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None

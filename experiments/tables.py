@@ -182,6 +182,38 @@ def smollm2_parity(d: dict) -> str:
             f"**{d['max_abs_nll_diff']:.1e}** nats (full {d['layers']}-layer model, float32).")
 
 
+def finetune_smollm2(d: dict) -> str:
+    c, m = d["config"], d["machine"]
+    mb = 1e6
+    return "\n".join([
+        f"{d['steps']} steps of {d['tokens_per_step']:,} tokens ({c['train']['batch_size']} × "
+        f"{c['model']['max_len']}), {d['strategy']} on {d['devices']} devices, "
+        f"{c['model']['compute_dtype']} compute, remat {c['model']['remat']}, lr "
+        f"{c['train']['lr']:g}; host {m['host_cpu']['model']} ({m['cpus']} cores):", "",
+        *_head("held-out perplexity before", "after", "change", "val loss before → after",
+               "tokens/s", "params / optimizer per device", "compiled peak per device",
+               "host peak while loading"),
+        f"| {d['perplexity_before']:.3f} | {d['perplexity_after']:.3f} | "
+        f"**{-d['perplexity_drop_pct']:+.1f}%** | {d['val_loss_before']:.4f} → "
+        f"{d['val_loss_after']:.4f} | {d['tokens_per_s']:.0f} | "
+        f"{d['params_bytes_per_device'] / mb:.1f} / {d['optimizer_bytes_per_device'] / mb:.1f} MB"
+        f" | {d['compiled_peak_bytes_per_device'] / mb:.0f} MB | "
+        f"{d['load_peak_rss_gb']:.2f} GB (before loading {d['load_rss_before_gb']:.2f} GB; "
+        f"float32 model {d['float32_model_bytes'] / 1e9:.2f} GB, largest tensor "
+        f"{d['largest_tensor_gb']:.3f} GB) |"])
+
+
+def equivalence_smollm2(d: dict) -> str:
+    rows = [f"{d['model']}, {d['steps']} steps of {d['global_batch']} sequences of "
+            f"{d['seq_len']} tokens, against {d['reference']}:", "",
+            *_head("strategy", "devices", "largest loss difference", "largest parameter "
+                   "difference")]
+    for r in d["results"]:
+        rows.append(f"| {r['strategy']} | {r['devices']} | {r['max_loss_diff']:.1e} | "
+                    f"{r['max_param_diff']:.1e} |")
+    return "\n".join(rows)
+
+
 def embed_fidelity(d: dict) -> str:
     rows = [f"{d['n_sentences']} sentences ({d['n_calib']} other sentences for calibration), "
             f"Python {d['python']}; float parameters {d['float_param_bytes']:,} bytes:", "",
@@ -226,6 +258,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "smollm2_parity": ("smollm2_parity.json", smollm2_parity),
     "smollm2_quant": ("smollm2_quant.json", smollm2_quant),
     "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
+    "finetune_smollm2": ("finetune_smollm2.json", finetune_smollm2),
+    "equivalence_smollm2": ("equivalence_smollm2.json", equivalence_smollm2),
 }
 
 

@@ -23,14 +23,16 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
-from experiments import integrity
+from experiments import integrity, pretrained_init
 from experiments.config import Config, ConfigError, dumps
-from experiments.data import SequenceSampler, load_corpus, pack, validation_batches
+from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.optim import learning_rate, make_optimizer
 from model import ModelConfig, param_count, train_flops_per_token
 from model.flops import param_bytes
+from model.gguf import GGUFFile
 from model.loss import nll_sum
+from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
 from parallel.sharded_run import ShardedRun, build
@@ -51,6 +53,8 @@ class Run:
     sharded: ShardedRun
     sampler: SequenceSampler
     val: list
+    pretrained: GGUFFile | None = None  # the weights `init` starts from, already checked
+    load_report: dict = dataclasses.field(default_factory=dict)  # host memory of that load
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -141,10 +145,18 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         sharded = build(cfg.model, get_strategy(t.strategy, t.prefetch), mesh, tx, step_cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    pretrained, encode = None, None
+    if t.init is not None:  # the file must hold this model; its tokenizer reads the data
+        try:
+            pretrained = pretrained_init.check_model(t.init, cfg.model)
+            encode = tokenizer_from_gguf(pretrained).encode
+        except ValueError as e:  # GGUFError is one
+            raise ConfigError(str(e).splitlines()[0]) from None
     try:
-        train_bytes, val_bytes = load_corpus(t.data, t.val_percent)
-        rows = pack(train_bytes, cfg.model.max_len)
-        val = validation_batches(pack(val_bytes, cfg.model.max_len), micro_batch, t.eval_batches)
+        train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus, encode)
+        rows = pack(train_tokens, cfg.model.max_len)
+        val = validation_batches(pack(val_tokens, cfg.model.max_len), micro_batch,
+                                 t.eval_batches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if workdir is not None:
@@ -155,12 +167,18 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
     if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
 
         multihost_utils.sync_global_devices("shardq: input checked")
-    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val)
+    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val, pretrained)
 
 
 def init_sharded_state(run: Run) -> dict:
-    """Jitted init straight into the strategy's shardings (no device holds what it shouldn't)."""
-    return run.sharded.init(run.cfg.train.seed)
+    """Jitted init straight into the strategy's shardings (no device holds what it shouldn't);
+    with `init`, the pretrained weights placed one tensor at a time into their shards."""
+    if run.pretrained is None:
+        return run.sharded.init(run.cfg.train.seed)
+    params, report = pretrained_init.load_sharded(run.pretrained, run.cfg.model,
+                                                  run.shardings["params"])
+    run.load_report.update(report)
+    return run.sharded.init_from(params)
 
 
 def global_batch(run: Run, rows_fn) -> jax.Array:
@@ -256,6 +274,11 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                 "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
                 "model": dataclasses.asdict(cfg.model)}
 
+    val_before = None
+    if t.init is not None and start == 0:  # what fine-tuning starts from, on the same batches
+        val_before = evaluate(state["params"])
+        _append_jsonl(metrics_path, {"step": 0, "val_loss": val_before,
+                                     "val_perplexity": float(np.exp(val_before))})
     bar = tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
                dynamic_ncols=True, desc="train")
     last_t, last_step, val_loss = time.perf_counter(), start, None
@@ -310,7 +333,8 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
     return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
             "train_seconds": train_s, "params": param_count(cfg.model),
             "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
-            "skipped_steps": watch.skipped, "resumed_from": start}
+            "skipped_steps": watch.skipped, "resumed_from": start,
+            "val_loss_before": val_before, "load": dict(run.load_report)}
 
 
 class _Saver:

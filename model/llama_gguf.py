@@ -176,10 +176,11 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str
     return plan
 
 
-def load_params(g: GGUFFile, cfg: ModelConfig) -> dict:
-    """Pure-dict float32 params of `DecoderLM(cfg)`, matching `nnx.to_pure_dict(nnx.state(...))`."""
+def iter_params(g: GGUFFile, cfg: ModelConfig):
+    """Yield (NNX path, float32 array) one parameter at a time, after every name and shape
+    check: a caller that places each array and drops it never holds more than one whole
+    parameter (a stacked block leaf, or the embedding) on the host."""
     plan = _plan(g, cfg, g.get_int("llama.block_count"))
-    out: dict = {}
     for path, names in plan.items():
         arrays = []
         for name in names:
@@ -191,11 +192,22 @@ def load_params(g: GGUFFile, cfg: ModelConfig) -> dict:
             elif path == "blocks/attn/k/kernel":
                 a = _unpermute(a, cfg.kv_heads)
             arrays.append(np.ascontiguousarray(a.T) if _is_linear(path) else a)
-        node = out
-        *parents, leaf = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = np.stack(arrays) if path.startswith("blocks/") else arrays[0]
+        yield path, (np.stack(arrays) if path.startswith("blocks/") else arrays[0])
+
+
+def set_path(tree: dict, path: str, value) -> None:
+    node = tree
+    *parents, leaf = path.split("/")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def load_params(g: GGUFFile, cfg: ModelConfig) -> dict:
+    """Pure-dict float32 params of `DecoderLM(cfg)`, matching `nnx.to_pure_dict(nnx.state(...))`."""
+    out: dict = {}
+    for path, array in iter_params(g, cfg):
+        set_path(out, path, array)
     return out
 
 

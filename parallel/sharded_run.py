@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from model import ModelConfig
 from parallel.mesh import make_mesh
-from parallel.state import abstract_model, check_divisible, init_state
+from parallel.state import abstract_model, check_divisible, init_state, state_from_params
 from parallel.strategies import Strategy, from_label
 from parallel.train_step import StepConfig, make_train_step
 
@@ -41,6 +41,12 @@ class ShardedRun:
         """Fresh state, each leaf initialised straight into its shards (jitted init)."""
         return jax.jit(lambda: init_state(self.model_cfg, self.tx, seed),
                        out_shardings=self.shardings)()
+
+    def init_from(self, params: dict) -> dict:
+        """State around given parameters (e.g. pretrained ones already placed in their
+        shards): master copy and optimizer moments are created straight into their shards."""
+        return jax.jit(lambda p: state_from_params(self.model_cfg, self.tx, p),
+                       out_shardings=self.shardings)(params)
 
     def abstract_args(self) -> tuple[dict, jax.ShapeDtypeStruct]:
         """(state, batch) as sharded ShapeDtypeStructs: lower the step without allocating."""
@@ -88,10 +94,13 @@ def compile_step(model_cfg: ModelConfig, strategy: str, n_devices: int, **kwargs
     return lowered.compile(), args
 
 
-def run_steps(run: ShardedRun, batches, seed: int) -> tuple[np.ndarray, dict]:
+def run_steps(run: ShardedRun, batches, seed: int,
+              init_params: dict | None = None) -> tuple[np.ndarray, dict]:
     """Per-step losses and the final params (host numpy) of len(batches) steps from a fresh
-    state: what the equivalence checks compare across strategies and meshes."""
-    state = run.init(seed)
+    state (or from `init_params`, e.g. pretrained weights): what the equivalence checks
+    compare across strategies and meshes."""
+    state = (run.init(seed) if init_params is None else
+             run.init_from(jax.device_put(init_params, run.shardings["params"])))
     losses = []
     for b in batches:
         state, metrics = run.step(state, jax.device_put(b, run.batch_sharding))
@@ -101,14 +110,15 @@ def run_steps(run: ShardedRun, batches, seed: int) -> tuple[np.ndarray, dict]:
 
 def run_label(label: str, devices: int, batches, model_cfg: ModelConfig,
               tx: optax.GradientTransformation, *, seed: int, clip_norm: float = 1.0,
-              mesh_spec: str | None = None) -> tuple[np.ndarray, dict]:
+              mesh_spec: str | None = None,
+              init_params: dict | None = None) -> tuple[np.ndarray, dict]:
     """`run_steps` of one strategy label (zero3_prefetch included) on `devices` devices, the
     step shaped by the batches ([micro_steps, global_batch, seq_len + 1] each)."""
     micro, batch, length = batches[0].shape
     run = build(model_cfg, from_label(label), make_mesh(devices, mesh_spec), tx,
                 StepConfig(global_batch=batch, seq_len=length - 1, micro_steps=micro,
                            clip_norm=clip_norm))
-    return run_steps(run, batches, seed)
+    return run_steps(run, batches, seed, init_params)
 
 
 def max_tree_diff(a, b) -> float:

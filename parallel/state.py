@@ -48,8 +48,16 @@ def init_params(cfg: ModelConfig, seed: int) -> dict:
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> dict:
-    params = init_params(cfg, seed)
+    return state_from_params(cfg, tx, init_params(cfg, seed))
+
+
+def state_from_params(cfg: ModelConfig, tx: optax.GradientTransformation, params: dict) -> dict:
+    """Training state around given parameters (fresh or pretrained): working copies in the
+    param dtype, fp32 master weights when mixed, fresh optimizer moments, step 0."""
+    # The master copy comes from the given values before any cast: pretrained fp32 weights
+    # keep their precision there when the working copy is bf16.
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params) if is_mixed(cfg) else None
+    params = jax.tree.map(lambda p: p.astype(jnp.dtype(cfg.param_dtype)), params)
     opt = {"adam": tx.init(master if master is not None else params)}
     if master is not None:
         opt["master"] = master

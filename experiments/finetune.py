@@ -1,0 +1,112 @@
+"""Fine-tune SmolLM2-135M-Instruct under ZeRO-3 on 8 fake devices, from its pretrained weights.
+
+  python -m experiments.finetune --json                     # the documented defaults
+  python -m experiments.finetune --steps 48 --lr 5e-5 --workdir runs/ft2 --json
+
+The `smollm2` preset of experiments/config.py (every field a flag, as for `train`): the GGUF's
+weights placed one tensor at a time straight into their ZeRO-3 shards, the training topics of
+`pydoc_data` tokenized with the model's tokenizer, bf16 working weights and compute with fp32
+master weights and Adam moments, full remat, context 128, 8 sequences per step, 24 steps of
+AdamW (warm-up 2, cosine to 10%). It is the ordinary trainer (`experiments/trainer.py`:
+checkpoints, exact --resume, the non-finite guard, SIGTERM), so this launcher only adds the
+measurements: validation loss and perplexity on the held-out topics before and after, tokens/s,
+the per-device model state read from the compiled step, the host memory peak of loading, and a
+loss-curve plot. With --json the last line holds them (`perplexity_before`, `perplexity_after`,
+`val_loss_before`, `val_loss_after`, `devices`, `strategy`, `steps`, `tokens_per_s`,
+`load_peak_rss_gb`, ...); the same goes to experiments/results/finetune_smollm2.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import jax
+
+from experiments import plots, runtime
+from experiments.config import ConfigError, add_override_flags, config_from_args, fail
+from experiments.guards import RunStopped
+from experiments.machine import describe
+from experiments.results_io import project_relative, results_path, write_result
+from experiments.trainer import prepare, train_and_evaluate
+from parallel import hlo
+
+PROG = "experiments.finetune"
+OUT = results_path("finetune_smollm2.json")
+
+
+def state_memory(cfg) -> dict:
+    """Per-device bytes of the compiled step's parameters and optimizer state, and its peak."""
+    run = prepare(cfg)
+    state, batch = run.sharded.abstract_args()
+    compiled = run.sharded.step.lower(state, batch).compile()
+    per_device = hlo.input_bytes_per_device(compiled, (state, batch))[0]
+    peak = hlo.memory_peak(compiled)
+    return {"params_bytes_per_device": sum(jax.tree.leaves(per_device["params"])),
+            "optimizer_bytes_per_device": sum(jax.tree.leaves(per_device["opt"])),
+            "compiled_peak_bytes_per_device": peak.peak,
+            "float32_model_bytes": 4 * sum(a.size for a in jax.tree.leaves(state["params"]))}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="runs/finetune-smollm2")
+    p.add_argument("--preset", default="smollm2", help="a preset with init (default smollm2)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON last")
+    p.add_argument("--out", default=str(OUT))
+    add_override_flags(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        if cfg.train.init is None:
+            raise ConfigError(f"preset={args.preset!r}: fine-tuning needs pretrained weights "
+                              f"(--init smollm2)")
+        if Path(args.workdir).exists() and any(Path(args.workdir).iterdir()):
+            raise ConfigError(f"workdir={args.workdir!r}: not empty; give a new folder")
+    except ConfigError as e:
+        fail(PROG, str(e))
+    runtime.start(cfg.train.devices or 8)
+    try:
+        summary = train_and_evaluate(cfg, args.workdir)
+        memory = state_memory(cfg)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    except RunStopped as e:
+        fail(PROG, str(e), code=1)
+    metrics = (Path(args.workdir) / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in metrics if line.strip()]
+    train_rows = [r for r in rows if "loss" in r]
+    speeds = [r["tokens_per_s"] for r in train_rows[1:]] or [train_rows[0]["tokens_per_s"]]
+    plot = plots.loss_curve(Path(args.workdir) / "metrics.jsonl",
+                            Path(args.out).with_suffix(".png"), per_token=True,
+                            title=f"SmolLM2-135M fine-tuning, {cfg.train.strategy} on "
+                                  f"{summary['devices']} devices")
+    result = {"model": "smollm2", "devices": summary["devices"], "strategy": summary["strategy"],
+              "steps": summary["step"], "tokens_per_step": cfg.train.batch_size * cfg.model.max_len,
+              "val_loss_before": summary["val_loss_before"], "val_loss_after": summary["val_loss"],
+              "perplexity_before": math.exp(summary["val_loss_before"]),
+              "perplexity_after": math.exp(summary["val_loss"]),
+              "tokens_per_s": statistics.median(speeds), "train_seconds": summary["train_seconds"],
+              "load_peak_rss_gb": summary["load"]["rss_peak_after_gb"],
+              "load_rss_before_gb": summary["load"]["rss_peak_before_gb"],
+              "largest_tensor_gb": summary["load"]["largest_tensor_gb"], **memory,
+              "config": cfg.to_json(), "workdir": project_relative(args.workdir),
+              "plot": project_relative(plot), "machine": describe(),
+              "losses": [[r["step"], r["loss"]] for r in train_rows]}
+    result["perplexity_drop_pct"] = 100 * (1 - result["perplexity_after"]
+                                           / result["perplexity_before"])
+    write_result(args.out, result)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k not in ("config", "losses")}))
+    else:
+        print(f"perplexity {result['perplexity_before']:.3f} -> {result['perplexity_after']:.3f} "
+              f"({result['perplexity_drop_pct']:.1f}% lower) in {result['steps']} steps")
+    return result
+
+
+if __name__ == "__main__":
+    main()
