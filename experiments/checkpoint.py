@@ -108,41 +108,56 @@ class NoIntactCheckpoint(ValueError):
     """Checkpoints exist but every one failed its check: nothing safe to resume from."""
 
 
+def _frames(tb) -> list:
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    return out
+
+
 class _SaveTracebacks(logging.Filter):
+    """Drops a logged traceback that runs through Orbax (its own error logs, and asyncio's
+    "exception was never retrieved" for the save's other writes)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and "orbax" in record.pathname)
+        if not record.exc_info or record.exc_info[2] is None:
+            return True
+        return not ("orbax" in record.pathname or any(
+            "/orbax/" in code.co_filename for code in _frames(record.exc_info[2])))
+
+
+_QUIET = _SaveTracebacks()
+_LOGGERS = ("absl", "asyncio")  # Orbax logs through absl; asyncio reports orphaned failures
 
 
 def _late_write_callback(unraisable) -> bool:
     """A TensorStore write of a failed save that completes after Orbax closed the event loop
     the save ran on: its callback finds the loop closed. Nothing is left to do with it."""
-    frames, tb = [], unraisable.exc_traceback
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
     return (isinstance(unraisable.exc_value, RuntimeError)
             and str(unraisable.exc_value) == "Event loop is closed"
-            and "call_soon_threadsafe" in frames)
+            and any(code.co_name == "call_soon_threadsafe"
+                    for code in _frames(unraisable.exc_traceback)))
 
 
 @contextlib.contextmanager
 def save_errors_raised_not_logged():
     """While a run saves: when a write fails (a full disk), Orbax's background threads log it
-    with its traceback several times, and the save's other writes, finishing later, each print
-    one more; the same error is then raised in the caller's wait, which reports it in one line.
-    Those tracebacks are left out. After a failed save the hook stays: late writes can still
-    finish while the run stops."""
-    absl, quiet = logging.getLogger("absl"), _SaveTracebacks()
+    with its traceback several times, and the save's other writes, finishing later, each log or
+    print one more; the same error is then raised in the caller's wait, which reports it in one
+    line. Those tracebacks are left out. When the run stops on an error, the filters stay (the
+    other writes may finish while the process exits); installed again, they do not stack."""
     previous = sys.unraisablehook
+    if not getattr(previous, "drops_late_write_callbacks", False):
+        def hook(unraisable) -> None:
+            if not _late_write_callback(unraisable):
+                previous(unraisable)
 
-    def hook(unraisable) -> None:
-        if not _late_write_callback(unraisable):
-            previous(unraisable)
-
-    absl.addFilter(quiet)
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        absl.removeFilter(quiet)
-    sys.unraisablehook = previous  # not reached when the run stops on an error
+        hook.drops_late_write_callbacks = True
+        sys.unraisablehook = hook
+    for name in _LOGGERS:
+        logging.getLogger(name).addFilter(_QUIET)  # a no-op when it is already there
+    yield  # an error raised here leaves the function: the filters stay
+    for name in _LOGGERS:
+        logging.getLogger(name).removeFilter(_QUIET)
+    sys.unraisablehook = previous

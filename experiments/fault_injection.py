@@ -16,7 +16,7 @@ reference run of the same config and seed. Per row:
                    exit).
 The kill points are drawn from --seed (recorded in the output). Writes
 experiments/results/fault_injection.json (--out); the last stdout line is its JSON.
-Runtime: about 4 minutes on 2 CPU cores.
+Runtime: 4 to 7 minutes on 2 (shared) CPU cores.
 """
 
 from __future__ import annotations
