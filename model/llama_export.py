@@ -155,6 +155,9 @@ class SafetensorsWriter:
         self._pending.pop(0)
         np.ascontiguousarray(array, "<f4").tofile(self._file)
 
+    def abort(self) -> None:
+        self._file.close()
+
     def close(self) -> None:
         self._file.close()
         if self._pending:
@@ -169,8 +172,10 @@ def write_safetensors(path: str | Path, cfg: ModelConfig,
     try:
         for t, a in tensors(cfg, read, "safetensors"):
             w.write(t, a)
-    finally:
-        w.close()
+    except BaseException:
+        w.abort()  # the caller discards the file; its error is the one to report
+        raise
+    w.close()
     return {"tensors": len(planned), "bytes": Path(path).stat().st_size}
 
 
