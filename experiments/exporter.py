@@ -47,7 +47,7 @@ from model.llama_export import (
     write_gguf,
     write_safetensors,
 )
-from model.llama_gguf import load_gguf, package_gguf_path
+from model.llama_gguf import expected_shapes, load_gguf, package_gguf_path
 from model.tokenizer import tokenizer_from_gguf
 
 PRETRAINED = ("smollm2",)
@@ -129,23 +129,22 @@ def run_source(workdir: str | Path, layers: int | None = None,
     # Mixed precision keeps fp32 master weights beside the bf16 working copy: the master is the
     # model the optimizer trained.
     root = ("opt", "master") if is_mixed(run.model) else ("params",)
-    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     n = layers or run.model.n_layers
 
     def read(path: str) -> np.ndarray:
-        leaf = _lookup(abstract, path)
-        dtype = np.float32 if root[0] == "opt" else leaf.dtype
-        target: dict = jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=host)
+        # Restored as a numpy array (no device buffer beside Orbax's read buffer), cast to
+        # float32 on the way.
+        item: dict = jax.ShapeDtypeStruct(_lookup(abstract, path).shape, np.float32)
+        args: dict = ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32)
         for key in reversed(root + tuple(path.split("/"))):
-            target = {key: target}
+            item, args = {key: item}, {key: args}
         try:
             out = mngr.restore(found, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True)))["state"]
+                item=item, restore_args=args, partial_restore=True)))["state"]
         except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
             raise ConfigError(f"checkpoint {found}: {'/'.join(root)}/{path} does not restore "
                               f"({type(e).__name__}: {str(e)[:120]})") from None
-        array = np.asarray(_lookup(out, "/".join(root + (path,))), np.float32)
+        array = _lookup(out, "/".join(root + (path,)))
         return array[:n] if path.startswith("blocks/") else array
 
     cfg = dataclasses.replace(run.model, n_layers=n)
@@ -236,6 +235,7 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
         check_llama(source.cfg)
     except ExportError as e:
         raise ConfigError(str(e)) from None
+    rss_before = _peak_rss()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0o22)
@@ -247,7 +247,8 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
         summary = {"out": str(out), "format": fmt, "source": source.label, "step": source.step,
                    "layers": source.cfg.n_layers, **written,
                    "model_bytes_float32": model_bytes(source.cfg),
-                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                   "largest_tensor_bytes": largest_leaf_bytes(source.cfg),
+                   "peak_rss_before_bytes": rss_before, "peak_rss_bytes": _peak_rss()}
         _write_json(tmp / PROVENANCE_FILE, {k: summary[k] for k in
                                             ("format", "source", "step", "layers", "tokenizer")})
         if out.exists():  # --force: move the old folder aside, swap the new one in
@@ -269,9 +270,21 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
     return summary
 
 
-def model_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the float32 parameters."""
-    from model.llama_gguf import expected_shapes
+def _leaf_bytes(cfg: ModelConfig) -> list[int]:
+    """Bytes of each float32 parameter leaf (a block leaf stacks all layers)."""
+    return [4 * int(np.prod(s)) * (cfg.n_layers if p.startswith("blocks/") else 1)
+            for p, s in expected_shapes(cfg).items()]
 
-    return 4 * sum(int(np.prod(s)) * (cfg.n_layers if p.startswith("blocks/") else 1)
-                   for p, s in expected_shapes(cfg).items())
+
+def model_bytes(cfg: ModelConfig) -> int:
+    return sum(_leaf_bytes(cfg))
+
+
+def largest_leaf_bytes(cfg: ModelConfig) -> int:
+    """The most a leaf-by-leaf export holds of the model at once (plus its transposed copy)."""
+    return max(_leaf_bytes(cfg))
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
