@@ -47,7 +47,7 @@ from model.llama_export import (
     write_gguf,
     write_safetensors,
 )
-from model.llama_gguf import expected_shapes, load_gguf, package_gguf_path
+from model.llama_gguf import config_from_gguf, expected_shapes, load_gguf, package_gguf_path
 from model.tokenizer import tokenizer_from_gguf
 
 PRETRAINED = ("smollm2",)
@@ -81,8 +81,7 @@ def pretrained_source(name: str, layers: int | None = None) -> Source:
     memory: it is the GGUF file itself that is the streaming source here)."""
     if name not in PRETRAINED:
         raise ConfigError(f"model={name!r}: allowed {', '.join(PRETRAINED)}")
-    if layers is not None and layers < 1:
-        raise ConfigError(f"layers={layers}: must be a positive integer")
+    _check_layers(layers, config_from_gguf(GGUFFile(package_gguf_path())).n_layers)
     cfg, params, g = load_gguf(None, n_layers=layers)
     return Source(f"{name} ({package_gguf_path().name})", cfg,
                   lambda path: np.asarray(_lookup(params, path), np.float32), g)

@@ -115,6 +115,8 @@ def test_config_files(smollm2):
     tc = json.loads((out / "tokenizer_config.json").read_text())
     assert tc["eos_token"] == "<|im_end|>" and tc["add_bos_token"] is False
     assert "<|im_start|>" in tc["chat_template"]
+    with pytest.raises(ConfigError, match="layers=31: must be in 1..30"):
+        exporter.pretrained_source("smollm2", 31)
 
 
 def test_gguf_export_reads_back_identically(smollm2, tmp_path):
@@ -212,6 +214,8 @@ def test_bad_input_writes_nothing(mixed_run, tmp_path):
         exporter.run_source(workdir, step=7)
     with pytest.raises(ConfigError, match="model='llama3': allowed smollm2"):
         exporter.pretrained_source("llama3")
+    with pytest.raises(ConfigError, match="layers=0: must be in 1..2"):
+        exporter.run_source(workdir, layers=0)
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not empty; pass --force"):
