@@ -1,0 +1,66 @@
+"""Export a trained run or a pretrained model to Hugging Face's Llama layout or to GGUF.
+
+  python -m experiments.export --workdir runs/ft --format safetensors --out exports/ft
+  python -m experiments.export --model smollm2 --format safetensors --out exports/smollm2
+  python -m experiments.export --model smollm2 --layers 2 --format gguf --out exports/s2
+
+safetensors: DIR/model.safetensors (Hugging Face tensor names, [out, in] kernels, float32),
+config.json (LlamaForCausalLM), generation_config.json, tokenizer.json and
+tokenizer_config.json; `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)` load it. gguf: DIR/model.gguf (F32, llama.cpp's names and
+rotary row order, the tokenizer's metadata). Both also write shardq_export.json (what was
+exported). A run is read one parameter at a time from its newest intact checkpoint (or --step);
+a mixed-precision run exports its fp32 master weights. A byte model's tokenizer.json maps each
+UTF-8 byte to its own id. `--layers N` keeps the first N blocks. The folder is written beside
+DIR and renamed into place; an existing non-empty DIR needs --force. Prints a JSON summary
+last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from experiments.config import ConfigError, fail
+from model.gguf import GGUFError
+from model.llama_export import FORMATS
+
+PROG = "experiments.export"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default=None, help="a training run's folder")
+    p.add_argument("--model", default=None, help="a pretrained model: smollm2")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
+    p.add_argument("--format", default="safetensors", help=f"one of {', '.join(FORMATS)}")
+    p.add_argument("--out", default=None, help="folder to write (created)")
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    args = p.parse_args(argv)
+    try:
+        if (args.workdir is None) == (args.model is None):
+            raise ConfigError("source: give exactly one of --workdir RUN or --model NAME")
+        if args.out is None:
+            raise ConfigError("out: give the folder to write with --out DIR")
+        if args.format not in FORMATS:
+            raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
+        if args.step is not None and args.model is not None:
+            raise ConfigError("step: only with --workdir (a pretrained model has no steps)")
+        from experiments import exporter, runtime
+
+        exporter.check_out(args.out, args.force)
+        runtime.start(1)
+        source = (exporter.run_source(args.workdir, args.layers, args.step)
+                  if args.workdir is not None else
+                  exporter.pretrained_source(args.model, args.layers))
+        summary = exporter.export(source, args.format, args.out, args.force)
+    except (ConfigError, GGUFError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
