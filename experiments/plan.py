@@ -28,6 +28,7 @@ import json
 import sys
 
 from experiments.config import ConfigError, fail
+from experiments.results_io import write_result
 
 PROG = "experiments.plan"
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--all", action="store_true", help="list every candidate, not only fits")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
     return p
 
 
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"estimated {rec['est_step_s']:.2f} s/step at {req.tflops:g} TFLOP/s and "
               f"{req.link_gb_s:g} GB/s" + ("" if result["complete"] else
                                             " (search stopped at its time limit)"), file=out)
+    if args.out:
+        write_result(args.out, {**result, "command": "python -m " + PROG + " " +
+                                " ".join(sys.argv[1:] if argv is None else argv)})
     if args.json:
         print(json.dumps(result))
     return result
