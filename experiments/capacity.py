@@ -110,7 +110,8 @@ class CompiledSearch:
         """The largest member whose compiled peak fits `memory`, searched between widths lo and
         hi (hi: the state-only answer, which nothing with activations can beat). Widths must
         split over the devices (d_model % N == 0). None if even the smallest does not fit."""
-        step = math.lcm(planner.WIDTH_STEP, n_devices)
+        # Sharded stages split every parameter along d_model over the devices; dp splits none.
+        step = planner.WIDTH_STEP if stage == "dp" else math.lcm(planner.WIDTH_STEP, n_devices)
         hi_k = (hi if hi is not None else largest_by_state(stage, n_devices, memory)) // step
         lo_k = max(lo // step, 0)
         fits = lambda k: self.measure(stage, n_devices, k * step)["peak_bytes"] <= memory  # noqa: E731

@@ -62,8 +62,8 @@ def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
 
 
 def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
-    fail = reproduction.Experiment("boom", ("-c", "import sys; print('bad'); sys.exit(3)"),
-                                   ("-c", "import sys; sys.exit(3)"), (), 1, 1, "nothing")
+    boom = ("-c", "import sys; print('bad'); sys.exit(3)")
+    fail = reproduction.Experiment("boom", boom, boom, (), 1, 1, "nothing")
     write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
                    "'ok.json'), 'w').write(json.dumps({'x': 1}))")
     ok = reproduction.Experiment("fine", write, write, ("ok.json",), 1, 1, "a table")
