@@ -2,6 +2,7 @@
 
   python -m experiments.report           # rewrite the tables in README.md
   python -m experiments.report --check   # exit 1 if any table is out of date
+  python -m experiments.report --readme COPY.md --results DIR   # tables of another results set
 
 Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`; experiments/tables.py
 says which results file and which renderer fill each one.
@@ -21,13 +22,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readme", default="README.md")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--results", default=None,
+                   help="folder of results files (default experiments/results)")
     args = p.parse_args(argv)
     path = Path(args.readme)
     old = path.read_text()
-    new = render(old)
+    new = render(old, args.results) if args.results else render(old)
     if args.check:
         if new != old:
-            print("README.md tables are out of date: run python -m experiments.report",
+            print(f"{path} tables are out of date: run python -m experiments.report",
                   file=sys.stderr)
             return 1
         return 0

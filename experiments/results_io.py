@@ -10,7 +10,12 @@ import json
 import os
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# Where results go: the committed experiments/results/, unless SHARDQ_RESULTS_DIR names another
+# folder (experiments.reproduce --quick sends a whole quick run there, so the committed results
+# are never overwritten by smaller grids).
+RESULTS_ENV = "SHARDQ_RESULTS_DIR"
+RESULTS_DIR = (Path(os.environ[RESULTS_ENV]).resolve() if os.environ.get(RESULTS_ENV)
+               else Path(__file__).parent / "results")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,7 +27,8 @@ def project_relative(path: str | Path) -> str:
 
 
 def results_path(name: str) -> Path:
-    """experiments/results/NAME (the committed results the README tables come from)."""
+    """experiments/results/NAME (the committed results the README tables come from), or NAME
+    in $SHARDQ_RESULTS_DIR when that is set."""
     return RESULTS_DIR / name
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from experiments.results_io import RESULTS_DIR
 
@@ -19,8 +20,8 @@ RESULTS = RESULTS_DIR
 SHOWN = "experiments/results"  # how the README names that folder
 
 
-def _load(name: str) -> dict | None:
-    path = RESULTS / name
+def _load(name: str, results: Path = RESULTS) -> dict | None:
+    path = Path(results) / name
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -243,6 +244,95 @@ def fault_injection(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _b(psi: float | None) -> str:
+    """A parameter count in billions (trillions from 1e12), 3 significant digits."""
+    if not psi:
+        return "—"
+    return f"{psi / 1e12:.3g}T" if psi >= 1e12 else f"{psi / 1e9:.3g}B"
+
+
+def plan_example(d: dict) -> str:
+    q, rec = d["request"], d["recommended"]
+    fits = [r for r in d["candidates"] if r["fits"]]
+    rows = [f"{q['shape']} [{q['shape_note']}], {q['devices']} devices × "
+            f"{q['device_memory_gb']:g} GB ({q['headroom']:.0%} headroom: "
+            f"{q['usable_gb']:.3g} GB usable), seq {q['seq']}, global batch "
+            f"{q['global_batch']}, {q['dtype']}; {len(d['candidates'])} candidates, "
+            f"{d['counts']['compiled']} compiled, answered in {d['wall_s']:.0f} s on this "
+            f"2-core machine:", "",
+            *_head("rank", "strategy", "mesh", "remat", "micro-batch × steps",
+                   "model state GB", "peak GB", "volume (× Ψ)", "est. s/step")]
+    for i, r in enumerate(fits, 1):
+        mark = "**" if rec and all(r[k] == rec[k] for k in ("strategy", "mesh", "remat",
+                                                             "micro_batch")) else ""
+        rows.append(f"| {i} | {mark}{r['strategy']}{mark} | {r['mesh']} | {r['remat']} | "
+                    f"{r['micro_batch']} × {r['micro_steps']} | {r['model_state_gb']:.2f} | "
+                    f"{r['peak_gb']:.2f} | {r['comm_volume_psi']:.2f} | "
+                    f"{r['est_step_s']:.2f} |")
+    counts = ", ".join(f"{v} {k}" for k, v in d["counts"].items() if v)
+    rows += ["", f"Candidates: {counts}. Ranking: {q['ranking']} ({q['tflops']:g} TFLOP/s, "
+             f"{q['link_gb_s']:g} GB/s)."]
+    return "\n".join(rows)
+
+
+def plan_accuracy(d: dict) -> str:
+    rows = _head("configuration (8 fake CPU devices)", "planner peak MB", "executed peak MB",
+                 "error", "executable's compiled peak vs planner's")
+    for r in d["results"]:
+        rows.append(f"| {r['name']} | {r['planner_peak_bytes'] / 1e6:.2f} | "
+                    f"{r['executed_peak_bytes'] / 1e6:.2f} | {r['error']:+.1%} | "
+                    f"{r['executable_vs_planner']:+.3%} |")
+    rows.append(f"\nLargest |error| {d['max_abs_error']:.1%} (goal ≤ {d['goal']:.0%}).")
+    return "\n".join(rows)
+
+
+def zero_table2(d: dict) -> str:
+    c = d["config"]
+    rows = _head("stage", "paper (model state)", "ours, model state only", "vs paper",
+                 "ours, with activations (compiled)", "compiled peak GB",
+                 "activations cost")
+    for r in d["table2"]:
+        got = r.get("compiled_psi")
+        shape = f" (d {r['compiled_width']}, L {r['compiled_layers']})" if got else ""
+        cost = f"{1 - got / r['state_psi']:.0%} smaller" if got else "—"
+        peak = f"{r['compiled_peak_gb']:.1f}" if got else "—"
+        rows.append(f"| {r['stage']} | {_b(r['paper_printed_psi'])} | {_b(r['state_psi'])} "
+                    f"(d {r['state_width']}, L {r['state_layers']}) | "
+                    f"{r['state_psi'] / r['paper_printed_psi'] - 1:+.1%} | {_b(got)}{shape} | "
+                    f"{peak} | {cost} |")
+    rows.append(f"\n64 devices × 32 GB. Ours is the largest member with widths in steps of 128 "
+                f"(the next one up does not fit). With activations: seq {c['seq_len']}, "
+                f"{c['micro_batch']} sequence per device per micro-step, {c['micro_steps']} "
+                f"micro-steps, remat {c['remat']}, {c['dtype']} mixed precision; "
+                f"{d['compiles']} compiles, {d['wall_s']:.0f} s.")
+    return "\n".join(rows)
+
+
+def zero_table2_planning(d: dict) -> str:
+    cells = {(r["memory_gb"], r["devices"], r["stage"]): r for r in d["planning"]}
+    memories = sorted({k[0] for k in cells})
+    devices = sorted({k[1] for k in cells})
+    stages = ["dp", "zero1", "zero2", "zero3"]
+    rows = _head("devices", *(f"{m:g} GB {s}" for m in memories for s in stages))
+    for n in devices:
+        parts = []
+        for m in memories:
+            for s in stages:
+                r = cells.get((m, n, s))
+                if r is None:
+                    parts.append("—")
+                elif r["compiled"]:
+                    parts.append(f"{_b(r['state_psi'])} / **{_b(r.get('compiled_psi'))}**")
+                else:
+                    parts.append(_b(r["state_psi"]))
+        rows.append(f"| {n} | " + " | ".join(parts) + " |")
+    rows.append("\nEach cell: model state only; in bold where searched by compiling, with "
+                "activations (settings as above). The sharded stages need d_model divisible by "
+                "the devices, so their compiled widths step by 128 up to 128 devices and by "
+                "1024 at 1024 devices (coarser there).")
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -260,12 +350,17 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
     "finetune_smollm2": ("finetune_smollm2.json", finetune_smollm2),
     "equivalence_smollm2": ("equivalence_smollm2.json", equivalence_smollm2),
+    "plan_example": ("plan_7.5b_64x32gb.json", plan_example),
+    "plan_accuracy": ("plan_accuracy.json", plan_accuracy),
+    "zero_table2": ("zero_table2.json", zero_table2),
+    "zero_table2_planning": ("zero_table2.json", zero_table2_planning),
 }
 
 
-def render(readme: str) -> str:
+def render(readme: str, results: str | Path = RESULTS) -> str:
+    """`readme` with every marked table regenerated from the JSON files in `results`."""
     for name, (file, fn) in SECTIONS.items():
-        data = _load(file)
+        data = _load(file, results)
         body = fn(data) if data else f"_(no {SHOWN}/{file} yet: run the command above)_"
         pattern = re.compile(rf"(<!-- report:{name} -->\n)(?:.*?\n)?(<!-- /report:{name} -->)",
                              re.S)

@@ -1,0 +1,156 @@
+"""The planner's compiled peak against the peak a real step reaches on this machine.
+
+XLA:CPU keeps no memory statistics (`device.memory_stats()` is None), so the executed peak is
+read from the process's anonymous resident memory (RssAnon in Linux /proc/self/status: heap and
+mmapped buffers, not the shared libraries' code pages): one fresh process per configuration,
+with glibc told to serve every allocation of 128 KiB or more by mmap and to give it back on
+free (MALLOC_MMAP_THRESHOLD_, set by whoever starts the process), so that freed buffers leave
+the resident set instead of being kept for reuse. Then, for N fake devices:
+
+  inputs  = growth while the state and the batch are allocated (by an already compiled program
+            with no temporaries);
+  step    = the largest value sampled (every millisecond) during the first step minus the value
+            before it: XLA:CPU allocates an executable's temporaries on its first run and keeps
+            them for the next, so later steps would not show them;
+  executed peak per device = (inputs + step) / N, the N devices' programs running at once.
+
+It is compared with the compiled peak (argument + output + temp - alias) of the executable that
+ran (default compiler options) and of the planner's compile (its code-generation options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import planner
+from experiments.config import TrainConfig
+from experiments.optim import make_optimizer
+from model.config import ModelConfig
+from parallel import hlo
+from parallel.mesh import make_mesh
+from parallel.sharded_run import build
+from parallel.strategies import from_label
+from parallel.train_step import StepConfig
+
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    strategy: str
+    remat: str
+    d_model: int = 384
+    n_layers: int = 4
+    n_heads: int = 6
+    d_ff: int = 1536
+    dtype: str = "bfloat16"
+    seq_len: int = 128
+    micro_batch: int = 2  # sequences per device per micro-step
+    micro_steps: int = 2
+    devices: int = 8
+
+    @property
+    def name(self) -> str:
+        return (f"{self.strategy} remat={self.remat} d{self.d_model} L{self.n_layers} "
+                f"{self.dtype} mb{self.micro_batch}x{self.micro_steps} T{self.seq_len}")
+
+    def model(self) -> ModelConfig:
+        return ModelConfig(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+                           d_ff=self.d_ff, max_len=self.seq_len, param_dtype=self.dtype,
+                           compute_dtype=self.dtype, remat=self.remat)
+
+
+def anonymous_resident() -> int:
+    """Bytes of this process's anonymous resident memory (RssAnon): the heap and mmapped
+    buffers, without the shared libraries' code pages, which the kernel may drop or fault in
+    at any time and which would otherwise move the measurement."""
+    text = open("/proc/self/status").read()
+    return 1024 * int(re.search(r"RssAnon:\s+(\d+)", text).group(1))
+
+
+class PeakSampler:
+    """The largest `anonymous_resident()` seen while the block runs (read every `every_s` by a
+    thread; the main thread waits for XLA without holding the GIL)."""
+
+    def __init__(self, every_s: float = 0.001):
+        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, anonymous_resident())
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> PeakSampler:
+        self.peak = anonymous_resident()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anonymous_resident())
+
+
+def _block(tree) -> None:
+    jax.block_until_ready(tree)
+
+
+def check(cfg: CheckConfig, seed: int = 0) -> dict:
+    """Compile, allocate, run one step; compiled and executed peaks per device (bytes).
+    Needs a fresh process with cfg.devices fake devices (see module doc)."""
+    model = cfg.model()
+    tx = make_optimizer(TrainConfig())
+    run = build(model, from_label(cfg.strategy), make_mesh(cfg.devices), tx,
+                StepConfig(global_batch=cfg.micro_batch * cfg.devices, seq_len=cfg.seq_len,
+                           micro_steps=cfg.micro_steps))
+    lowered = run.step.lower(*run.abstract_args())
+    start = time.perf_counter()
+    planned = hlo.memory_peak(lowered.compile(compiler_options=planner.COMPILER_OPTIONS))
+    planner_compile_s = time.perf_counter() - start
+    executable = lowered.compile()
+    compiled = hlo.memory_peak(executable)
+    # The state is allocated by a program of broadcast zeros: outputs only, no temporaries (an
+    # initialiser's temporaries would stay allocated after its run and count as inputs). The
+    # values change no buffer of the step.
+    zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                         run.abstract_state),
+                    out_shardings=run.shardings).lower().compile()
+    tokens = np.random.default_rng(seed).integers(
+        0, model.vocab_size, (cfg.micro_steps, cfg.micro_batch * cfg.devices, cfg.seq_len + 1),
+        dtype=np.int32)
+
+    before = anonymous_resident()
+    state = zeros()
+    batch = jax.device_put(tokens, run.batch_sharding)
+    _block((state, batch))
+    inputs = anonymous_resident() - before
+    # The first call: XLA:CPU allocates an executable's temporaries on its first run and keeps
+    # them for later runs, so only the first shows them in the resident set.
+    base = anonymous_resident()
+    with PeakSampler() as sampler:
+        state, metrics = executable(state, batch)
+        _block((state, metrics))
+    step = sampler.peak - base
+    executed = (inputs + step) / cfg.devices
+    return {
+        "name": cfg.name, **dataclasses.asdict(cfg),
+        "compiled_peak_bytes": compiled.peak, "planner_peak_bytes": planned.peak,
+        "argument_bytes": compiled.argument, "temp_bytes": compiled.temp,
+        "executed_peak_bytes": executed,
+        "executed_inputs_bytes": inputs / cfg.devices,
+        "executed_step_bytes": step / cfg.devices,
+        "error": planned.peak / executed - 1,
+        "executable_vs_planner": compiled.peak / planned.peak - 1,
+        "planner_compile_s": round(planner_compile_s, 2),
+        "loss": float(metrics["loss"]),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }

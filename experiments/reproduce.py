@@ -1,0 +1,80 @@
+"""Re-measure every README table and plot with one command.
+
+  python -m experiments.reproduce                 # full run: experiments/results/, README.md
+  python -m experiments.reproduce --quick         # smaller grids, runs/reproduce-quick/
+  python -m experiments.reproduce --quick --only plan zero_memory
+
+Runs each experiment of experiments/reproduction.py (pinned commands, one subprocess of its
+launcher each) in order, printing which one runs, its progress and the time left (from the
+expected times, stated up front). A failed experiment is reported and the others still run; the
+exit status is 0 only if every one passed. Each results file gets its provenance (machine,
+software versions, date, command) and reproduce.json in the results folder lists every run.
+
+Then the README tables are regenerated: the full run rewrites README.md from
+experiments/results/; --quick writes its results to runs/reproduce-quick/results/ (never over
+the committed ones) and renders a README copy from them to runs/reproduce-quick/README.md,
+checking that the copy is consistent with them. --results/--runs/--readme-out override the
+folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from experiments.config import fail
+
+PROG = "experiments.reproduce"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments import reproduction
+    from experiments.results_io import PROJECT_ROOT, RESULTS_DIR
+    from experiments.tables import render
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: fail(PROG, message)
+    p.add_argument("--quick", action="store_true", help="smaller grids, separate folder")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help=f"run only these: {', '.join(reproduction.NAMES)}")
+    p.add_argument("--results", default=None, help="results folder (default: see above)")
+    p.add_argument("--runs", default=None, help="scratch folder for training runs")
+    p.add_argument("--readme-out", default=None,
+                   help="where the regenerated README goes (full run default: README.md)")
+    p.add_argument("--list", action="store_true", help="list the experiments and exit")
+    args = p.parse_args(argv)
+    try:
+        todo = reproduction.select(args.only)
+    except ValueError as e:
+        fail(PROG, str(e))
+    if args.list:
+        for e in todo:
+            print(f"{e.name:<18} {e.feeds}: python {' '.join(e.argv)}")
+        return 0
+    base = PROJECT_ROOT / "runs" / ("reproduce-quick" if args.quick else "reproduce")
+    results = Path(args.results) if args.results else (base / "results" if args.quick
+                                                       else RESULTS_DIR)
+    runs = Path(args.runs) if args.runs else base / "runs"
+    readme_out = Path(args.readme_out) if args.readme_out else (
+        base / "README.md" if args.quick else PROJECT_ROOT / "README.md")
+
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    summary = reproduction.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)
+
+    readme = render((PROJECT_ROOT / "README.md").read_text(), results)
+    readme_out.parent.mkdir(parents=True, exist_ok=True)
+    readme_out.write_text(readme)
+    consistent = render(readme_out.read_text(), results) == readme_out.read_text()
+    say(f"README tables regenerated from {results} into {readme_out} "
+        f"(consistent with the results: {consistent})")
+    if summary["failed"]:
+        say(f"FAILED: {', '.join(summary['failed'])} (details in {results}/reproduce.json)")
+    say(f"{len(todo) - len(summary['failed'])}/{len(todo)} experiments passed in "
+        f"{summary['wall_s']:.0f} s")
+    return 0 if summary["passed"] and consistent else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Every experiment that feeds a README table or plot, pinned, and the runner that re-measures
+them (experiments.reproduce is its command line).
+
+Each experiment runs as a subprocess of its own launcher (`python -m experiments.NAME ...`), so
+launchers stay leaves and one failing does not stop the others. A run writes its results into
+one folder: the committed experiments/results/ for the full run, another folder for --quick
+(the environment variable SHARDQ_RESULTS_DIR points every launcher's default output there, and
+the commands below name it explicitly where a launcher takes --out/--record). After each
+experiment its results files get a "provenance" entry (machine, software versions, date,
+command), and reproduce.json in the folder records every experiment's command, status, wall
+time and output tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, write_result
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One launcher invocation. In argv, {results} is the results folder and {runs} a scratch
+    folder for training runs; `outputs` are the results files it writes (in {results})."""
+
+    name: str
+    argv: tuple[str, ...]
+    quick_argv: tuple[str, ...]
+    outputs: tuple[str, ...]
+    expected_s: float  # full run, on the 2-core CPU machine
+    quick_expected_s: float
+    feeds: str  # which README table(s) or plot
+
+    def command(self, quick: bool, results: Path, runs: Path) -> list[str]:
+        args = self.quick_argv if quick else self.argv
+        return [sys.executable, *(a.replace("{results}", str(results)).replace("{runs}", str(runs))
+                                  for a in args)]
+
+    @property
+    def module(self) -> str:
+        return self.argv[1]
+
+
+def _m(name: str, *args: str) -> tuple[str, ...]:
+    return ("-m", f"experiments.{name}", *args)
+
+
+# The main job's checkpoint feeds the int8 table, so main_job comes before quant_table.
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Experiment("main_job", _m("main_job", "--workdir", "{runs}/main", "--no-progress",
+                              "--record", "{results}/main_job.json"),
+               _m("main_job", "--workdir", "{runs}/main", "--no-progress", "--preset", "tiny",
+                  "--steps", "40", "--eval-every", "40", "--eval-batches", "2",
+                  "--ckpt-every", "40", "--record", "{results}/main_job.json"),
+               ("main_job.json", "main_job.png"), 560, 60, "main_job table, loss curve"),
+    Experiment("equivalence", _m("equivalence", "--devices", "8", "--steps", "20", "--json",
+                                 "--out", "{results}/equivalence.json"),
+               _m("equivalence", "--devices", "2", "--steps", "2", "--json",
+                  "--out", "{results}/equivalence.json"),
+               ("equivalence.json",), 400, 90, "equivalence table"),
+    Experiment("zero_memory", _m("zero_memory", "--json", "--out", "{results}/zero_memory.json"),
+               _m("zero_memory", "--json", "--presets", "7.5b", "--devices", "4", "64",
+                  "--stages", "dp", "zero3", "--out", "{results}/zero_memory.json"),
+               ("zero_memory.json",), 330, 40, "ZeRO Table 1"),
+    Experiment("comm_volume", _m("comm_volume", "--json", "--out", "{results}/comm_volume.json"),
+               _m("comm_volume", "--json", "--strategies", "dp", "zero3",
+                  "--out", "{results}/comm_volume.json"),
+               ("comm_volume.json",), 90, 40, "communication volume table"),
+    Experiment("zero_release", _m("zero_release", "--json",
+                                  "--out", "{results}/zero_release.json"),
+               _m("zero_release", "--json", "--strategies", "zero3", "--d-model", "256",
+                  "--n-heads", "4", "--d-ff", "1024", "--out", "{results}/zero_release.json"),
+               ("zero_release.json",), 150, 30, "release table"),
+    Experiment("bench_strategies", _m("bench_strategies", "--preset", "small", "--devices", "8",
+                                      "--json", "--out", "{results}/strategy_speed.json"),
+               _m("bench_strategies", "--preset", "tiny", "--devices", "8", "--steps", "3",
+                  "--warmup", "1", "--strategies", "dp,zero3", "--json",
+                  "--out", "{results}/strategy_speed.json"),
+               ("strategy_speed.json",), 240, 40, "step time table"),
+    Experiment("zero_table2", _m("zero_table2", "--json", "--no-cache",
+                                 "--out", "{results}/zero_table2.json"),
+               _m("zero_table2", "--json", "--quick", "--no-cache",
+                  "--out", "{results}/zero_table2.json"),
+               ("zero_table2.json", "zero_table2.png"), 600, 120,
+               "ZeRO Table 2 by search, planning table and plot"),
+    Experiment("plan", _m("plan", "--preset", "7.5b", "--devices", "64", "--device-memory",
+                          "32GB", "--no-cache", "--json",
+                          "--out", "{results}/plan_7.5b_64x32gb.json"),
+               _m("plan", "--preset", "tiny", "--devices", "8", "--device-memory", "4MB",
+                  "--seq", "32", "--global-batch", "16", "--strategies", "zero3",
+                  "--remats", "full", "--data-sizes", "1", "--micro-batches", "1",
+                  "--no-cache", "--json", "--out", "{results}/plan_7.5b_64x32gb.json"),
+               ("plan_7.5b_64x32gb.json",), 90, 20, "planner example table"),
+    Experiment("plan_accuracy", _m("plan_accuracy", "--json",
+                                   "--out", "{results}/plan_accuracy.json"),
+               _m("plan_accuracy", "--json", "--quick", "--out", "{results}/plan_accuracy.json"),
+               ("plan_accuracy.json",), 300, 50, "planner accuracy table"),
+    Experiment("quant_table", _m("quant_table", "--workdir", "{runs}/main",
+                                 "--out", "{results}/quant_eval.json"),
+               _m("quant_table", "--workdir", "{runs}/main", "--modes", "w8,w8a8",
+                  "--calib-batches", "1", "--out", "{results}/quant_eval.json"),
+               ("quant_eval.json",), 150, 30, "int8 table (needs main_job's checkpoint)"),
+    Experiment("llm_quant_table", _m("llm_quant_table"), _m("llm_quant_table"), (), 600, 120,
+               "SmolLM2 int8 perplexity table"),
+    Experiment("parity_smollm2", _m("parity_smollm2"), _m("parity_smollm2"), (), 300, 60,
+               "SmolLM2 parity"),
+    Experiment("embed_fidelity", _m("embed_fidelity", "--json",
+                                    "--out", "{results}/embed_fidelity.json"),
+               _m("embed_fidelity", "--json", "--sentences", "16", "--calib", "8",
+                  "--modes", "w8a8", "--out", "{results}/embed_fidelity.json"),
+               ("embed_fidelity.json",), 300, 40, "MiniLM int8 fidelity table"),
+    Experiment("bench_int8", _m("bench_int8", "--json", "--out", "{results}/int8_bench.json"),
+               _m("bench_int8", "--json", "--preset", "tiny", "--repeats", "2",
+                  "--new-tokens", "8", "--out", "{results}/int8_bench.json"),
+               ("int8_bench.json",), 200, 40, "int8 speed table"),
+    Experiment("fault_injection", _m("fault_injection", "--json",
+                                     "--out", "{results}/fault_injection.json"),
+               _m("fault_injection", "--json", "--out", "{results}/fault_injection.json"),
+               ("fault_injection.json",), 200, 200, "failure behaviour table"),
+)
+NAMES = tuple(e.name for e in EXPERIMENTS)
+
+
+def select(names: list[str] | None) -> list[Experiment]:
+    """The experiments named (in the list's order), all when None; ValueError naming the
+    unknown ones."""
+    if not names:
+        return list(EXPERIMENTS)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ValueError(f"only={' '.join(unknown)}: allowed {', '.join(NAMES)}")
+    return [e for e in EXPERIMENTS if e.name in names]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """The machine and software a run used (a small stand-in for a shared machine helper)."""
+    mem = None
+    try:
+        kb = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
+                  if x.startswith("MemTotal"))
+        mem = round(kb * 1024 / 1e9, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": mem,
+                    "platform": platform.platform()},
+        "software": {"python": platform.python_version(),
+                     **{p: _version(p) for p in ("jax", "jaxlib", "flax", "optax",
+                                                 "orbax-checkpoint", "numpy")}},
+        "git_commit": _git_commit(),
+    }
+
+
+def stamp(path: Path, provenance: dict) -> bool:
+    """Add `provenance` to a JSON results file (False if it is not a JSON object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    data["provenance"] = provenance
+    write_result(path, data)
+    return True
+
+
+def _fmt(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: Path,
+            say: Callable[[str], None] = print, timeout_s: float | None = None) -> dict:
+    """Run each experiment in turn (a failure is recorded and the next one runs); returns the
+    summary also written to results/reproduce.json."""
+    results, runs = Path(results).resolve(), Path(runs).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    runs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, RESULTS_ENV: str(results),
+           "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
+    expected = [e.quick_expected_s if quick else e.expected_s for e in experiments]
+    say(f"{len(experiments)} experiments, expected about {_fmt(sum(expected))} on a 2-core CPU; "
+        f"results in {results}")
+    machine = environment()
+    start = time.perf_counter()
+    rows = []
+    for i, exp in enumerate(experiments):
+        cmd = exp.command(quick, results, runs)
+        shown = "python " + " ".join(cmd[1:])
+        left = sum(expected[i:])
+        say(f"[{i + 1}/{len(experiments)}] {exp.name} ({exp.feeds}): {shown}  "
+            f"[elapsed {_fmt(time.perf_counter() - start)}, about {_fmt(left)} left]")
+        t0 = time.perf_counter()
+        date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        tail: list[str] = []
+        try:
+            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace")
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                if len(line) < 400:  # progress lines; the last-line JSON is long and kept below
+                    say(f"    {exp.name}: {line}")
+                tail = (tail + [line[-2000:]])[-15:]
+            rc = proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            rc, tail = -1, tail + [f"{type(e).__name__}: {e}"]
+        wall = time.perf_counter() - t0
+        missing = [o for o in exp.outputs if not (results / o).exists()]
+        ok = rc == 0 and not missing
+        provenance = {**machine, "date": date, "command": shown, "wall_s": round(wall, 1),
+                      "quick": quick}
+        for o in exp.outputs:
+            if o.endswith(".json") and (results / o).exists() and rc == 0:
+                stamp(results / o, provenance)
+        rows.append({"name": exp.name, "feeds": exp.feeds, "command": shown, "date": date,
+                     "returncode": rc, "passed": ok, "wall_s": round(wall, 1),
+                     "outputs": list(exp.outputs), "missing_outputs": missing,
+                     "tail": tail if not ok else tail[-3:]})
+        say(f"    {exp.name}: {'passed' if ok else 'FAILED'} in {_fmt(wall)}"
+            + ("" if ok else f" (exit {rc}" + (f", missing {', '.join(missing)}" if missing
+                                                else "") + ")"))
+    summary = {"quick": quick, "results": project_relative_or_abs(results),
+               "passed": all(r["passed"] for r in rows),
+               "failed": [r["name"] for r in rows if not r["passed"]],
+               "wall_s": round(time.perf_counter() - start, 1),
+               "experiments": rows, **machine}
+    write_result(results / "reproduce.json", summary)
+    return summary
+
+
+def project_relative_or_abs(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        return str(path)

@@ -1,0 +1,191 @@
+"""The planner (experiments/planner.py) on the `tiny` shape with the 8 fake devices of conftest.
+
+References: the ZeRO paper's Table 1 formulas (zero_evidence.paper_bytes at our exact Psi) for
+the model-state column, the compiled program for the layout state the pruning relies on, and a
+stand-in measurement (no compile) for the search's bookkeeping: what is pruned, skipped and
+recommended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import planner
+from experiments.config import ConfigError
+from experiments.zero_evidence import paper_bytes
+from model.config import MODEL_PRESETS
+from model.flops import param_count
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dataclasses.replace(MODEL_PRESETS["tiny"], param_dtype="bfloat16",
+                           compute_dtype="bfloat16")
+KEYS = {"strategy", "mesh", "remat", "micro_batch", "model_state_gb", "peak_gb",
+        "comm_volume_psi", "fits"}
+
+
+def _request(**kw) -> planner.PlanRequest:
+    base = dict(model=TINY, devices=8, device_memory=1e9, seq_len=32, global_batch=16)
+    return planner.PlanRequest(**{**base, **kw})
+
+
+@functools.cache
+def _compiled_plan() -> dict:
+    """Every ZeRO stage compiled once: remat full, one sequence per device per micro-step, two
+    micro-steps (so the gradient accumulator is a loop-carried buffer), 1 GB devices."""
+    req = _request(strategies=("dp", "zero1", "zero2", "zero3"), remats=("full",),
+                   micro_batches=(1,), data_sizes=(1,))
+    return planner.plan(req, budget_s=600)
+
+
+def test_model_state_column_is_zero_table_1():
+    result = _compiled_plan()
+    psi = param_count(TINY)
+    rows = {r["strategy"]: r for r in result["candidates"]}
+    assert set(rows) == {"dp", "zero1", "zero2", "zero3"}
+    for stage, row in rows.items():
+        assert row["status"] == "compiled" and row["grads_from"] == "compiled loop carry"
+        assert row["model_state_gb"] * planner.GB == pytest.approx(paper_bytes(stage, psi, 8),
+                                                                   rel=0.02), stage
+    # And the stages differ as the paper says (not one number passing four times).
+    assert rows["dp"]["model_state_gb"] > rows["zero1"]["model_state_gb"] > \
+        rows["zero2"]["model_state_gb"] > rows["zero3"]["model_state_gb"]
+
+
+def test_json_keys_and_recommendation():
+    result = _compiled_plan()
+    assert json.loads(json.dumps(result)) == result  # what --json prints
+    for row in result["candidates"]:
+        assert KEYS <= set(row)
+        assert row["peak_gb"] >= row["model_state_gb"]
+    rec = result["recommended"]
+    assert KEYS <= set(rec) and rec["fits"] is True
+    fitting = [r for r in result["candidates"] if r["fits"]]
+    assert rec["est_step_s"] == min(r["est_step_s"] for r in fitting)
+
+
+def test_layout_state_is_what_the_compiled_program_holds():
+    # Pruning uses the layout (no compile); it must be the compiled program's state exactly.
+    for row in _compiled_plan()["candidates"]:
+        layout = planner.layout_state(TINY, row["strategy"], 8)
+        assert sum(layout.values()) == pytest.approx(row["model_state_gb"] * planner.GB,
+                                                     abs=1), row["strategy"]
+
+
+def _fake_measure(calls, per_sequence=1e6):
+    """Stand-in for compiling: state from the layout, peak = state + per_sequence bytes per
+    sequence per micro-step, volume from the paper's formulas."""
+
+    def measure(req, cand):
+        calls.append(cand)
+        state = planner.layout_state(req.model, cand.strategy, cand.fsdp)
+        steps = req.per_device_batch // cand.micro_batch
+        return {"params_bytes": state["params"], "optimizer_bytes": state["optimizer"],
+                "grads_bytes": state["grads"], "grads_from": "fake",
+                "peak_bytes": sum(state.values()) + per_sequence * cand.micro_batch,
+                "argument_bytes": 0, "temp_bytes": 0, "compile_s": 0.0,
+                "volume_psi": planner.expected_volume_psi(req.model, cand, steps),
+                "layer_gather_psi": 0.0}
+
+    return measure
+
+
+def test_pruned_by_state_are_never_compiled():
+    psi = param_count(TINY)
+    # Usable memory between zero2's and zero1's model state at 8 devices: dp and zero1 out.
+    memory = (paper_bytes("zero2", psi, 8) + paper_bytes("zero1", psi, 8)) / 2 / 0.9
+    calls = []
+    result = planner.plan(_request(device_memory=memory, strategies=("dp", "zero1", "zero2"),
+                                   data_sizes=(1,)),
+                          measure=_fake_measure(calls, per_sequence=100), budget_s=600)
+    by_status = {}
+    for row in result["candidates"]:
+        by_status.setdefault(row["status"], []).append(row)
+    pruned = by_status["pruned"]
+    by_state = {r["strategy"] for r in pruned if r["reason"].startswith("model state ")
+                and "activations" not in r["reason"]}
+    assert by_state == {"dp", "zero1"}
+    assert all(r["fits"] is False for r in pruned)
+    # zero2 rows go only where the activations their remat must keep do not fit either.
+    assert all("saved activations" in r["reason"] for r in pruned if r["strategy"] == "zero2")
+    assert not any(c.strategy in ("dp", "zero1") for c in calls)
+    assert all(r["strategy"] == "zero2" for r in by_status["compiled"])
+    assert result["recommended"]["strategy"] == "zero2"
+
+
+def test_what_needs_more_memory_than_a_failure_is_not_compiled():
+    # 1 MB per sequence and 1.5 MB over fsdp=8's state: micro-batch 2 fails on fsdp=8, which
+    # rules out micro-batch 2 on data=2,fsdp=4 (more state per device) without compiling it.
+    calls = []
+    state = sum(planner.layout_state(TINY, "zero3", 8).values())
+    req = _request(device_memory=(state + 1.5e6) / 0.9, strategies=("zero3",),
+                   remats=("full",), data_sizes=(1, 2))
+    result = planner.plan(req, measure=_fake_measure(calls), budget_s=600)
+    rows = {(r["mesh"], r["micro_batch"]): r for r in result["candidates"]}
+    assert rows[("data=1,fsdp=8", 2)]["status"] == "compiled"
+    assert rows[("data=1,fsdp=8", 2)]["fits"] is False
+    implied = rows[("data=2,fsdp=4", 2)]
+    assert implied["status"] == "implied" and implied["fits"] is False
+    assert (2, 2) not in {(c.data, c.micro_batch) for c in calls}
+    assert len(calls) == len(set(calls)) == 3  # the other three, each once
+    assert result["recommended"]["mesh"] == "data=1,fsdp=8"
+    assert result["recommended"]["micro_batch"] == 1
+
+
+def test_memory_order_of_candidates():
+    c = planner.Candidate("zero3", 1, 8, "full", 1)
+    assert planner.Candidate("zero3", 2, 4, "full", 1).needs_at_least_as_much_as(c)
+    assert planner.Candidate("zero3", 1, 8, "none", 2).needs_at_least_as_much_as(c)
+    assert not planner.Candidate("zero3", 1, 8, "full", 1).needs_at_least_as_much_as(
+        planner.Candidate("zero3", 1, 8, "none", 1))
+    assert not planner.Candidate("zero2", 1, 8, "none", 2).needs_at_least_as_much_as(c)
+
+
+def test_compile_cache_answers_the_second_plan(tmp_path):
+    calls = []
+    req = _request(strategies=("zero3",), remats=("full",), data_sizes=(1,))
+    first = planner.plan(req, cache=planner.CompileCache(tmp_path), measure=_fake_measure(calls))
+    n = len(calls)
+    again = planner.plan(req, cache=planner.CompileCache(tmp_path), measure=_fake_measure(calls))
+    assert n > 0 and len(calls) == n
+    assert {r["status"] for r in again["candidates"] if r["peak_gb"] is not None} == {"cached"}
+    assert again["recommended"]["peak_gb"] == first["recommended"]["peak_gb"]
+
+
+def test_units_and_family():
+    assert planner.parse_bytes("80GB") == 80e9
+    assert planner.parse_bytes("24GiB") == 24 * 2**30
+    assert planner.parse_count("70B") == 70e9
+    for bad in ("80 apples", "-1GB", "GB", "80XB", "0GB"):
+        with pytest.raises(ConfigError, match="device-memory"):
+            planner.parse_bytes(bad)
+    for name in planner.FAMILY_PRESETS:  # every GPT-style preset is a member of the family
+        preset = MODEL_PRESETS[name]
+        assert planner.family_shape(preset.d_model).n_layers == preset.n_layers
+    member = planner.family_shape(planner.family_width_for(70e9))
+    assert param_count(member) == pytest.approx(70e9, rel=0.02)
+
+
+def test_bad_request_names_the_field():
+    with pytest.raises(ConfigError, match="global-batch=12"):
+        _request(global_batch=12).validate()
+    with pytest.raises(ConfigError, match="n_kv_heads=3"):
+        _request(model=dataclasses.replace(TINY, n_kv_heads=3)).validate()
+
+
+def test_launcher_bad_input_is_one_line_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.plan", "--preset", "tiny", "--devices", "8",
+         "--device-memory", "lots", "--cache", str(tmp_path / "cache")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("experiments.plan: error: device-memory=")
+    assert not (tmp_path / "cache").exists()

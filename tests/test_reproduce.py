@@ -1,0 +1,91 @@
+"""experiments.reproduce: a tiny --only run end to end, and the runner's bookkeeping.
+
+References: the issue's list of experiments that feed README tables, the committed README
+(which a quick run must not touch), and stand-in experiments (`python -c ...`) that fail or
+write a result, for what the runner does after a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import reproduction
+
+ROOT = Path(__file__).resolve().parent.parent
+ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
+              "zero_table2", "quant_table", "llm_quant_table", "parity_smollm2",
+              "embed_fidelity", "bench_int8", "fault_injection", "main_job"}
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "experiments.reproduce", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_every_table_source_is_listed():
+    assert ISSUE_LIST <= set(reproduction.NAMES)
+    for e in reproduction.EXPERIMENTS:
+        assert e.module.startswith("experiments.") and e.expected_s > 0 and e.quick_expected_s > 0
+        assert e.module == e.quick_argv[1]  # the quick run is the same launcher
+
+
+def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
+    readme = (ROOT / "README.md").read_bytes()
+    committed = sorted((ROOT / "experiments" / "results").iterdir())
+    stamps = {p.name: p.stat().st_mtime_ns for p in committed}
+    proc = _run("--quick", "--only", "plan", "--results", str(tmp_path / "results"),
+                "--runs", str(tmp_path / "runs"), "--readme-out", str(tmp_path / "README.md"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[1/1] plan" in proc.stderr and "left]" in proc.stderr  # progress with time left
+    result = json.loads((tmp_path / "results" / "plan_7.5b_64x32gb.json").read_text())
+    assert result["recommended"]["fits"] is True
+    prov = result["provenance"]
+    assert prov["command"].startswith("python -m experiments.plan") and prov["quick"] is True
+    assert prov["software"]["jax"] and prov["machine"]["cores"] and prov["date"]
+    summary = json.loads((tmp_path / "results" / "reproduce.json").read_text())
+    assert summary["passed"] and [r["name"] for r in summary["experiments"]] == ["plan"]
+    copy = (tmp_path / "README.md").read_text()
+    start = copy.index("<!-- report:plan_example -->")
+    assert "| 1 | **zero3** | data=1,fsdp=8 | full |" in copy[start:start + 2000]
+    # The committed README and results are untouched.
+    assert hashlib.sha256((ROOT / "README.md").read_bytes()).digest() == \
+        hashlib.sha256(readme).digest()
+    assert {p.name: p.stat().st_mtime_ns for p in committed} == stamps
+
+
+def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
+    boom = ("-c", "import sys; print('bad'); sys.exit(3)")
+    fail = reproduction.Experiment("boom", boom, boom, (), 1, 1, "nothing")
+    write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
+                   "'ok.json'), 'w').write(json.dumps({'x': 1}))")
+    ok = reproduction.Experiment("fine", write, write, ("ok.json",), 1, 1, "a table")
+    lost = reproduction.Experiment("silent", ("-c", "pass"), ("-c", "pass"), ("none.json",),
+                                   1, 1, "a table")
+    lines = []
+    summary = reproduction.run_all([fail, ok, lost], quick=True, results=tmp_path / "r",
+                                   runs=tmp_path / "w", say=lines.append)
+    rows = {r["name"]: r for r in summary["experiments"]}
+    assert rows["boom"]["returncode"] == 3 and not rows["boom"]["passed"]
+    assert "bad" in rows["boom"]["tail"]
+    assert rows["fine"]["passed"]  # ran after the failure
+    assert json.loads((tmp_path / "r" / "ok.json").read_text())["provenance"]["quick"] is True
+    assert not rows["silent"]["passed"] and rows["silent"]["missing_outputs"] == ["none.json"]
+    assert summary["failed"] == ["boom", "silent"] and summary["passed"] is False
+    assert any("FAILED" in line for line in lines)
+
+
+def test_unknown_name_is_one_line_exit_2():
+    with pytest.raises(ValueError, match="only=nope"):
+        reproduction.select(["nope"])
+    proc = _run("--only", "nope", timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("experiments.reproduce: error: only=nope")
