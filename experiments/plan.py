@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['wall_s']} s", file=out)
     rec = result["recommended"]
     if rec is None:
-        print("nothing fits: no candidate's compiled peak is within the usable memory",
-              file=out)
+        least = min(result["candidates"], key=lambda r: r["model_state_gb"])
+        print(f"nothing fits in {req.usable / planner.GB:.3g} GB usable: the smallest model "
+              f"state is {least['model_state_gb']:.3g} GB ({least['strategy']} on "
+              f"{least['mesh']}), and no compiled peak was within the memory", file=out)
     else:
         print(f"recommended: {rec['strategy']} on {rec['mesh']}, remat {rec['remat']}, "
               f"micro-batch {rec['micro_batch']} ({rec['micro_steps']} micro-steps): peak "
