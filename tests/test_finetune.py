@@ -36,7 +36,10 @@ def test_every_strategy_matches_one_device_from_pretrained_weights(truncated):
     batches = [rows[rng.choice(len(rows), 8, replace=False)][None] for _ in range(3)]
     ref, ref_params = run_label("dp", 1, batches, cfg, tx, seed=0, init_params=params)
     assert ref[-1] < ref[0]  # the pretrained model learns from its first steps
-    for label in ("dp", "zero1", "zero2", "zero3", "zero3_prefetch"):
+    # The strategies that gather layers (where GQA's kv_heads axis and the tied head are
+    # sharded and gathered); all five run in `experiments.equivalence --model
+    # smollm2-truncated` (results/equivalence_smollm2.json), too slow for every CI run.
+    for label in ("zero3", "zero3_prefetch"):
         losses, out = run_label(label, 8, batches, cfg, tx, seed=0, init_params=params)
         assert np.abs(losses - ref).max() <= 1e-5, label
         assert max_tree_diff(out, ref_params) <= 1e-5, label

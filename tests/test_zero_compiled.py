@@ -126,11 +126,12 @@ def test_zero3_peak_grows_with_depth_by_activations_and_shards_only(strategy):
     # Keeping the gathered weights would add about one gathered layer per added layer (>= 1.0);
     # at this size the fit's noise from the compiler's sharded temporaries is below 0.1.
     assert report["released"], report
-    if strategy == "zero3":
-        assert abs(report["kept_gathered_layers"]) < 0.25, report
-    # zero3_prefetch also saves its stacked per-layer gradient shards in the backward loop, so
-    # its sharded growth is larger and the fit's unsharded part comes out below one carry
-    # (negative "kept" layers): nothing gathered is kept, which `released` checks one-sidedly.
+    # Nothing gathered is kept: "kept" gathered layers are not positive. They come out negative
+    # (about -1) because per-layer *sharded* state grows faster than the shards alone: the
+    # update guard decides on the updated parameters' finiteness, so the new parameters, master
+    # and moments are written beside the old ones (kept until the verdict) instead of in place.
+    # zero3_prefetch also saves its stacked per-layer gradient shards in the backward loop.
+    assert report["kept_gathered_layers"] < 0.25, report
 
 
 # Backslash-newline joins the long HLO lines (the string is not raw).
