@@ -25,7 +25,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, write_result
+from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, project_relative, write_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,11 @@ class Experiment:
     feeds: str  # which README table(s) or plot
 
     def command(self, quick: bool, results: Path, runs: Path) -> list[str]:
+        # Project-relative paths (the commands run from the project root): results files
+        # record their command, and a committed one must not hold this machine's paths.
         args = self.quick_argv if quick else self.argv
-        return [sys.executable, *(a.replace("{results}", str(results)).replace("{runs}", str(runs))
+        res, run = project_relative(results), project_relative(runs)
+        return [sys.executable, *(a.replace("{results}", res).replace("{runs}", run)
                                   for a in args)]
 
     @property
@@ -114,7 +117,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("llm_quant_table", _m("llm_quant_table", "--out", "{results}/smollm2_quant.json"),
                _m("llm_quant_table", "--layers", "4", "--modes", "w8a8", "--tokens", "512",
                   "--new-tokens", "8", "--out", "{results}/smollm2_quant.json"),
-               ("smollm2_quant.json",), 720, 60, "SmolLM2 int8 perplexity table"),
+               ("smollm2_quant.json",), 720, 30, "SmolLM2 int8 perplexity table"),
     Experiment("parity_smollm2", _m("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
                _m("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
                ("smollm2_parity.json",), 120, 15, "SmolLM2 parity with transformers"),
@@ -259,17 +262,10 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
         say(f"    {exp.name}: {'passed' if ok else 'FAILED'} in {_fmt(wall)}"
             + ("" if ok else f" (exit {rc}" + (f", missing {', '.join(missing)}" if missing
                                                 else "") + ")"))
-    summary = {"quick": quick, "results": project_relative_or_abs(results),
+    summary = {"quick": quick, "results": project_relative(results),
                "passed": all(r["passed"] for r in rows),
                "failed": [r["name"] for r in rows if not r["passed"]],
                "wall_s": round(time.perf_counter() - start, 1),
                "experiments": rows, **machine}
     write_result(results / "reproduce.json", summary)
     return summary
-
-
-def project_relative_or_abs(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(PROJECT_ROOT).as_posix()
-    except ValueError:
-        return str(path)
