@@ -3,7 +3,7 @@
 Two answers per (stage, device count, device memory):
 - model state only: the largest width whose model state (the ZeRO paper's formula at the
   member's exact Psi, 2 + 2 + 12 bytes per parameter split as the stage splits them; equal to
-  the compiled program's state within 2%, see experiments.zero_memory) fits the memory. The
+  the compiled program's state as experiments.zero_memory checks) fits the memory. The
   paper's Table 2 is this count at its round Psi.
 - with activations: bisection over widths, each step the real training step compiled for fake
   CPU devices (experiments.planner.compile_candidate): the largest width whose compiled peak

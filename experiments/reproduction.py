@@ -25,7 +25,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, write_result
+from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, project_relative, write_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,11 @@ class Experiment:
     feeds: str  # which README table(s) or plot
 
     def command(self, quick: bool, results: Path, runs: Path) -> list[str]:
+        # Project-relative paths (the commands run from the project root): results files
+        # record their command, and a committed one must not hold this machine's paths.
         args = self.quick_argv if quick else self.argv
-        return [sys.executable, *(a.replace("{results}", str(results)).replace("{runs}", str(runs))
+        res, run = project_relative(results), project_relative(runs)
+        return [sys.executable, *(a.replace("{results}", res).replace("{runs}", run)
                                   for a in args)]
 
     @property
@@ -63,20 +66,20 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--steps", "40", "--warmup-steps", "5", "--eval-every", "40",
                   "--eval-batches", "2",
                   "--ckpt-every", "40", "--record", "{results}/main_job.json"),
-               ("main_job.json", "main_job.png"), 560, 60, "main_job table, loss curve"),
+               ("main_job.json", "main_job.png"), 560, 20, "main_job table, loss curve"),
     Experiment("equivalence", _m("equivalence", "--devices", "8", "--steps", "20", "--json",
                                  "--out", "{results}/equivalence.json"),
                _m("equivalence", "--devices", "2", "--steps", "2", "--json",
                   "--out", "{results}/equivalence.json"),
-               ("equivalence.json",), 400, 90, "equivalence table"),
+               ("equivalence.json",), 900, 300, "equivalence table"),
     Experiment("zero_memory", _m("zero_memory", "--json", "--out", "{results}/zero_memory.json"),
                _m("zero_memory", "--json", "--presets", "7.5b", "--devices", "4", "64",
                   "--stages", "dp", "zero3", "--out", "{results}/zero_memory.json"),
-               ("zero_memory.json",), 330, 40, "ZeRO Table 1"),
+               ("zero_memory.json",), 330, 35, "ZeRO Table 1"),
     Experiment("comm_volume", _m("comm_volume", "--json", "--out", "{results}/comm_volume.json"),
                _m("comm_volume", "--json", "--strategies", "dp", "zero3",
                   "--out", "{results}/comm_volume.json"),
-               ("comm_volume.json",), 90, 40, "communication volume table"),
+               ("comm_volume.json",), 90, 30, "communication volume table"),
     Experiment("zero_release", _m("zero_release", "--json",
                                   "--out", "{results}/zero_release.json"),
                _m("zero_release", "--json", "--strategies", "zero3", "--d-model", "256",
@@ -87,12 +90,12 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("bench_strategies", "--preset", "tiny", "--devices", "8", "--steps", "3",
                   "--warmup", "1", "--strategies", "dp,zero3", "--json",
                   "--out", "{results}/strategy_speed.json"),
-               ("strategy_speed.json",), 240, 40, "step time table"),
+               ("strategy_speed.json",), 240, 25, "step time table"),
     Experiment("zero_table2", _m("zero_table2", "--json", "--no-cache",
                                  "--out", "{results}/zero_table2.json"),
                _m("zero_table2", "--json", "--quick", "--no-cache",
                   "--out", "{results}/zero_table2.json"),
-               ("zero_table2.json", "zero_table2.png"), 600, 120,
+               ("zero_table2.json", "zero_table2.png"), 360, 60,
                "ZeRO Table 2 by search, planning table and plot"),
     Experiment("plan", _m("plan", "--preset", "7.5b", "--devices", "64", "--device-memory",
                           "32GB", "--no-cache", "--json",
@@ -101,33 +104,36 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--seq", "32", "--global-batch", "16", "--strategies", "zero3",
                   "--remats", "full", "--data-sizes", "1", "--micro-batches", "1",
                   "--no-cache", "--json", "--out", "{results}/plan_7.5b_64x32gb.json"),
-               ("plan_7.5b_64x32gb.json",), 90, 20, "planner example table"),
+               ("plan_7.5b_64x32gb.json",), 70, 10, "planner example table"),
     Experiment("plan_accuracy", _m("plan_accuracy", "--json",
                                    "--out", "{results}/plan_accuracy.json"),
                _m("plan_accuracy", "--json", "--quick", "--out", "{results}/plan_accuracy.json"),
-               ("plan_accuracy.json",), 300, 50, "planner accuracy table"),
+               ("plan_accuracy.json",), 300, 45, "planner accuracy table"),
     Experiment("quant_table", _m("quant_table", "--workdir", "{runs}/main",
                                  "--out", "{results}/quant_eval.json"),
                _m("quant_table", "--workdir", "{runs}/main", "--modes", "w8,w8a8",
                   "--calib-batches", "1", "--out", "{results}/quant_eval.json"),
-               ("quant_eval.json",), 150, 30, "int8 table (needs main_job's checkpoint)"),
-    Experiment("llm_quant_table", _m("llm_quant_table"), _m("llm_quant_table"), (), 600, 120,
-               "SmolLM2 int8 perplexity table"),
-    Experiment("parity_smollm2", _m("parity_smollm2"), _m("parity_smollm2"), (), 300, 60,
-               "SmolLM2 parity"),
+               ("quant_eval.json",), 150, 20, "int8 table (needs main_job's checkpoint)"),
+    Experiment("llm_quant_table", _m("llm_quant_table", "--out", "{results}/smollm2_quant.json"),
+               _m("llm_quant_table", "--layers", "4", "--modes", "w8a8", "--tokens", "512",
+                  "--new-tokens", "8", "--out", "{results}/smollm2_quant.json"),
+               ("smollm2_quant.json",), 720, 30, "SmolLM2 int8 perplexity table"),
+    Experiment("parity_smollm2", _m("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
+               _m("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
+               ("smollm2_parity.json",), 120, 15, "SmolLM2 parity with transformers"),
     Experiment("embed_fidelity", _m("embed_fidelity", "--json",
                                     "--out", "{results}/embed_fidelity.json"),
                _m("embed_fidelity", "--json", "--sentences", "16", "--calib", "8",
                   "--modes", "w8a8", "--out", "{results}/embed_fidelity.json"),
-               ("embed_fidelity.json",), 300, 40, "MiniLM int8 fidelity table"),
+               ("embed_fidelity.json",), 300, 15, "MiniLM int8 fidelity table"),
     Experiment("bench_int8", _m("bench_int8", "--json", "--out", "{results}/int8_bench.json"),
                _m("bench_int8", "--json", "--preset", "tiny", "--repeats", "2",
                   "--new-tokens", "8", "--out", "{results}/int8_bench.json"),
-               ("int8_bench.json",), 200, 40, "int8 speed table"),
+               ("int8_bench.json",), 200, 25, "int8 speed table"),
     Experiment("fault_injection", _m("fault_injection", "--json",
                                      "--out", "{results}/fault_injection.json"),
                _m("fault_injection", "--json", "--out", "{results}/fault_injection.json"),
-               ("fault_injection.json",), 200, 200, "failure behaviour table"),
+               ("fault_injection.json",), 200, 150, "failure behaviour table"),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
 
@@ -256,17 +262,10 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
         say(f"    {exp.name}: {'passed' if ok else 'FAILED'} in {_fmt(wall)}"
             + ("" if ok else f" (exit {rc}" + (f", missing {', '.join(missing)}" if missing
                                                 else "") + ")"))
-    summary = {"quick": quick, "results": project_relative_or_abs(results),
+    summary = {"quick": quick, "results": project_relative(results),
                "passed": all(r["passed"] for r in rows),
                "failed": [r["name"] for r in rows if not r["passed"]],
                "wall_s": round(time.perf_counter() - start, 1),
                "experiments": rows, **machine}
     write_result(results / "reproduce.json", summary)
     return summary
-
-
-def project_relative_or_abs(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(PROJECT_ROOT).as_posix()
-    except ValueError:
-        return str(path)
