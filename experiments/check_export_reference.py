@@ -25,6 +25,8 @@ import json
 import sys
 from pathlib import Path
 
+from reference_scoring import score  # beside this script (run by path)
+
 CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" \
        "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -42,22 +44,6 @@ TEXTS = [
     CHAT.format("What is 17 times 23?") + "17 times 23 is 391.<|im_end|>\n",
     "A",
 ]
-
-
-def score(model, ids_per_text) -> list[dict]:
-    import torch
-
-    rows = []
-    with torch.no_grad():
-        for ids in ids_per_text:
-            logits = model(torch.tensor([ids])).logits[0].double()
-            logp = torch.log_softmax(logits, dim=-1)
-            nll = None
-            if len(ids) > 1:
-                picked = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-                nll = float(-picked.mean())
-            rows.append({"mean_nll": nll, "next_token": int(logits[-1].argmax())})
-    return rows
 
 
 def main(argv: list[str] | None = None) -> None:

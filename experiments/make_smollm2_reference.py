@@ -30,6 +30,8 @@ import json
 import sys
 from pathlib import Path
 
+from reference_scoring import score  # beside this script (run by path)
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" \
@@ -100,22 +102,6 @@ def reference_tokenizer(folder: Path):
         [pre_tokenizers.Digits(individual_digits=True),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     return tok
-
-
-def score(model, ids_per_text) -> list[dict]:
-    import torch
-
-    rows = []
-    with torch.no_grad():
-        for ids in ids_per_text:
-            logits = model(torch.tensor([ids])).logits[0].double()
-            logp = torch.log_softmax(logits, dim=-1)
-            nll = None
-            if len(ids) > 1:
-                picked = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-                nll = float(-picked.mean())
-            rows.append({"mean_nll": nll, "next_token": int(logits[-1].argmax())})
-    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
