@@ -93,17 +93,21 @@ def test_scan_unroll_does_not_change_loss():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_kv_cache_decoding_matches_full_forward():
-    m = _model()
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)), jnp.int32)
+def _assert_cached_decoding_matches_full_forward(m, tokens, cache):
+    """A 7-token prefill, then one token at a time through `cache`: the full forward's logits."""
     full = m(tokens)
-    cache = m.init_cache(2, 12)
     logits, cache = m.decode(tokens[:, :7], cache, 0)
     steps = [logits]
-    for i in range(7, 12):
+    for i in range(7, tokens.shape[1]):
         step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i)
         steps.append(step_logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    m = _model()
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)), jnp.int32)
+    _assert_cached_decoding_matches_full_forward(m, tokens, m.init_cache(2, 12))
 
 
 def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
@@ -116,15 +120,9 @@ def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
     assert params["blocks"]["attn"]["k"]["kernel"].shape == (2, 32, 2 * cfg.head_dim)
     assert sum(x.size for x in jax.tree.leaves(params)) == param_count(cfg)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
-    full = m(tokens)
     cache = m.init_cache(2, 12)
     assert cache.k.shape == (2, 2, 12, 2, cfg.head_dim)  # the cache holds kv heads only
-    logits, cache = m.decode(tokens[:, :7], cache, 0)
-    steps = [logits]
-    for i in range(7, 12):
-        step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i)
-        steps.append(step_logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+    _assert_cached_decoding_matches_full_forward(m, tokens, cache)
 
 
 def test_bf16_compute_keeps_fp32_params_and_is_close():
