@@ -11,15 +11,24 @@ time, since a Q4_1 block row is not addressable by column.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import resource
 
 import jax
 import numpy as np
 
+from experiments.data import load_tokens, pack
 from model import ModelConfig
 from model.gguf import GGUFFile
-from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path, set_path
+from model.llama_gguf import (
+    config_from_gguf,
+    iter_params,
+    load_params,
+    package_gguf_path,
+    set_path,
+)
+from model.tokenizer import tokenizer_from_gguf
 
 PRETRAINED = ("smollm2",)
 
@@ -70,12 +79,6 @@ def truncated_model(name: str = "smollm2", n_layers: int = 2, max_len: int = 32,
     """(config, float32 host params, packed training rows [n, max_len + 1]) of the pretrained
     model's first `n_layers` blocks on the pydoc training topics: small enough to compare
     every strategy against one device, and still the real architecture and weights."""
-    import dataclasses
-
-    from experiments.data import load_tokens, pack
-    from model.llama_gguf import load_params
-    from model.tokenizer import tokenizer_from_gguf
-
     if name not in PRETRAINED:
         raise ValueError(f"model={name!r}: allowed {', '.join(PRETRAINED)}")
     g = GGUFFile(package_gguf_path())

@@ -9,6 +9,7 @@ launchers print. Everything is batch-1 friendly and jitted once per padded lengt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -21,10 +22,13 @@ from experiments import pydoc_corpus
 from experiments.config import ConfigError
 from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
+from model.generate import generate
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
+from quant.calibrate import calibrate
 from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
+from quant.kv_cache import init_int8_cache
 from quant.pipeline import quantize as run_quantize
 
 MODELS = ("smollm2",)
@@ -83,10 +87,12 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None) -> Pre
                                report=report)
 
 
+@functools.lru_cache(maxsize=8)
 def make_logprob_fn(graphdef, mesh=None):
     """jitted (params, tokens [1, T]) -> log-probabilities [T, vocab] (fp32). With the `mesh`
     the parameters are sharded over, each layer is gathered right before it runs
-    (parallel/inference.py), so the scores are the single-device ones bit for bit."""
+    (parallel/inference.py), so the scores are the single-device ones bit for bit. Cached per
+    model and mesh: scoring the same model again reuses its compiled programs."""
 
     @jax.jit
     def fn(params, tokens):
@@ -185,9 +191,6 @@ def decode_speed(pre: Pretrained, prompt: list[int], new_tokens: int, kv_int8: b
                  repeats: int = 3) -> dict:
     """Batch-1 greedy decoding speed: the best of `repeats` timed runs of the jitted
     prefill + `new_tokens` cached steps (compiled once beforehand), prefill time subtracted."""
-    from model.generate import generate
-    from quant.kv_cache import init_int8_cache
-
     make_cache = init_int8_cache if kv_int8 else None
     gen = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7, 8))
     ids = jnp.asarray([prompt], jnp.int32)
@@ -211,8 +214,6 @@ def activation_outliers(pre: Pretrained, rows: list, top: int = 10) -> dict:
     """Where the float model's Dense inputs have outlier channels, on calibration rows: per
     module the largest channel absmax and its ratio to the median channel's (per layer), and
     the `top` (module, layer, channel) entries overall."""
-    from quant.calibrate import calibrate
-
     absmax = calibrate(pre.graphdef, jax.device_get(pre.params), rows)["absmax"]
     per_module, entries = {}, []
     for path, a in sorted(absmax.items()):
