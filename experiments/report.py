@@ -1,6 +1,6 @@
-"""Regenerate the README's result tables from experiments/results/*.json.
+"""Regenerate the result tables of README.md and docs/*.md from experiments/results/*.json.
 
-  python -m experiments.report           # rewrite the tables in README.md
+  python -m experiments.report           # rewrite the tables in README.md and docs/*.md
   python -m experiments.report --check   # exit 1 if any table is out of date
   python -m experiments.report --readme COPY.md --results DIR   # tables of another results set
 
@@ -14,27 +14,33 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.tables import render
+from experiments.tables import documents, render
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="experiments.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--readme", default="README.md")
+    p.add_argument("--readme", action="append", default=None,
+                   help="a markdown file to render (repeatable; default README.md and docs/*.md)")
     p.add_argument("--check", action="store_true")
     p.add_argument("--results", default=None,
                    help="folder of results files (default experiments/results)")
     args = p.parse_args(argv)
-    path = Path(args.readme)
-    old = path.read_text()
-    new = render(old, args.results) if args.results else render(old)
-    if args.check:
-        if new != old:
-            print(f"{path} tables are out of date: run python -m experiments.report",
-                  file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(new)
+    paths = [Path(r) for r in args.readme] if args.readme else documents()
+    stale = []
+    for path in paths:
+        old = path.read_text()
+        new = render(old, args.results) if args.results else render(old)
+        if new == old:
+            continue
+        if args.check:
+            stale.append(str(path))
+        else:
+            path.write_text(new)
+    if stale:
+        print(f"tables out of date in {', '.join(stale)}: run python -m experiments.report",
+              file=sys.stderr)
+        return 1
     return 0
 
 

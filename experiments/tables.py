@@ -357,6 +357,11 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
 }
 
 
+def documents(root: Path = Path(".")) -> list[Path]:
+    """The markdown files whose tables `render` fills: README.md, then docs/*.md."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def render(readme: str, results: str | Path = RESULTS) -> str:
     """`readme` with every marked table regenerated from the JSON files in `results`."""
     for name, (file, fn) in SECTIONS.items():
