@@ -135,6 +135,22 @@ class _Cursor:
         return out
 
 
+# Rows dequantised per call: the float32 result is written in place chunk by chunk, so the
+# temporaries of `gguf.quants.dequantize` (several float32 copies of its input) stay this small
+# instead of scaling with the largest tensor.
+DEQUANT_CHUNK_VALUES = 1 << 18
+
+
+def _dequantize_rows(raw: np.ndarray, shape: tuple[int, ...], qtype, dequantize) -> np.ndarray:
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64))
+    blocks = raw.reshape(max(1, n_rows), -1)
+    out = np.empty((n_rows, shape[-1]), np.float32)
+    step = max(1, DEQUANT_CHUNK_VALUES // max(1, shape[-1]))
+    for i in range(0, n_rows, step):
+        out[i:i + step] = dequantize(blocks[i:i + step], qtype)
+    return out
+
+
 class GGUFFile:
     """Metadata (`metadata[key] -> (value type, value)`) and tensor table of one GGUF file."""
 
@@ -231,12 +247,28 @@ class GGUFFile:
             elif qtype == GGMLQuantizationType.F16:
                 out = raw.view("<f2").reshape(info.shape)
             else:
-                rows = info.shape[:-1] + (info.n_bytes // max(1, int(np.prod(info.shape[:-1]))),)
-                out = dequantize(raw.reshape(rows), qtype)
+                out = _dequantize_rows(raw, info.shape, qtype, dequantize)
+            # A view of the map (F32) is copied; a dequantised result is already a fresh array.
+            out = (np.array(out, np.float32) if np.shares_memory(out, raw)
+                   else np.asarray(out, np.float32))
         except (ValueError, NotImplementedError, TypeError) as e:
             raise GGUFError(f"{str(self.path)!r}: tensor {name!r} ({qtype.name}) cannot be read "
                             f"({type(e).__name__})") from None
-        return np.array(out, np.float32).reshape(info.shape)  # a copy: never a view of the map
+        del raw
+        self._release(info.offset, info.n_bytes)
+        return out.reshape(info.shape)
+
+    def _release(self, offset: int, n_bytes: int) -> None:
+        """Drop the file pages just read from this process's resident set: reading a model one
+        tensor at a time should cost one tensor of host memory, not the whole file by the end.
+        (The pages stay in the OS page cache; a later read maps them back in.)"""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + n_bytes - start)
+        except (OSError, ValueError):
+            pass  # advice only: a platform that refuses it just keeps the pages
 
     # --- typed metadata access: a missing key or a value of the wrong type is one line ---------
 

@@ -182,17 +182,26 @@ def iter_params(g: GGUFFile, cfg: ModelConfig):
     parameter (a stacked block leaf, or the embedding) on the host."""
     plan = _plan(g, cfg, g.get_int("llama.block_count"))
     for path, names in plan.items():
-        arrays = []
-        for name in names:
+        stacked = None  # a block leaf is written layer by layer into one preallocated array
+        for i, name in enumerate(names):
             a = g.tensor(name)
-            if not np.all(np.isfinite(a)):
+            # min/max propagate NaN and reach +-inf without a per-element mask array
+            if not (np.isfinite(a.min()) and np.isfinite(a.max())):
                 raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
             if path == "blocks/attn/q/kernel":
                 a = _unpermute(a, cfg.n_heads)
             elif path == "blocks/attn/k/kernel":
                 a = _unpermute(a, cfg.kv_heads)
-            arrays.append(np.ascontiguousarray(a.T) if _is_linear(path) else a)
-        yield path, (np.stack(arrays) if path.startswith("blocks/") else arrays[0])
+            a = a.T if _is_linear(path) else a
+            if not path.startswith("blocks/"):
+                stacked = np.ascontiguousarray(a)
+                break
+            if stacked is None:
+                stacked = np.empty((len(names), *a.shape), np.float32)
+            stacked[i] = a
+            del a
+        yield path, stacked
+        del stacked  # the caller places and drops it; holding it here would double the peak
 
 
 def set_path(tree: dict, path: str, value) -> None:

@@ -24,7 +24,7 @@ from experiments.config import ConfigError  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
-from model.llama_gguf import config_from_gguf, package_gguf_path  # noqa: E402
+from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
 from parallel.mesh import make_mesh  # noqa: E402
 from quant import checkpoint as qckpt  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
@@ -44,6 +44,33 @@ def truncated():
 def test_the_preset_is_what_the_file_says():
     cfg = config_from_gguf(GGUFFile(package_gguf_path()))
     assert cfg == MODEL_PRESETS["smollm2"]
+
+
+def test_reading_one_parameter_costs_about_one_parameter_of_host_memory():
+    """iter_params dequantises in small chunks into the result, fills a stacked block leaf one
+    layer at a time and drops the file pages it read: numpy's peak allocation while producing a
+    parameter is that parameter plus a couple of layers' worth and a few MiB of chunk
+    temporaries (reading the whole stack and then stacking it would double it; the gguf
+    package's dequantiser on the whole embedding triples it)."""
+    import tracemalloc
+
+    g = GGUFFile(package_gguf_path())
+    cfg = config_from_gguf(g, n_layers=3)
+    slack = 8 << 20
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        for path, array in iter_params(g, cfg):
+            _, peak = tracemalloc.get_traced_memory()
+            per_layer = array.nbytes // cfg.n_layers if path.startswith("blocks/") else 0
+            assert peak - base <= array.nbytes + 2 * per_layer + slack, (path, peak - base,
+                                                                        array.nbytes)
+            del array
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
 
 
 def test_tokenizer_ids_match_the_reference(truncated):
