@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.json:
         for r in out["results"] + out["zero3_remat"]:
             print(f"{r['strategy']:>10} remat={r['remat']:<9} {r['volume_psi']:6.3f} Psi "
-                  f"(expected {r['expected_psi']:.0f}, within 5%: {r['within_5pct']}); "
+                  f"(expected {r['expected_psi']:.3f}, within 5%: {r['within_5pct']}; "
+                  f"{r['in_layer_loop_psi_layers']:.3f} Psi_layers in the layer loop); "
                   f"layer-param gathers in loop: {r['layer_param_gathers']:.2f}")
     else:
         print(json.dumps(out))

@@ -90,6 +90,20 @@ def comm_volume(d: dict) -> str:
     return "\n".join(rows)
 
 
+def comm_volume_layers(d: dict) -> str:
+    """Volume against the exact expectation (3 Psi_layers + 2 Psi_rest for zero3), and what
+    moves inside the layer loop in units of the layers' own parameters."""
+    c = d["config"]
+    rows = [f"{c['preset']}, {c['n_layers']} layers, Ψ = {d['psi']:,} (layers "
+            f"{d['psi_layers'] / d['psi']:.0%}), {c['devices']} devices", ""]
+    rows += _head("strategy", "volume (× Ψ)", "expected (× Ψ)", "in layer loop (× Ψ_layers)",
+                  "layer gathers per step")
+    for r in d["results"]:
+        rows.append(f"| {r['strategy']} | {r['volume_psi']:.3f} | {r['expected_psi']:.3f} | "
+                    f"{r['in_layer_loop_psi_layers']:.3f} | {r['layer_param_gathers']:.2f} |")
+    return "\n".join(rows)
+
+
 def zero_release(d: dict) -> str:
     c = d["config"]
     rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "

@@ -2,10 +2,11 @@
 
   python -m experiments.zero_memory --json [--out experiments/results/zero_memory.json]
 
-For each preset (7.5b, 128b, 1t), device count N_d (1 .. 1024 fake CPU devices, mesh fsdp=N_d)
-and stage (dp, zero1, zero2, zero3), the real training step is lowered on abstract inputs
-(jax.ShapeDtypeStruct with shardings) and compiled; nothing is allocated. Mixed precision:
-bf16 working params and gradients, fp32 master + Adam mu/nu (the paper's K = 12).
+For each preset (7.5b, 128b, 1t; also 7.5b-gqa and smollm2 on request), device count N_d
+(1 .. 1024 fake CPU devices, mesh fsdp=N_d) and stage (dp, zero1, zero2, zero3), the real
+training step is lowered on abstract inputs (jax.ShapeDtypeStruct with shardings) and compiled;
+nothing is allocated. Mixed precision: bf16 working params and gradients, fp32 master + Adam
+mu/nu (the paper's K = 12).
 
 Model state per device, read from the compiled program:
   params    = per-device bytes of state["params"], from the executable's input shardings
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 from experiments.config import fail
 from experiments.results_io import results_path, write_result
-from experiments.zero_evidence import PAPER_PSI, STAGES, measure_cell
+from experiments.zero_evidence import OTHER_MEMORY_PRESETS, PAPER_PSI, STAGES, measure_cell
 from parallel.devices import request_cpu_devices
 
 PROG = "experiments.zero_memory"
@@ -52,7 +53,11 @@ DEFAULT_OUT = str(results_path("zero_memory.json"))
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=list(PAPER_PSI), choices=list(PAPER_PSI))
+    p.add_argument("--presets", nargs="+", default=["7.5b", "128b", "1t"],
+                   choices=[*PAPER_PSI, *OTHER_MEMORY_PRESETS],
+                   help="model shapes (default the paper's three; 7.5b-gqa is the 7.5b shape "
+                        "with grouped-query attention and SwiGLU; smollm2 has no paper row and "
+                        "is compared with the formula at its own Psi)")
     p.add_argument("--devices", nargs="+", type=int, default=list(DEVICE_COUNTS),
                    help="data-parallel degrees N_d (fake CPU devices)")
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))

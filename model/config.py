@@ -81,6 +81,10 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                         compute_dtype="bfloat16", remat="full"),
     "7.5b": ModelConfig(d_model=4096, n_layers=37, n_heads=32, d_ff=16384, max_len=2048,
                         compute_dtype="bfloat16", remat="full"),
+    # The 7.5b shape in the Llama family's form (grouped-query attention with 8 key/value heads,
+    # SwiGLU MLP): d_ff chosen so Psi stays within 1% of the paper's 7.5e9.
+    "7.5b-gqa": ModelConfig(d_model=4096, n_layers=37, n_heads=32, n_kv_heads=8, d_ff=13056,
+                            max_len=2048, mlp="swiglu", compute_dtype="bfloat16", remat="full"),
     "128b": ModelConfig(d_model=12288, n_layers=71, n_heads=96, d_ff=49152, max_len=2048,
                         compute_dtype="bfloat16", remat="full"),
     "1t": ModelConfig(d_model=25600, n_layers=127, n_heads=160, d_ff=102400, max_len=2048,

@@ -34,7 +34,8 @@ def test_every_preset_counts_exactly_without_allocating(name):
     assert sum(x.size for x in jax.tree.leaves(abstract)) == param_count(cfg)
 
 
-@pytest.mark.parametrize("name,target", [("1.3b", 1.3e9), ("7.5b", 7.5e9), ("128b", 128e9),
+@pytest.mark.parametrize("name,target", [("1.3b", 1.3e9), ("7.5b", 7.5e9), ("7.5b-gqa", 7.5e9),
+                                         ("128b", 128e9),
                                          ("1t", 1e12)])
 def test_large_presets_match_zero_paper_sizes(name, target):
     assert abs(param_count(MODEL_PRESETS[name]) / target - 1) < 0.01

@@ -57,6 +57,31 @@ def test_zero3_volume_is_three_per_layer_param_and_two_per_other_param():
     assert report["volume_psi"] == pytest.approx(expected, rel=1e-3)
 
 
+# The Llama family's options on a tiny shape: grouped-query attention, SwiGLU, tied head.
+TINY_GQA = dataclasses.replace(MODEL_PRESETS["tiny"], d_model=64, n_heads=4, n_kv_heads=2,
+                               d_ff=96, mlp="swiglu", tie_embeddings=True, n_layers=3,
+                               scan_unroll=1, remat="full")
+
+
+def test_zero3_volume_on_the_gqa_swiglu_shape():
+    compiled, _ = compile_step(TINY_GQA, "zero3", N, seq_len=16, micro_steps=1)
+    report = volume_report(compiled.as_text(), TINY_GQA)
+    psi, psi_layers = param_count(TINY_GQA), layer_param_count(TINY_GQA)
+    assert report["volume_psi"] == pytest.approx(
+        (3 * psi_layers + 2 * (psi - psi_layers)) / psi, rel=1e-3), report
+    assert report["in_layer_loop_psi_layers"] == pytest.approx(3.0, rel=1e-3), report
+    assert report["layer_param_gathers"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_zero3_model_state_bytes_on_the_gqa_swiglu_shape():
+    cfg = dataclasses.replace(TINY_GQA, param_dtype="bfloat16", compute_dtype="bfloat16")
+    psi = param_count(cfg)
+    compiled, args = compile_step(cfg, "zero3", N, seq_len=16, micro_steps=2)
+    parts = model_state(compiled, args, micro_steps=2)
+    assert parts == {"params": 2 * psi // N, "grads": 2 * psi // N,
+                     "optimizer": 12 * psi // N + OPT_COUNTERS_BYTES}
+
+
 def test_zero3_all_gathers_sit_inside_the_layer_loop():
     report = volume_report(_comm_compiled("zero3"), COMM_CFG)
     assert report["all_gathers_in_layer_loop"]
