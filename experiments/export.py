@@ -5,15 +5,14 @@
   python -m experiments.export --model smollm2 --layers 2 --format gguf --out exports/s2
 
 safetensors: DIR/model.safetensors (Hugging Face tensor names, [out, in] kernels, float32),
-config.json (LlamaForCausalLM), generation_config.json, tokenizer.json and
-tokenizer_config.json; `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
-`AutoTokenizer.from_pretrained(DIR)` load it. gguf: DIR/model.gguf (F32, llama.cpp's names and
-rotary row order, the tokenizer's metadata). Both also write shardq_export.json (what was
-exported). A run is read one parameter at a time from its newest intact checkpoint (or --step);
-a mixed-precision run exports its fp32 master weights. A byte model's tokenizer.json maps each
-UTF-8 byte to its own id. `--layers N` keeps the first N blocks. The folder is written beside
-DIR and renamed into place; an existing non-empty DIR needs --force. Prints a JSON summary
-last.
+config.json (LlamaForCausalLM), generation_config.json, tokenizer.json and tokenizer_config.json;
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
+load it. gguf: DIR/model.gguf (F32, llama.cpp's names and rotary row order, the tokenizer's
+metadata). Both also write shardq_export.json (what was exported); --record FILE keeps the summary.
+A run is read one parameter at a time from its newest intact checkpoint (or --step); a mixed-
+precision run exports its fp32 master weights. A byte model's tokenizer.json maps each UTF-8 byte
+to its own id. `--layers N` keeps the first N blocks. The folder is written beside DIR and renamed
+into place; an existing non-empty DIR needs --force. Prints a JSON summary last.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import argparse
 import json
 
 from experiments.config import ConfigError, fail
+from experiments.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
 
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--format", default="safetensors", help=f"one of {', '.join(FORMATS)}")
     p.add_argument("--out", default=None, help="folder to write (created)")
     p.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="also write the summary to FILE (e.g. experiments/results/NAME.json)")
     args = p.parse_args(argv)
     try:
         if (args.workdir is None) == (args.model is None):
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary = exporter.export(source, args.format, args.out, args.force)
     except (ConfigError, GGUFError) as e:
         fail(PROG, str(e).splitlines()[0])
+    if args.record:
+        write_result(args.record, summary)
     print(json.dumps(summary))
     return summary
 

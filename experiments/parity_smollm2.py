@@ -1,6 +1,11 @@
 """Our SmolLM2 against Hugging Face transformers on the full model (the tests use 4 layers).
 
   python -m experiments.parity_smollm2            # writes results/smollm2_parity.json
+  python -m experiments.parity_smollm2 --gguf exports/ft-gguf/model.gguf --fixture F --out G
+
+`--gguf` scores another Llama GGUF (e.g. a fine-tuned run exported with `experiments.export
+--format gguf`) against a fixture that experiments/check_export_reference.py wrote from the same
+run's safetensors export: the export checked end to end in transformers.
 
 Reads the fixture experiments/make_smollm2_reference.py wrote (tests/fixtures/
 smollm2_reference.json: token ids, mean NLL and greedy next token per text from transformers),
@@ -28,6 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fixture", default=str(FIXTURE))
     p.add_argument("--out", default=str(results_path("smollm2_parity.json")))
+    p.add_argument("--gguf", default=None, metavar="PATH",
+                   help="score this Llama GGUF instead of the packaged SmolLM2")
     args = p.parse_args(argv)
     try:
         ref = json.loads(Path(args.fixture).read_text())
@@ -35,14 +42,14 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"fixture={args.fixture!r}: cannot be read ({str(e).splitlines()[0]})")
     runtime.start(1)
     try:
-        pre = pretrained_lm.load("smollm2")
+        pre = pretrained_lm.load("smollm2", gguf_path=args.gguf)
     except GGUFError as e:
         fail(PROG, str(e))
     ids = [pre.tokenizer.encode(t) for t in ref["texts"]]
     rows = pretrained_lm.score_ids(pre, ref["tokens"])
     diffs = [abs(r["mean_nll"] - x["mean_nll"]) for r, x in zip(rows, ref["full"], strict=True)
              if x["mean_nll"] is not None]
-    out = {"model": ref["model"], "reference_versions": ref["versions"],
+    out = {"model": ref["model"], "gguf": args.gguf, "reference_versions": ref["versions"],
            "layers": pre.cfg.n_layers, "texts": len(ref["texts"]),
            "ids_identical": sum(a == b for a, b in zip(ids, ref["tokens"], strict=True)),
            "next_identical": sum(r["next_token"] == x["next_token"]
