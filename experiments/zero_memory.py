@@ -88,10 +88,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     cells = [(p, n, s) for p in args.presets for n in args.devices for s in args.stages]
     start = time.perf_counter()
-    results = [measure_cell(p, n, s, seq_len=args.seq_len, micro_steps=args.micro_steps)
-               for p, n, s in tqdm(cells, desc="compiling", file=sys.stderr)]
+    results, skipped = [], []
+    for p, n, s in tqdm(cells, desc="compiling", file=sys.stderr):
+        try:
+            results.append(measure_cell(p, n, s, seq_len=args.seq_len,
+                                        micro_steps=args.micro_steps))
+        except ValueError as e:  # a shape that does not divide over N_d (e.g. smollm2's 576)
+            if "does not divide" not in str(e):
+                raise
+            skipped.append({"params": p, "n_devices": n, "stage": s, "why": str(e)})
     out = {
         "results": results,
+        "skipped": skipped,
         "all_within_2pct": all(r["within_2pct"] for r in results),
         "total_compile_s": round(time.perf_counter() - start, 1),
         "config": {"seq_len": args.seq_len, "micro_steps": args.micro_steps,
