@@ -88,7 +88,8 @@ def test_every_claim_holds_on_the_committed_results():
     claim written against the wrong field or sense would fail here)."""
     claimed = [e for e in reproduction.EXPERIMENTS if e.claim]
     assert {"equivalence", "fault_injection", "zero_memory", "plan"} <= {e.name for e in claimed}
-    assert {e.name: e.claim(ROOT / "experiments" / "results") for e in claimed} == \
+    committed = ROOT / "experiments" / "results"
+    assert {e.name: e.claim(committed, False) for e in claimed} == \
         {e.name: None for e in claimed}
 
 
@@ -106,6 +107,15 @@ def test_a_broken_claim_fails_the_experiment(tmp_path):
     assert row["returncode"] == 0 and not row["passed"]
     assert row["claim_failed"] == "f.json: not true that nothing is lost"
     assert any("not true that nothing is lost" in line for line in lines)
+
+
+
+def test_a_full_only_claim_is_left_out_of_the_quick_run(tmp_path):
+    (tmp_path / "a.json").write_text('{"close": true, "within_goal": false}')
+    claim = reproduction.holds("a.json", "it is close", lambda d: d["close"],
+                               full_only=("it meets the goal", lambda d: d["within_goal"]))
+    assert claim(tmp_path, True) is None
+    assert claim(tmp_path, False) == "a.json: not true that it meets the goal"
 
 
 def test_unknown_name_is_one_line_exit_2():
