@@ -1,4 +1,4 @@
-"""Re-measure every README table and plot with one command.
+"""Re-measure every table and plot of README.md and docs/ with one command.
 
   python -m experiments.reproduce                 # full run: experiments/results/, README.md
   python -m experiments.reproduce --quick         # smaller grids, runs/reproduce-quick/
@@ -10,11 +10,15 @@ expected times, stated up front). A failed experiment is reported and the others
 exit status is 0 only if every one passed. Each results file gets its provenance (machine,
 software versions, date, command) and reproduce.json in the results folder lists every run.
 
-Then the README tables are regenerated: the full run rewrites README.md from
+Then the tables are regenerated: the full run rewrites README.md and docs/*.md from
 experiments/results/; --quick writes its results to runs/reproduce-quick/results/ (never over
-the committed ones) and renders a README copy from them to runs/reproduce-quick/README.md,
-checking that the copy is consistent with them. --results/--runs/--readme-out override the
-folders.
+the committed ones) and renders copies from them to runs/reproduce-quick/README.md and
+runs/reproduce-quick/docs/, checking that the copies are consistent with them.
+--results/--runs/--readme-out override the folders (the docs/ copies go beside --readme-out).
+
+After each experiment the runner checks the claim its table makes on the results it wrote
+(experiments/reproduction.py: CLAIMS), in the quick run too: an experiment whose claim fails
+counts as failed.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ PROG = "experiments.reproduce"
 def main(argv: list[str] | None = None) -> int:
     from experiments import reproduction
     from experiments.results_io import PROJECT_ROOT, RESULTS_DIR
-    from experiments.tables import render
+    from experiments.tables import documents, render
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=None, help="results folder (default: see above)")
     p.add_argument("--runs", default=None, help="scratch folder for training runs")
     p.add_argument("--readme-out", default=None,
-                   help="where the regenerated README goes (full run default: README.md)")
+                   help="where the regenerated README goes, docs/ beside it "
+                        "(full run default: README.md)")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     args = p.parse_args(argv)
     try:
@@ -63,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     summary = reproduction.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)
 
-    readme = render((PROJECT_ROOT / "README.md").read_text(), results)
-    readme_out.parent.mkdir(parents=True, exist_ok=True)
-    readme_out.write_text(readme)
-    consistent = render(readme_out.read_text(), results) == readme_out.read_text()
-    say(f"README tables regenerated from {results} into {readme_out} "
-        f"(consistent with the results: {consistent})")
+    # README.md goes to readme_out and each docs/NAME.md to docs/NAME.md beside it.
+    consistent = True
+    for doc in documents(PROJECT_ROOT):
+        out = readme_out if doc == PROJECT_ROOT / "README.md" else \
+            readme_out.parent / doc.relative_to(PROJECT_ROOT)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render(doc.read_text(), results))
+        consistent &= render(out.read_text(), results) == out.read_text()
+    say(f"tables of README.md and docs/*.md regenerated from {results} into {readme_out} and "
+        f"{readme_out.parent / 'docs'} (consistent with the results: {consistent})")
     if summary["failed"]:
         say(f"FAILED: {', '.join(summary['failed'])} (details in {results}/reproduce.json)")
     say(f"{len(todo) - len(summary['failed'])}/{len(todo)} experiments passed in "

@@ -45,10 +45,12 @@ def equivalence(d: dict) -> str:
     for r in d["results"]:
         rows.append(f"| {r['dtype']} | {r['strategy']} | {r['mesh']} | "
                     f"{r['max_loss_diff']:.1e} | {r['max_param_diff']:.1e} |")
+    worst = d["fp32_max_loss_diff"]
+    claim = ("no fp32 run" if worst is None else
+             f"fp32 worst loss difference {worst:.1e} (tolerance {d['fp32_tolerance']:.0e})")
     rows.append(f"\n{d['steps']} steps of the `{d['preset']}` preset, global batch "
                 f"{d['global_batch']} in {d['micro_steps']} micro-steps; reference: "
-                f"{d['reference']}. fp32 worst loss difference {d['fp32_max_loss_diff']:.1e} "
-                f"(tolerance {d['fp32_tolerance']:.0e}).")
+                f"{d['reference']}. {claim}.")
     return "\n".join(rows)
 
 

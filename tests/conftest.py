@@ -1,12 +1,29 @@
-"""Test session set-up: 8 fake CPU devices for the whole pytest process, strict numerics.
+"""Test session set-up: 8 fake CPU devices for the whole pytest process, strict numerics, a
+compilation cache shared by the session's processes.
 
 The device count must be set before JAX's backend starts, which is why this runs at import
 time of conftest. Single-device references run on a 1-device mesh inside the same process.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Most of the suite's time is XLA compiling the same few small programs again and again (the
+# tiny preset's step and evaluation, in one test after another and in every launcher a test
+# starts). JAX's persistent compilation cache, in one folder per session that the xdist
+# workers and the subprocesses inherit through the environment, compiles each once. A cached
+# executable computes exactly what a fresh compile does; only its HLO's source-line metadata
+# may name the call site that compiled it first.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="shardq-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -136,6 +136,9 @@ LAUNCHERS = [
     ("sample", ["--workdir", "{workdir}", "--top-k", "300"], "top_k"),
     ("evaluate", ["--workdir", "{workdir}", "--eval-batches", "0"], "eval_batches"),
     ("zero_release", ["--depths", "4", "4", "--out", "{out}"], "depths"),
+    ("equivalence", ["--strategies", "dp,zero4", "--out", "{out}"], "strategies"),
+    ("fault_injection", ["--scenarios", "crash_and_resume,crash_and_resume", "--out", "{out}"],
+     "scenarios"),
 ]
 
 

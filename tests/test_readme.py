@@ -43,3 +43,14 @@ def test_nothing_reads_pickle():
                                                           "experiments")
                  for p in (ROOT / folder).rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_relative_links_resolve():
+    """Links and images in README.md and docs/*.md point at files that exist (docs/ is one
+    level down, so its links to the results start with ../)."""
+    broken = []
+    for path in report.documents(ROOT):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == []

@@ -7,7 +7,6 @@ write a result, for what the runner does after a failure.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from experiments import reproduction
+from experiments.tables import documents
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
@@ -38,7 +38,7 @@ def test_every_table_source_is_listed():
 
 
 def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
-    readme = (ROOT / "README.md").read_bytes()
+    docs = {p: p.read_bytes() for p in documents(ROOT)}
     committed = sorted((ROOT / "experiments" / "results").iterdir())
     stamps = {p.name: p.stat().st_mtime_ns for p in committed}
     proc = _run("--quick", "--only", "plan", "--results", str(tmp_path / "results"),
@@ -52,12 +52,13 @@ def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
     assert prov["software"]["jax"] and prov["machine"]["cores"] and prov["date"]
     summary = json.loads((tmp_path / "results" / "reproduce.json").read_text())
     assert summary["passed"] and [r["name"] for r in summary["experiments"]] == ["plan"]
-    copy = (tmp_path / "README.md").read_text()
+    # The docs are rendered beside the README copy; the planner's table lives in planning.md.
+    assert (tmp_path / "README.md").read_text().startswith("# shardq")
+    copy = (tmp_path / "docs" / "planning.md").read_text()
     start = copy.index("<!-- report:plan_example -->")
     assert "| 1 | **zero3** | data=1,fsdp=8 | full |" in copy[start:start + 2000]
-    # The committed README and results are untouched.
-    assert hashlib.sha256((ROOT / "README.md").read_bytes()).digest() == \
-        hashlib.sha256(readme).digest()
+    # The committed README, docs and results are untouched.
+    assert {p: p.read_bytes() for p in documents(ROOT)} == docs
     assert {p.name: p.stat().st_mtime_ns for p in committed} == stamps
 
 
@@ -80,6 +81,41 @@ def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
     assert not rows["silent"]["passed"] and rows["silent"]["missing_outputs"] == ["none.json"]
     assert summary["failed"] == ["boom", "silent"] and summary["passed"] is False
     assert any("FAILED" in line for line in lines)
+
+
+def test_every_claim_holds_on_the_committed_results():
+    """The claims the runner checks after each experiment hold for the committed results (a
+    claim written against the wrong field or sense would fail here)."""
+    claimed = [e for e in reproduction.EXPERIMENTS if e.claim]
+    assert {"equivalence", "fault_injection", "zero_memory", "plan"} <= {e.name for e in claimed}
+    committed = ROOT / "experiments" / "results"
+    assert {e.name: e.claim(committed, False) for e in claimed} == \
+        {e.name: None for e in claimed}
+
+
+def test_a_broken_claim_fails_the_experiment(tmp_path):
+    write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
+                   "'f.json'), 'w').write(json.dumps({'all_recovered_nothing_lost': False}))")
+    exp = reproduction.Experiment(
+        "faults", write, write, ("f.json",), 1, 1, "a table",
+        claim=reproduction.holds("f.json", "nothing is lost",
+                                 lambda d: d["all_recovered_nothing_lost"]))
+    lines = []
+    summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r",
+                                   runs=tmp_path / "w", say=lines.append)
+    row = summary["experiments"][0]
+    assert row["returncode"] == 0 and not row["passed"]
+    assert row["claim_failed"] == "f.json: not true that nothing is lost"
+    assert any("not true that nothing is lost" in line for line in lines)
+
+
+
+def test_a_full_only_claim_is_left_out_of_the_quick_run(tmp_path):
+    (tmp_path / "a.json").write_text('{"close": true, "within_goal": false}')
+    claim = reproduction.holds("a.json", "it is close", lambda d: d["close"],
+                               full_only=("it meets the goal", lambda d: d["within_goal"]))
+    assert claim(tmp_path, True) is None
+    assert claim(tmp_path, False) == "a.json: not true that it meets the goal"
 
 
 def test_unknown_name_is_one_line_exit_2():
