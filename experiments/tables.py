@@ -106,6 +106,21 @@ def comm_volume_layers(d: dict) -> str:
     return "\n".join(rows)
 
 
+def export_run(d: dict) -> str:
+    parity = _load("export_run_parity.json") or {}
+    rows = _head("exported", "tensors", "bytes", "host peak before → after first/last leaf",
+                 "largest leaf", "ids identical", "next tokens identical",
+                 "largest Δ mean NLL")
+    cell = lambda k: parity.get(k, "—")
+    nll = parity.get("max_abs_nll_diff")
+    rows.append(f"| {d['source']} | {d['tensors']} | {d['bytes']:,} | "
+                f"{d['peak_rss_before_bytes'] / 1e9:.2f} → {d['peak_rss_bytes'] / 1e9:.2f} GB | "
+                f"{d['largest_tensor_bytes'] / 1e6:.0f} MB | {cell('ids_identical')}/"
+                f"{cell('texts')} | {cell('next_identical')}/{cell('texts')} | "
+                f"{'—' if nll is None else f'{nll:.1e}'} nats |")
+    return "\n".join(rows)
+
+
 def zero_release(d: dict) -> str:
     c = d["config"]
     rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "
@@ -355,6 +370,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "strategy_speed": ("strategy_speed.json", strategy_speed),
     "zero_memory": ("zero_memory.json", zero_memory),
     "comm_volume": ("comm_volume.json", comm_volume),
+    "comm_volume_smollm2": ("comm_volume_smollm2.json", comm_volume_layers),
+    "zero_memory_llama": ("zero_memory_llama.json", zero_memory),
+    "export_run": ("export_run_smollm2.json", export_run),
     "zero_release": ("zero_release.json", zero_release),
     "quant_eval": ("quant_eval.json", quant_eval),
     "quant_disk_medium": ("quant_disk_medium.json", quant_eval),
