@@ -1,0 +1,84 @@
+"""Sentence-embedding speed of all-MiniLM-L6-v2: our float and int8 encoders, optionally
+against PyTorch (transformers float, torch.ao.quantization.quantize_dynamic int8).
+
+  python -m experiments.bench_encoder --json
+  python -m experiments.bench_encoder --torch-python /work/refvenv/bin/python --json
+  python -m experiments.bench_encoder --modes w8a8 --sentences 128 --rounds 2 --out ''
+
+Texts: --sentences deterministic texts of varied length (1 to 4 stdlib docstring sentences
+joined; experiments/encoder_bench.py: bench_sentences), batch --batch. Per variant: sentences/s
+(median of --rounds end-to-end passes, all variants interleaved round by round), a breakdown of
+one pass (tokenisation, compilation per padded shape, host->device, compute, device->host) and
+the cosine of its embeddings to our float ones (mean/min). --torch-python runs
+experiments/torch_encoder_reference.py with that interpreter (a separate venv with torch and
+transformers) as a server and times its float and int8 passes in the same rounds; the JSON then
+holds its figures and the ratios ours / theirs (float vs float, each int8 mode vs torch int8).
+Without it no torch side is measured. Records the machine and the 1-minute load average.
+Writes experiments/results/bench_encoder.json (--out '' skips writing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from experiments import runtime
+from experiments.config import fail
+from experiments.encoder_bench import bench_sentences, run
+from experiments.results_io import results_path, write_result
+from quant.convert import MODES
+
+PROG = "experiments.bench_encoder"
+OUT = results_path("bench_encoder.json")
+DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sentences", type=int, default=512, help="benchmark texts")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="timed passes per variant (median)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated int8 modes, of {', '.join(MODES)}")
+    p.add_argument("--torch-python", default=None, metavar="PATH",
+                   help="interpreter with torch + transformers for the PyTorch side")
+    p.add_argument("--out", default=str(OUT), help="results file ('' to skip writing)")
+    p.add_argument("--json", action="store_true", help="print the results as the last line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        fail(PROG, f"modes={args.modes!r}: allowed {', '.join(MODES)}")
+    for name in ("sentences", "batch", "rounds"):
+        if getattr(args, name) < 1:
+            fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
+    if args.torch_python and not (Path(args.torch_python).is_file()
+                                  or shutil.which(args.torch_python)):
+        fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
+    runtime.start(1)
+
+    try:
+        texts = bench_sentences(args.sentences)
+    except ValueError as e:
+        fail(PROG, f"sentences={args.sentences}: {e}")
+    out = run(texts, modes, batch=args.batch, rounds=args.rounds,
+              torch_python=args.torch_python)
+    out["command"] = "python -m experiments.bench_encoder " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    if args.out:
+        write_result(args.out, out)
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
