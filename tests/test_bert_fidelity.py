@@ -62,3 +62,20 @@ def test_smoothing_fold_keeps_the_float_function(setup):
     sdef, sstate = nnx.split(model)
     emb = encode(make_encode_fn(sdef), nnx.to_pure_dict(sstate), tok, texts)
     np.testing.assert_allclose(emb, ref, atol=2e-5)
+
+
+def test_w8a8_encoder_multiplies_in_int8(setup):
+    """The compiled w8a8 encoder: every Dense product is an s8 x s8 -> s32 dot (q, k, v, o,
+    up, down in the layer scan), and the only float dots left are attention's (contracting
+    over head_dim or the sequence), so no int8 operand was widened to float."""
+    import jax
+
+    from tests.test_quant import float_dot_widths, int8_dots
+
+    graphdef, params, tok, texts, calib, _ = setup
+    qdef, qparams, _ = quantize_encoder(graphdef, params, tok, "w8a8", calib)
+    tokens, mask = tok.encode(texts[:4], pad_to=16)
+    hlo = make_encode_fn(qdef).lower(qparams, tokens, mask).compile().as_text()
+    assert len(int8_dots(hlo)) == 6, int8_dots(hlo)
+    cfg_head_dim, T = 384 // 12, tokens.shape[1]
+    assert set(float_dot_widths(hlo)) <= {cfg_head_dim, T}, float_dot_widths(hlo)
