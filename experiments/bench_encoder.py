@@ -15,6 +15,12 @@ transformers) as a server and times its float and int8 passes in the same rounds
 holds its figures and the ratios ours / theirs (float vs float, each int8 mode vs torch int8).
 Without it no torch side is measured. Records the machine and the 1-minute load average.
 Writes experiments/results/bench_encoder.json (--out '' skips writing).
+
+  python -m experiments.bench_encoder --ablations --json   # before/after of each speed change
+
+--ablations measures each change to the encoding path against its previous form in one process,
+interleaved (experiments/encoder_bench.py: ablation_*), and the embed CLI's marginal speed as a
+user runs it; writes experiments/results/encoder_ablations.json.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from pathlib import Path
 
 from experiments import runtime
 from experiments.config import fail
-from experiments.encoder_bench import bench_sentences, run
+from experiments.encoder_bench import ablations, bench_sentences, run
 from experiments.results_io import results_path, write_result
 from quant.convert import MODES
 
 PROG = "experiments.bench_encoder"
 OUT = results_path("bench_encoder.json")
+ABLATIONS = results_path("encoder_ablations.json")
 DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto")
 
 
@@ -46,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated int8 modes, of {', '.join(MODES)}")
     p.add_argument("--torch-python", default=None, metavar="PATH",
                    help="interpreter with torch + transformers for the PyTorch side")
-    p.add_argument("--out", default=str(OUT), help="results file ('' to skip writing)")
+    p.add_argument("--ablations", action="store_true",
+                   help="instead: before/after of each speed change (length buckets, GELU, "
+                        "dp batch split over 8 devices, the embed CLI's marginal speed), "
+                        f"written to {ABLATIONS.relative_to(ABLATIONS.parents[2])}")
+    p.add_argument("--no-cli", action="store_true", help="--ablations without the CLI runs")
+    p.add_argument("--out", default=None,
+                   help="results file ('' to skip writing; default per the mode above)")
     p.add_argument("--json", action="store_true", help="print the results as the last line")
     return p
 
@@ -63,18 +76,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
-    runtime.start(1)
+    runtime.start(8 if args.ablations else 1)  # 8: the dp ablation's mesh, as embed defaults
 
     try:
         texts = bench_sentences(args.sentences)
     except ValueError as e:
         fail(PROG, f"sentences={args.sentences}: {e}")
-    out = run(texts, modes, batch=args.batch, rounds=args.rounds,
-              torch_python=args.torch_python)
+    if args.ablations:
+        out = ablations(texts, batch=args.batch, rounds=args.rounds, cli=not args.no_cli)
+    else:
+        out = run(texts, modes, batch=args.batch, rounds=args.rounds,
+                  torch_python=args.torch_python)
     out["command"] = "python -m experiments.bench_encoder " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    if args.out:
-        write_result(args.out, out)
+    dest = args.out if args.out is not None else str(ABLATIONS if args.ablations else OUT)
+    if dest:
+        write_result(dest, out)
     if args.json:
         print(json.dumps(out))
     return out
