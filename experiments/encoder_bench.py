@@ -268,7 +268,7 @@ def ablation_gelu(variants: dict, tok, texts, batch: int, rounds: int) -> list[d
         emb_after = encode(after_fn, p, tok, texts, batch)
         t = _paired({"before": lambda f=before_fn, p=p: encode(f, p, tok, texts, batch),
                      "after": lambda f=after_fn, p=p: encode(f, p, tok, texts, batch)}, rounds)
-        rows.append({"change": "GELU erf polynomial", "variant": name,
+        rows.append({"change": "GELU erf polynomial", "variant": name, "n_sentences": len(texts),
                      "before": {"warm_pass_s": t["before"]}, "after": {"warm_pass_s": t["after"]},
                      "speedup_warm": t["before"] / t["after"],
                      "max_abs_embedding_diff": float(np.max(np.abs(emb_before - emb_after)))})
