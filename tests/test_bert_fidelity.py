@@ -68,7 +68,6 @@ def test_w8a8_encoder_multiplies_in_int8(setup):
     """The compiled w8a8 encoder: every Dense product is an s8 x s8 -> s32 dot (q, k, v, o,
     up, down in the layer scan), and the only float dots left are attention's (contracting
     over head_dim or the sequence), so no int8 operand was widened to float."""
-    import jax
 
     from tests.test_quant import float_dot_widths, int8_dots
 
