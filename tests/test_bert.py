@@ -146,6 +146,26 @@ def test_sharded_zero3_equals_unsharded(encoder, n_devices):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_dp_splits_each_batch_over_the_mesh(encoder, n_devices):
+    """embed's dp placement replicates the parameters: the batch must be split, or every
+    device computes every batch (what `embed --devices 8` did)."""
+    graphdef, params, tok, fn = encoder
+    texts = ["The cat sat on the mat.", "Numbers: 3.14 and 42.", "Ünïcödé text — ok."]
+    want = encode(fn, params, tok, texts)
+    replicated, mesh = place(params, graphdef, n_devices, "dp")
+    seen = []
+
+    def spy(p, tokens, mask):
+        seen.append(tokens)
+        return fn(p, tokens, mask)
+
+    got = encode(spy, replicated, tok, texts, mesh=mesh)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    rows = seen[0].shape[0]
+    assert rows % n_devices == 0 and len(seen[0].sharding.device_set) == n_devices
+    assert {s.data.shape[0] for s in seen[0].addressable_shards} == {rows // n_devices}
+
+
 def test_convert_to_orbax_round_trip(tmp_path, encoder):
     out = convert(tmp_path / "minilm")
     cfg, params, tok_path = load_converted(out)
