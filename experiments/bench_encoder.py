@@ -13,7 +13,8 @@ the cosine of its embeddings to our float ones (mean/min). --torch-python runs
 experiments/torch_encoder_reference.py with that interpreter (a separate venv with torch and
 transformers) as a server and times its float and int8 passes in the same rounds; the JSON then
 holds its figures and the ratios ours / theirs (float vs float, each int8 mode vs torch int8).
-Without it no torch side is measured. Records the machine and the 1-minute load average.
+$SHARDQ_TORCH_PYTHON is its default (experiments.reproduce passes no flag); without either, no
+torch side is measured. Records the machine and the 1-minute load average.
 Writes experiments/results/bench_encoder.json (--out '' skips writing).
 
   python -m experiments.bench_encoder --ablations --json   # before/after of each speed change
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -40,6 +42,7 @@ from quant.convert import MODES
 PROG = "experiments.bench_encoder"
 OUT = results_path("bench_encoder.json")
 ABLATIONS = results_path("encoder_ablations.json")
+TORCH_ENV = "SHARDQ_TORCH_PYTHON"
 DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto")
 
 
@@ -51,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="timed passes per variant (median)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated int8 modes, of {', '.join(MODES)}")
-    p.add_argument("--torch-python", default=None, metavar="PATH",
-                   help="interpreter with torch + transformers for the PyTorch side")
+    p.add_argument("--torch-python", default=os.environ.get(TORCH_ENV) or None, metavar="PATH",
+                   help="interpreter with torch + transformers for the PyTorch side "
+                        f"(default ${TORCH_ENV} if set, else no PyTorch side)")
     p.add_argument("--ablations", action="store_true",
                    help="instead: before/after of each speed change (length buckets, GELU, "
                         "dp batch split over 8 devices, the embed CLI's marginal speed), "
