@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         out = run(texts, modes, batch=args.batch, rounds=args.rounds,
                   torch_python=args.torch_python)
-    out["command"] = "python -m experiments.bench_encoder " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+    # The interpreter's path is this machine's: the record names the flag's value generically.
+    shown = ["PYTHON" if a == args.torch_python else a
+             for a in (argv if argv is not None else sys.argv[1:])]
+    out["command"] = " ".join(["python -m experiments.bench_encoder", *shown])
     dest = args.out if args.out is not None else str(ABLATIONS if args.ablations else OUT)
     if dest:
         write_result(dest, out)
