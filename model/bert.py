@@ -127,6 +127,7 @@ _ERF_P = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04,
           -2.72614225801306e-10)
 _ERF_Q = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03,
           -2.13374055278905e-04, -1.45660718464996e-05)
+_INV_SQRT2 = float(1 / 2 ** 0.5)
 
 
 def erf_f32(x: jax.Array) -> jax.Array:
@@ -146,9 +147,6 @@ def gelu(x: jax.Array) -> jax.Array:
     """BERT's exact GELU, x * Phi(x) = x/2 * (1 + erf(x / sqrt 2)) (not the tanh form)."""
     y = 0.5 * x.astype(jnp.float32) * (1.0 + erf_f32(x.astype(jnp.float32) * _INV_SQRT2))
     return y.astype(x.dtype)
-
-
-_INV_SQRT2 = float(1 / 2 ** 0.5)
 
 
 class Mlp(nnx.Module):
