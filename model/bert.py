@@ -117,7 +117,8 @@ class Attention(nnx.Module):
 
 
 # erf(x) = x * P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf is +-1 in float32 beyond): the
-# rational approximation Eigen and XLA's own elemental erf use, about 1 ulp from the exact erf.
+# rational approximation Eigen and XLA's own elemental erf use, exact to float32 rounding
+# (tests/test_bert.py checks the GELU against float64).
 # jax.lax.erf lowers to a piecewise erf/erfc form with an exp and two long polynomials, which
 # XLA:CPU splits into several materialised passes when the GELU feeds a quantiser's absmax and
 # its rounding (two consumers): this single polynomial fuses into the producing matmul's
