@@ -67,7 +67,9 @@ def test_smoothing_fold_keeps_the_float_function(setup):
 def test_w8a8_encoder_multiplies_in_int8(setup):
     """The compiled w8a8 encoder: every Dense product is an s8 x s8 -> s32 dot (q, k, v, o,
     up, down in the layer scan), and the only float dots left are attention's (contracting
-    over head_dim or the sequence), so no int8 operand was widened to float."""
+    over head_dim or the sequence), so no int8 operand was widened to float; and no int8
+    operand is transposed on the way (the stored [in, out] kernels feed the dot as they are)."""
+    import re
 
     from tests.test_quant import float_dot_widths, int8_dots
 
@@ -78,3 +80,4 @@ def test_w8a8_encoder_multiplies_in_int8(setup):
     assert len(int8_dots(hlo)) == 6, int8_dots(hlo)
     cfg_head_dim, T = 384 // 12, tokens.shape[1]
     assert set(float_dot_widths(hlo)) <= {cfg_head_dim, T}, float_dot_widths(hlo)
+    assert not re.findall(r"= s8\[[^\]]*\]\S* transpose\(", hlo)
