@@ -193,15 +193,20 @@ def load_encoder(checkpoint: str | None = None):
     return graphdef, params, Tokenizer(tok_path, pad_id=cfg.pad_id)
 
 
-def quantize_encoder(graphdef, params, tokenizer, mode: str, calib_texts: list[str] | None = None):
-    """(graphdef, params, report) of the int8 encoder."""
+def quantize_encoder(graphdef, params, tokenizer, mode: str, calib_texts: list[str] | None = None,
+                     error_report: bool = False):
+    """(graphdef, params, report) of the int8 encoder. Modes that calibrate (static, smoothquant,
+    auto) read `calib_texts` (default: stdlib sentences); the others need no texts unless
+    error_report asks for quant.pipeline's per-layer error rows (eager passes: slow)."""
 
-    if calib_texts is None:
-        calib_texts = stdlib_sentences(64, offset=1000)
-    tokens, _ = tokenizer.encode(calib_texts)
     qcfg = QuantConfig(mode=mode)
-    batches = calibration_rows(tokens, 16)[:qcfg.calib_batches]
-    qdef, qparams, _plan, report = quantize(graphdef, params, qcfg, batches)
+    batches = []
+    if qcfg.needs_calibration or error_report:
+        if calib_texts is None:
+            calib_texts = stdlib_sentences(64, offset=1000)
+        tokens, _ = tokenizer.encode(calib_texts)
+        batches = calibration_rows(tokens, 16)[:qcfg.calib_batches]
+    qdef, qparams, _plan, report = quantize(graphdef, params, qcfg, batches, error_report)
     return qdef, qparams, report
 
 

@@ -2,6 +2,7 @@
 leaves the float function unchanged; quantised params shard like float ones."""
 
 
+import jax
 import numpy as np
 import pytest
 
@@ -81,3 +82,23 @@ def test_w8a8_encoder_multiplies_in_int8(setup):
     cfg_head_dim, T = 384 // 12, tokens.shape[1]
     assert set(float_dot_widths(hlo)) <= {cfg_head_dim, T}, float_dot_widths(hlo)
     assert not re.findall(r"= s8\[[^\]]*\]\S* transpose\(", hlo)
+
+
+def test_modes_without_calibration_skip_the_eager_passes(setup, monkeypatch):
+    """embed --quant w8a8 needs no calibration data: quantising runs no eager pass over
+    calibration batches (each costs compilations) unless the error report is asked for, and
+    the model is the same either way."""
+    import quant.pipeline
+
+    graphdef, params, tok, texts, calib, _ = setup
+    with_report = quantize_encoder(graphdef, params, tok, "w8a8", calib, error_report=True)
+    assert "layers" in with_report[2]
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("calibrate() ran")
+
+    monkeypatch.setattr(quant.pipeline, "calibrate", no_pass)
+    qdef, qparams, report = quantize_encoder(graphdef, params, tok, "w8a8")
+    assert "layers" not in report
+    for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(with_report[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
