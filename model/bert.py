@@ -116,6 +116,40 @@ class Attention(nnx.Module):
         return self.o(out.reshape(B, T, cfg.d_model))
 
 
+# erf(x) = x * P(x^2) / Q(x^2) on x clamped to [-4, 4] (erf is +-1 in float32 beyond): the
+# rational approximation Eigen and XLA's own elemental erf use, exact to float32 rounding
+# (tests/test_bert.py checks the GELU against float64).
+# jax.lax.erf lowers to a piecewise erf/erfc form with an exp and two long polynomials, which
+# XLA:CPU splits into several materialised passes when the GELU feeds a quantiser's absmax and
+# its rounding (two consumers): this single polynomial fuses into the producing matmul's
+# epilogue instead.
+_ERF_P = (-1.60960333262415e-02, -2.95459980854025e-03, -7.34990630326855e-04,
+          -5.69250639462346e-05, -2.10102402082508e-06, 2.77068142495902e-08,
+          -2.72614225801306e-10)
+_ERF_Q = (-1.42647390514189e-02, -7.37332916720468e-03, -1.68282697438203e-03,
+          -2.13374055278905e-04, -1.45660718464996e-05)
+_INV_SQRT2 = float(1 / 2 ** 0.5)
+
+
+def erf_f32(x: jax.Array) -> jax.Array:
+    """erf for float32 inputs (see above); computed in float32 whatever x's dtype."""
+    x = jnp.clip(x.astype(jnp.float32), -4.0, 4.0)
+    x2 = x * x
+    p = jnp.float32(_ERF_P[-1])
+    for c in _ERF_P[-2::-1]:
+        p = p * x2 + jnp.float32(c)
+    q = jnp.float32(_ERF_Q[-1])
+    for c in _ERF_Q[-2::-1]:
+        q = q * x2 + jnp.float32(c)
+    return x * p / q
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """BERT's exact GELU, x * Phi(x) = x/2 * (1 + erf(x / sqrt 2)) (not the tanh form)."""
+    y = 0.5 * x.astype(jnp.float32) * (1.0 + erf_f32(x.astype(jnp.float32) * _INV_SQRT2))
+    return y.astype(x.dtype)
+
+
 class Mlp(nnx.Module):
     def __init__(self, cfg: BertConfig, *, rngs: nnx.Rngs):
         kw = dict(rngs=rngs, use_bias=True, param_dtype=cfg.param_dtype,
@@ -124,7 +158,7 @@ class Mlp(nnx.Module):
         self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **kw)
 
     def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x), approximate=False))  # BERT's GELU is exact
+        return self.down(gelu(self.up(x)))
 
 
 class Block(nnx.Module):

@@ -257,9 +257,8 @@ class Tokenizer:
         self.tok.no_truncation()
         self.max_tokens, self.pad_id = max_tokens, pad_id
 
-    def encode(self, texts: list[str], pad_to: int = 8) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids [B, T] int32, mask [B, T] bool), T rounded up to a multiple of pad_to
-        (fewer distinct shapes, fewer compilations)."""
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        """Token ids per text ([CLS] ... [SEP]), cut to `max_tokens` with a warning."""
         for i, t in enumerate(texts):
             if not t or not t.strip():
                 raise CheckpointError(f"text {i}: empty; give at least one non-blank character")
@@ -267,12 +266,27 @@ class Tokenizer:
         for i, row in enumerate(ids):
             if len(row) > self.max_tokens:
                 warnings.warn(f"text {i}: {len(row)} tokens, truncated to {self.max_tokens}",
-                              stacklevel=2)
+                              stacklevel=3)
                 ids[i] = row[:self.max_tokens - 1] + row[-1:]  # keep the closing [SEP]
-        T = max(len(r) for r in ids)
-        T = min(-(-T // pad_to) * pad_to, self.max_tokens)
-        tokens = np.full((len(ids), T), self.pad_id, np.int32)
-        mask = np.zeros((len(ids), T), bool)
-        for i, row in enumerate(ids):
+        return ids
+
+    def pad(self, ids: list[list[int]], length: int, rows: int | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [rows, length] int32, mask [rows, length] bool) of `ids`; rows beyond
+        len(ids) repeat the first text (real values, so no row is all padding: per-tensor
+        activation scales and the attention softmax see nothing new), their outputs are for
+        the caller to drop."""
+        rows = rows or len(ids)
+        tokens = np.full((rows, length), self.pad_id, np.int32)
+        mask = np.zeros((rows, length), bool)
+        for i in range(rows):
+            row = ids[i] if i < len(ids) else ids[0]
             tokens[i, :len(row)], mask[i, :len(row)] = row, True
         return tokens, mask
+
+    def encode(self, texts: list[str], pad_to: int = 8) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids [B, T] int32, mask [B, T] bool), T rounded up to a multiple of pad_to
+        (fewer distinct shapes, fewer compilations)."""
+        ids = self.ids(texts)
+        T = max(len(r) for r in ids)
+        return self.pad(ids, min(-(-T // pad_to) * pad_to, self.max_tokens))

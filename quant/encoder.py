@@ -83,10 +83,12 @@ def fold_encoder(model: nnx.Module, x_absmax: dict, alpha: float) -> dict[str, l
     return {k: jax.device_get(f).tolist() for k, f in factors.items()}
 
 
-def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
-    """(quantised graphdef, params, plan, report) of a BertEncoder, for every mode."""
+def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
+             error_report: bool = True) -> tuple:
+    """(quantised graphdef, params, plan, report) of a BertEncoder, for every mode
+    (error_report: see quant.pipeline.quantize)."""
     if not qcfg.smooth:
-        return pipeline.quantize(graphdef, params, qcfg, batches)
+        return pipeline.quantize(graphdef, params, qcfg, batches, error_report)
     qcfg.validate()
     check_finite(params, "parameter")
     stats = calibrate(graphdef, params, batches, outlier_threshold=qcfg.outlier_threshold)
@@ -95,7 +97,7 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
     smoothed_def, smoothed = nnx.split(model)
     done = _AlreadySmoothed(**dataclasses.asdict(qcfg))
     qdef, qparams, plan, report = pipeline.quantize(smoothed_def, nnx.to_pure_dict(smoothed),
-                                                    done, batches)
+                                                    done, batches, error_report)
     report["smoothing"] = {k: {"min": float(np.min(v)), "max": float(np.max(v))}
                            for k, v in factors.items()}
     return qdef, qparams, plan, report

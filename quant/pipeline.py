@@ -3,8 +3,11 @@
 Passes over the calibration data (each a few eager batches):
   1. (smoothquant, auto, w8a8-static) per-channel input ranges of the float model;
      SmoothQuant folds its factors, static mode turns the ranges into per-layer scales;
-  2. (always) each int8 Dense against its float twin on the float model's inputs: the error
-     report, and for auto the layers kept in float (the model is then rebuilt with them).
+  2. (auto, or when the error report is asked for: the default) each int8 Dense against its
+     float twin on the float model's inputs: the error report, and for auto the layers kept
+     in float (the model is then rebuilt with them).
+Each pass runs its batches eagerly, so it costs compilations as well as compute: a caller that
+only wants the model (embedding texts) skips pass 2 with error_report=False.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
 from quant.smoothquant import fold
 
 
-def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
-    """(quantised graphdef, quantised params (pure dict), plan, report)."""
+def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
+             error_report: bool = True) -> tuple:
+    """(quantised graphdef, quantised params (pure dict), plan, report); without error_report
+    (and not auto) the report has no per-layer "layers" rows."""
     qcfg.validate()
     check_finite(params, "parameter")
     plan = make_plan(qcfg, nnx.merge(graphdef, params))
@@ -43,12 +48,13 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches) -> tuple:
         return apply_plan(nnx.merge(graphdef, params), plan, qcfg, act_absmax)
 
     qmodel = build(plan)
-    stats = calibrate(graphdef, params, batches, twins=qmodel,
-                      outlier_threshold=qcfg.outlier_threshold)
-    if qcfg.auto:
-        plan = auto_precision.choose_float_layers(plan, stats["rel_err"], qcfg.error_budget)
-        qmodel = build(plan)
-    report["layers"] = auto_precision.layer_rows(plan, stats)
+    if error_report or qcfg.auto:
+        stats = calibrate(graphdef, params, batches, twins=qmodel,
+                          outlier_threshold=qcfg.outlier_threshold)
+        if qcfg.auto:
+            plan = auto_precision.choose_float_layers(plan, stats["rel_err"], qcfg.error_budget)
+            qmodel = build(plan)
+        report["layers"] = auto_precision.layer_rows(plan, stats)
     qgraphdef, qstate = nnx.split(qmodel)
     qparams = nnx.to_pure_dict(qstate)
     check_finite(qparams, "quantised parameter")

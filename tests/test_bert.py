@@ -25,7 +25,7 @@ from experiments.minilm import (  # noqa: E402
     place,
 )
 from experiments.minilm import load as load_converted  # noqa: E402
-from model.bert import BertConfig  # noqa: E402
+from model.bert import BertConfig, gelu  # noqa: E402
 from model.hf_bert import (  # noqa: E402
     _LAYER_MAP,
     _TOP_MAP,
@@ -93,6 +93,37 @@ def test_padding_does_not_change_embeddings(encoder):
     np.testing.assert_allclose(together[0], alone[0], atol=1e-5)
 
 
+def test_gelu_is_the_exact_erf_form_to_float32_rounding():
+    from scipy.special import erf
+
+    x = np.linspace(-12, 12, 100_001, dtype=np.float32)
+    x64 = x.astype(np.float64)
+    want = 0.5 * x64 * (1 + erf(x64 / np.sqrt(2)))
+    got = np.asarray(gelu(x), np.float64)
+    # A few float32 ulps of 1 at most (the tanh approximation is off by 1e-3), and the tails
+    # saturate exactly: x for large x, 0 for very negative x.
+    assert np.max(np.abs(got - want) / np.maximum(np.abs(want), 1)) < 2e-6
+    assert got[-1] == 12.0 and got[0] == 0.0
+
+
+def test_batches_are_bucketed_by_length(encoder):
+    from experiments.minilm import BUCKETS, batch_rows, plan_batches
+
+    lengths = [5, 300, 17, 16, 90, 33]
+    plan = plan_batches(lengths, batch=2)
+    assert [idx for idx, _ in plan] == [[1, 4], [5, 2], [3, 0]]  # longest first
+    assert [length for _, length in plan] == [384, 48, 16]
+    assert all(length in BUCKETS for _, length in plan)
+    assert [batch_rows(n, 32) for n in (1, 3, 17, 32)] == [1, 4, 32, 32]
+    assert batch_rows(3, 32, multiple=8) == 8
+    # Order restored, and a partial batch's repeated rows dropped.
+    _, params, tok, fn = encoder
+    texts = ["one.", "a rather longer second text here.", "three", "four four."]
+    np.testing.assert_allclose(encode(fn, params, tok, texts, batch=3),
+                               np.concatenate([encode(fn, params, tok, [t]) for t in texts]),
+                               atol=1e-5)
+
+
 def test_empty_text_and_truncation(encoder):
     tok = encoder[2]
     with pytest.raises(CheckpointError, match="empty"):
@@ -113,6 +144,26 @@ def test_sharded_zero3_equals_unsharded(encoder, n_devices):
     assert q_kernel.addressable_shards[0].data.shape == (6, 384 // n_devices, 384)
     got = encode(fn, sharded, tok, texts)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_dp_splits_each_batch_over_the_mesh(encoder, n_devices):
+    """embed's dp placement replicates the parameters: the batch must be split, or every
+    device computes every batch (what `embed --devices 8` did)."""
+    graphdef, params, tok, fn = encoder
+    texts = ["The cat sat on the mat.", "Numbers: 3.14 and 42.", "Ünïcödé text — ok."]
+    want = encode(fn, params, tok, texts)
+    replicated, mesh = place(params, graphdef, n_devices, "dp")
+    seen = []
+
+    def spy(p, tokens, mask):
+        seen.append(tokens)
+        return fn(p, tokens, mask)
+
+    got = encode(spy, replicated, tok, texts, mesh=mesh)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    rows = seen[0].shape[0]
+    assert rows % n_devices == 0 and len(seen[0].sharding.device_set) == n_devices
+    assert {s.data.shape[0] for s in seen[0].addressable_shards} == {rows // n_devices}
 
 
 def test_convert_to_orbax_round_trip(tmp_path, encoder):

@@ -2,6 +2,7 @@
 leaves the float function unchanged; quantised params shard like float ones."""
 
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,3 +63,42 @@ def test_smoothing_fold_keeps_the_float_function(setup):
     sdef, sstate = nnx.split(model)
     emb = encode(make_encode_fn(sdef), nnx.to_pure_dict(sstate), tok, texts)
     np.testing.assert_allclose(emb, ref, atol=2e-5)
+
+
+def test_w8a8_encoder_multiplies_in_int8(setup):
+    """The compiled w8a8 encoder: every Dense product is an s8 x s8 -> s32 dot (q, k, v, o,
+    up, down in the layer scan), and the only float dots left are attention's (contracting
+    over head_dim or the sequence), so no int8 operand was widened to float; and no int8
+    operand is transposed on the way (the stored [in, out] kernels feed the dot as they are)."""
+    import re
+
+    from tests.test_quant import float_dot_widths, int8_dots
+
+    graphdef, params, tok, texts, calib, _ = setup
+    qdef, qparams, _ = quantize_encoder(graphdef, params, tok, "w8a8", calib)
+    tokens, mask = tok.encode(texts[:4], pad_to=16)
+    hlo = make_encode_fn(qdef).lower(qparams, tokens, mask).compile().as_text()
+    assert len(int8_dots(hlo)) == 6, int8_dots(hlo)
+    cfg_head_dim, T = 384 // 12, tokens.shape[1]
+    assert set(float_dot_widths(hlo)) <= {cfg_head_dim, T}, float_dot_widths(hlo)
+    assert not re.findall(r"= s8\[[^\]]*\]\S* transpose\(", hlo)
+
+
+def test_modes_without_calibration_skip_the_eager_passes(setup, monkeypatch):
+    """embed --quant w8a8 needs no calibration data: quantising runs no eager pass over
+    calibration batches (each costs compilations) unless the error report is asked for, and
+    the model is the same either way."""
+    import quant.pipeline
+
+    graphdef, params, tok, texts, calib, _ = setup
+    with_report = quantize_encoder(graphdef, params, tok, "w8a8", calib, error_report=True)
+    assert "layers" in with_report[2]
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("calibrate() ran")
+
+    monkeypatch.setattr(quant.pipeline, "calibrate", no_pass)
+    qdef, qparams, report = quantize_encoder(graphdef, params, tok, "w8a8")
+    assert "layers" not in report
+    for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(with_report[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
