@@ -12,6 +12,10 @@ from flax import nnx
 
 Axes = tuple[str | None, ...]
 
+# Labels the embedding lookup in the compiled program (experiments/step_profile.py groups a
+# profile's time by name scope); it changes no computation.
+EMBED_SCOPE = "embedding_lookup"
+
 
 def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
@@ -83,7 +87,9 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.compute_dtype))
+        with jax.named_scope(EMBED_SCOPE):  # the lookup and (transposed) its scatter-add
+            return jnp.take(self.embedding[...], tokens, axis=0).astype(
+                dtype_of(self.compute_dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x @ embedding^T: the output head of a model whose input and output embeddings are
