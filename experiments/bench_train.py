@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown")
     p.add_argument("--torch-python", default=None,
                    help="interpreter with torch for the eager reference (never the project's)")
+    p.add_argument("--ablate", action="store_true",
+                   help="instead: time the step against each optimisation undone (paired), "
+                        "written to --changes-out")
     p.add_argument("--out", default=str(results_path("bench_train.json")))
+    p.add_argument("--changes-out", default=str(results_path("bench_train_changes.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.preset not in PRESETS:
@@ -56,24 +60,37 @@ def main(argv: list[str] | None = None) -> dict:
 
     base = PRESETS[args.preset]
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, devices=args.devices))
+    if args.ablate:
+        result = train_speed.ablate(cfg, steps=args.steps, rounds=args.rounds,
+                                    warmup=args.warmup)
+        _merge(Path(args.changes_out), args.devices, result,
+               "python -m experiments.bench_train --ablate --devices {1,8}")
+        for c in result["changes"]:
+            print(f"{c['change']:16s} x{c['speedup']:.2f} wall, x{c['cpu_speedup']:.2f} CPU")
+        print(json.dumps(result))
+        return result
     try:
         result = train_speed.bench(cfg, steps=args.steps, rounds=args.rounds, warmup=args.warmup,
                                    profile_steps=args.profile_steps,
                                    torch_python=args.torch_python)
     except ConfigError as e:
         fail(PROG, str(e))
-    out = Path(args.out)
-    doc = json.loads(out.read_text()) if out.exists() else {}
-    runs = {**doc.get("runs", {}), str(args.devices): result}
-    write_result(out, {"command": "python -m experiments.bench_train --preset small --devices "
-                       "{1,8} --torch-python /work/refvenv/bin/python",
-                       "runs": dict(sorted(runs.items(), key=lambda kv: int(kv[0])))})
+    _merge(Path(args.out), args.devices, result, "python -m experiments.bench_train --devices "
+           "{1,8} --torch-python /work/refvenv/bin/python")
     if not args.json:
         torch = result.get("torch")
         print(f"{result['tokens_per_s']:,.0f} tokens/s, {result['fraction_of_peak']:.1%} of the "
               f"matmul peak" + (f", {torch['ratio']:.2f}x torch eager" if torch else ""))
     print(json.dumps(result))
     return result
+
+
+def _merge(path: Path, devices: int, result: dict, command: str) -> None:
+    """Write `result` as the entry for this device count; other counts' entries are kept."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    runs = {**doc.get("runs", {}), str(devices): result}
+    write_result(path, {"command": command,
+                        "runs": dict(sorted(runs.items(), key=lambda kv: int(kv[0])))})
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import jax
-
 from experiments import machine, step_profile, step_variants
 from experiments.config import Config, ConfigError
 from experiments.trainer import global_batch, init_sharded_state, prepare
@@ -49,7 +47,8 @@ def run_torch(cmd: list[str]) -> dict:
 
 
 def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
-          profile_steps: int = 2, torch_python: str | None = None) -> dict:
+          profile_steps: int = 2, torch_python: str | None = None,
+          peak_size: int = 2048) -> dict:
     """Tokens/s of cfg's training step (median over `rounds` x `steps` timed steps), its model
     FLOP/s against this machine's matmul peak, a per-operation breakdown, and with
     `torch_python` the reference's tokens/s measured between our rounds (ours, torch, ours,
@@ -68,12 +67,12 @@ def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
             theirs.append(torch_out["tokens_per_s"])
     state, breakdown = step_profile.step_breakdown(run.step_fn, state, batch,
                                                    steps=profile_steps)
-    peak = step_profile.matmul_peak()
+    peak = step_profile.matmul_peak(peak_size)
     tokens = cfg.train.batch_size * cfg.model.max_len
     step_s = statistics.median(ours)
     tps = tokens / step_s
     flops = tps * train_flops_per_token(cfg.model)
-    out = {"preset": cfg.preset, "devices": jax.device_count(),
+    out = {"preset": cfg.preset, "devices": run.mesh.size,
            "strategy": cfg.train.strategy, "batch": cfg.train.batch_size,
            "seq_len": cfg.model.max_len, "params": param_count(cfg.model),
            "model": dataclasses.asdict(cfg.model), "steps": steps, "rounds": rounds,
@@ -129,7 +128,7 @@ def ablate(cfg: Config, *, steps: int, rounds: int, warmup: int = 3,
                 "cpu_s_without": med[f"without {n}"]["cpu_s"], "cpu_s_with": cur["cpu_s"],
                 "cpu_speedup": med[f"without {n}"]["cpu_s"] / cur["cpu_s"]} for n in names]
     tokens = cfg.train.batch_size * cfg.model.max_len
-    return {"preset": cfg.preset, "devices": jax.device_count(), "steps": steps,
+    return {"preset": cfg.preset, "devices": runs["current"]["run"].mesh.size, "steps": steps,
             "rounds": rounds, "medians": med, "changes": changes,
             "tokens_per_s_without_all": tokens / med["without all"]["step_s"],
             "tokens_per_s_current": tokens / cur["step_s"],
