@@ -358,6 +358,7 @@ def train_speed(d: dict) -> str:
                 f"layers, {r['params']:,} parameters), batch {r['batch']} × {r['seq_len']} "
                 f"tokens, fp32, strategy {r['strategy']}; median of {r['rounds']} × "
                 f"{r['steps']} timed steps, torch run between our rounds. {m['host_cpu']['model']}"
+                f" ({', '.join(m['host_cpu'].get('vector_flags', [])) or 'flags not recorded'})"
                 f", {m['cpus']} cores, JAX {m['jax_version']}.")
     return "\n".join(rows)
 
