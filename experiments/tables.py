@@ -372,6 +372,14 @@ def train_breakdown(d: dict) -> str:
             f"{r['breakdown']['fractions'][key]:.1%}" for r in runs.values()) + " |")
     rows.append("| step wall time (ms) | " + " | ".join(
         f"{r['median_step_s'] * 1e3:.0f}" for r in runs.values()) + " |")
+    for n, r in runs.items():
+        f, share = r["breakdown"]["fractions"], r["flop_shares"]
+        at_matmul_rate = f["matmul"] * share["attention"] / share["matmul"]
+        rows.append(f"\n{n} device(s): the matmuls do {share['matmul']:.1%} of the model FLOPs "
+                    f"in {f['matmul']:.1%} of the step; attention does {share['attention']:.1%} "
+                    f"in {f['attention']:.1%}, and at the matmuls' rate would take "
+                    f"{at_matmul_rate:.1%}. Every other group does none of the counted FLOPs: "
+                    f"{1 - f['matmul'] - f['attention']:.1%} of the step.")
     return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ from experiments import machine, step_profile, step_variants
 from experiments.config import Config, ConfigError
 from experiments.trainer import global_batch, init_sharded_state, prepare
 from model import param_count, train_flops_per_token
+from model.flops import matmul_params
 
 TORCH_SCRIPT = Path(__file__).with_name("torch_train_reference.py")
 
@@ -44,6 +45,14 @@ def run_torch(cmd: list[str]) -> dict:
         raise RuntimeError(f"torch reference failed ({proc.returncode}): "
                            f"{proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def flop_shares(cfg: Config) -> dict:
+    """Which breakdown groups the model FLOPs (model/flops.py) belong to: the matmuls and the
+    attention products; every other group does none that the count includes."""
+    total = train_flops_per_token(cfg.model)
+    matmul = 6.0 * matmul_params(cfg.model)
+    return {"matmul": matmul / total, "attention": (total - matmul) / total}
 
 
 def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
@@ -79,6 +88,7 @@ def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
            "median_step_s": step_s, "tokens_per_s": tps,
            "train_flops_per_token": train_flops_per_token(cfg.model),
            "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
+           "flop_shares": flop_shares(cfg),
            "fraction_of_peak": flops / peak, "breakdown": breakdown,
            "machine": {**machine.describe(), "load_avg_1min": os.getloadavg()[0]}}
     if cmd:

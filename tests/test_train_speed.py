@@ -32,6 +32,8 @@ def test_bench_on_the_tiny_config_reports_sane_figures():
     # The scopes reach the compiled program: the model's parts each land in their group.
     for group in ("matmul", "attention", "norms_rope_elementwise", "loss", "optimizer"):
         assert fractions[group] > 0, group
+    assert sum(out["flop_shares"].values()) == pytest.approx(1.0)
+    assert 0 < out["flop_shares"]["attention"] < out["flop_shares"]["matmul"]
     assert "torch" not in out  # no reference interpreter given
     json.dumps(out)  # what the launcher writes
 
