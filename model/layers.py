@@ -108,7 +108,7 @@ class Embed(nnx.Module):
         """x @ embedding^T: the output head of a model whose input and output embeddings are
         tied (one [vocab, embed] table serves both)."""
         dt = dtype_of(self.compute_dtype)
-        return jnp.einsum("...d,vd->...v", x.astype(dt), self.embedding[...].astype(dt))
+        return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxSxNxH: jax.Array,
