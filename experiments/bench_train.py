@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         fail(PROG, str(e))
     _merge(Path(args.out), args.devices, result, "python -m experiments.bench_train --devices "
-           "{1,8} --torch-python /work/refvenv/bin/python")
+           "{1,8} --torch-python TORCH_PYTHON")
     if not args.json:
         torch = result.get("torch")
         print(f"{result['tokens_per_s']:,.0f} tokens/s, {result['fraction_of_peak']:.1%} of the "
