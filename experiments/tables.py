@@ -427,6 +427,73 @@ def encoder_ablations(d: dict) -> str:
     return "\n".join(rows)
 
 
+_GROUPS = {"matmul": "matmul (projections, MLP, head)", "attention": "attention (scores, "
+           "mask, softmax, weighted sum)", "norms_rope_elementwise": "norms, RoPE, GELU, "
+           "residuals, copies", "embedding": "embedding gather + its gradient",
+           "loss": "loss (log-softmax, target pick)", "optimizer": "clipping, AdamW, update "
+           "guard", "collectives": "collectives (incl. waiting for the other devices)",
+           "host": "host (step wall time the device program did not run)"}
+
+
+def train_speed(d: dict) -> str:
+    rows = _head("devices", "ours tokens/s", "PyTorch eager tokens/s", "ours / torch",
+                 "model GFLOP/s", "matmul peak GFLOP/s", "of peak", "load (1 min)")
+    for n, r in d["runs"].items():
+        t = r.get("torch")
+        theirs, ratio = (f"{t['tokens_per_s']:,.0f}", f"**{t['ratio']:.2f}×**") if t else ("—",
+                                                                                     "—")
+        rows.append(f"| {n} | {r['tokens_per_s']:,.0f} | {theirs} | {ratio} | "
+                    f"{r['model_flops_per_s'] / 1e9:.1f} | "
+                    f"{r['matmul_peak_flops_per_s'] / 1e9:.1f} | "
+                    f"**{r['fraction_of_peak']:.0%}** | {r['machine']['load_avg_1min']:.1f} |")
+    r = next(iter(d["runs"].values()))
+    m = r["machine"]
+    rows.append(f"\n`{r['preset']}` preset (d {r['model']['d_model']}, {r['model']['n_layers']} "
+                f"layers, {r['params']:,} parameters), batch {r['batch']} × {r['seq_len']} "
+                f"tokens, fp32, strategy {r['strategy']}; median of {r['rounds']} × "
+                f"{r['steps']} timed steps, torch run between our rounds. {m['host_cpu']['model']}"
+                f" ({', '.join(m['host_cpu'].get('vector_flags', [])) or 'flags not recorded'})"
+                f", {m['cpus']} cores, JAX {m['jax_version']}.")
+    return "\n".join(rows)
+
+
+def train_breakdown(d: dict) -> str:
+    runs = d["runs"]
+    rows = _head("where the step's time goes", *(f"{n} device{'s' if n != '1' else ''}"
+                                                  for n in runs))
+    for key, label in _GROUPS.items():
+        rows.append(f"| {label} | " + " | ".join(
+            f"{r['breakdown']['fractions'][key]:.1%}" for r in runs.values()) + " |")
+    rows.append("| step wall time (ms) | " + " | ".join(
+        f"{r['median_step_s'] * 1e3:.0f}" for r in runs.values()) + " |")
+    for n, r in runs.items():
+        f, share = r["breakdown"]["fractions"], r["flop_shares"]
+        at_matmul_rate = f["matmul"] * share["attention"] / share["matmul"]
+        rows.append(f"\n{n} device(s): the matmuls do {share['matmul']:.1%} of the model FLOPs "
+                    f"in {f['matmul']:.1%} of the step; attention does {share['attention']:.1%} "
+                    f"in {f['attention']:.1%}, and at the matmuls' rate would take "
+                    f"{at_matmul_rate:.1%}. Every other group does none of the counted FLOPs: "
+                    f"{1 - f['matmul'] - f['attention']:.1%} of the step.")
+    return "\n".join(rows)
+
+
+def train_changes(d: dict) -> str:
+    rows = _head("change", "devices", "ms/step before", "ms/step after", "wall ×",
+                 "CPU ms/step before", "CPU ms/step after", "CPU ×")
+    for n, r in d["runs"].items():
+        for c in r["changes"]:
+            rows.append(f"| {c['change']}: {c['what']} | {n} | {c['step_s_without'] * 1e3:.0f} | "
+                        f"{c['step_s_with'] * 1e3:.0f} | {c['speedup']:.2f} | "
+                        f"{c['cpu_s_without'] * 1e3:.0f} | {c['cpu_s_with'] * 1e3:.0f} | "
+                        f"{c['cpu_speedup']:.2f} |")
+        med = r["medians"]
+        rows.append(f"| **all of them** | {n} | {med['without all']['step_s'] * 1e3:.0f} | "
+                    f"{med['current']['step_s'] * 1e3:.0f} | **{r['speedup_all']:.2f}** | "
+                    f"{med['without all']['cpu_s'] * 1e3:.0f} | "
+                    f"{med['current']['cpu_s'] * 1e3:.0f} | **{r['cpu_speedup_all']:.2f}** |")
+    return "\n".join(rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -453,6 +520,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "plan_accuracy": ("plan_accuracy.json", plan_accuracy),
     "zero_table2": ("zero_table2.json", zero_table2),
     "zero_table2_planning": ("zero_table2.json", zero_table2_planning),
+    "train_speed": ("bench_train.json", train_speed),
+    "train_breakdown": ("bench_train.json", train_breakdown),
+    "train_changes": ("bench_train_changes.json", train_changes),
 }
 
 

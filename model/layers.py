@@ -6,11 +6,17 @@ metadata; `parallel/` maps them to mesh axes. Nothing here names a mesh axis.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 Axes = tuple[str | None, ...]
+
+# Labels the embedding lookup in the compiled program (experiments/step_profile.py groups a
+# profile's time by name scope); it changes no computation.
+EMBED_SCOPE = "embedding_lookup"
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -29,6 +35,17 @@ def param(value: jax.Array, axes: Axes) -> nnx.Param:
     then a jitted init with the strategy's shardings), never at construction time.
     """
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def matmul_2d(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., in] @ w[in, out], with x's leading axes merged into one first.
+
+    Same products and sums as `jnp.dot(x, w)`, but the weight gradient then contracts over one
+    axis instead of several: with [batch, time, in] activations XLA:CPU otherwise materialises
+    a transposed copy of the output gradient for every weight gradient.
+    """
+    y = jnp.dot(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 class Dense(nnx.Module):
@@ -55,7 +72,7 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = dtype_of(self.compute_dtype)
-        y = jnp.dot(x.astype(dt), self.kernel[...].astype(dt))
+        y = matmul_2d(x.astype(dt), self.kernel[...].astype(dt))
         if self.bias is not None:
             y = y + _lead(self.bias[...].astype(dt), y.ndim)
         return y
@@ -83,13 +100,35 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(dtype_of(self.compute_dtype))
+        with jax.named_scope(EMBED_SCOPE):  # the lookup and (transposed) its scatter-add
+            return jnp.take(self.embedding[...], tokens, axis=0).astype(
+                dtype_of(self.compute_dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x @ embedding^T: the output head of a model whose input and output embeddings are
         tied (one [vocab, embed] table serves both)."""
         dt = dtype_of(self.compute_dtype)
-        return jnp.einsum("...d,vd->...v", x.astype(dt), self.embedding[...].astype(dt))
+        return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
+
+
+def causal_attention(q_BxTxNxH: jax.Array, k_BxSxNxH: jax.Array,
+                     v_BxSxNxH: jax.Array) -> jax.Array:
+    """Causal softmax attention (T == S, as many key/value heads as query heads): [B, T, N, H].
+
+    The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (scores,
+    scaled, masked, softmax, weighted sum), with the heads moved next to the batch once so both
+    products are plain batched matmuls over [B, N]: XLA:CPU's generic layout otherwise adds
+    transposes around every product, forward and backward.
+    """
+    T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH))  # B,N,T,H
+    scores = jnp.einsum("bnth,bnsh->bnts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
+    causal = jnp.tril(jnp.ones((T, T), jnp.bool_)).reshape(1, 1, T, T)
+    # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf in the backward).
+    scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.swapaxes(jnp.einsum("bnts,bnsh->bnth", probs, v), 1, 2)
 
 
 def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:

@@ -19,7 +19,11 @@ from flax import nnx
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.layer_stack import Runner, default_runner
-from model.layers import Dense, Embed, RMSNorm, dtype_of, rotary
+from model.layers import Dense, Embed, RMSNorm, causal_attention, dtype_of, rotary
+
+# Name scopes that label the compiled program's operations (a profile groups its time by them:
+# experiments/step_profile.py). They change no computation.
+ATTENTION_SCOPE = "attention_core"  # scores, mask, softmax, weighted sum: no projection
 
 
 class Attention(nnx.Module):
@@ -44,7 +48,9 @@ class Attention(nnx.Module):
         # With GQA, k and v keep kv_heads heads (also in the cache): dot_product_attention lets
         # query head n attend with key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            with jax.named_scope(ATTENTION_SCOPE):
+                out = (causal_attention(q, k, v) if cfg.kv_heads == cfg.n_heads else
+                       jax.nn.dot_product_attention(q, k, v, is_causal=True))
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far.
