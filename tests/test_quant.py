@@ -26,7 +26,7 @@ from quant import checkpoint as qckpt
 from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
-from quant.dense import QuantDense, quantized_product
+from quant.dense import QuantDense, int8_matmul, quantized_product
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import dense_bytes, quantize
 from quant.smoothquant import fold
@@ -177,6 +177,21 @@ def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
     graphdef, state = nnx.split(w8)
     assert not int8_dots(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
                          .lower(state, x).compile().as_text())
+
+
+def test_a_one_token_int8_product_stays_int8_and_exact():
+    """Batch-1 decoding multiplies one row. XLA:CPU compiles a 1-row s8 dot by converting the
+    whole int8 kernel to s32 first (9 bytes moved per weight instead of 1): `int8_matmul` pads
+    the row so the compiled program keeps an s8 x s8 dot and never widens the kernel."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-127, 128, (1, 64)), jnp.int8)
+    w = jnp.asarray(rng.integers(-127, 128, (64, 96)), jnp.int8)
+    want = np.asarray(x, np.int64) @ np.asarray(w, np.int64)
+    np.testing.assert_array_equal(np.asarray(int8_matmul(x, w)), want)
+    hlo = jax.jit(int8_matmul).lower(x, w).compile().as_text()
+    widened = [ln for ln in hlo.splitlines() if re.search(r"= s32\[64,96\]", ln)]
+    assert not widened, widened
+    assert "s8[64,96]" in hlo
 
 
 def test_quantized_model_compiles_to_int8_dots_in_the_layer_scan(float_model, batches):
