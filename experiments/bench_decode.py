@@ -88,9 +88,11 @@ def check(args) -> list[str]:
 
 def matvec_check(cfg, repeats: int) -> dict:
     """One token through every block kernel of the model (random weights of its shapes: speed
-    does not depend on the values), three ways, interleaved: the float32 dot, the int8 dot on
-    the single row, and the int8 dot with the row padded to `MIN_INT8_ROWS` (what
-    `quant.dense.int8_matmul` does). Median ms of `repeats` calls each."""
+    does not depend on the values), interleaved: the float32 dot; the int8 dot on the single
+    row and with the row padded to `MIN_INT8_ROWS` (what `quant.dense.int8_matmul` does); and
+    two weight-only forms, a float row times the int8 kernel converted first (what `w8` runs)
+    or as a multiply-and-sum (which XLA fuses with the conversion). Median ms of `repeats`
+    calls each."""
     d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * cfg.n_layers
     keys = jax.random.split(jax.random.key(0), len(shapes))
@@ -112,7 +114,12 @@ def matvec_check(cfg, repeats: int) -> dict:
     x_q = jnp.ones((1, f), jnp.int8)
     cases = {"float32_dot": (chain(jnp.dot), w_f, x_f),
              "int8_dot_1_row": (chain(lambda a, w: int8_matmul(a, w, min_rows=1)), w_q, x_q),
-             f"int8_dot_{MIN_INT8_ROWS}_rows": (chain(int8_matmul), w_q, x_q)}
+             f"int8_dot_{MIN_INT8_ROWS}_rows": (chain(int8_matmul), w_q, x_q),
+             # weight-only (w8) candidates: float row times the int8 kernel
+             "w8_convert_then_dot": (chain(lambda a, w: jnp.dot(a, w.astype(jnp.float32))),
+                                     w_q, x_f),
+             "w8_multiply_sum": (chain(lambda a, w: jnp.sum(
+                 a.reshape(-1, 1) * w.astype(jnp.float32), axis=0, keepdims=True)), w_q, x_f)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn, ws, x in cases.values():
         jax.block_until_ready(fn(ws, x))

@@ -183,9 +183,12 @@ def bench_decode(d: dict) -> str:
     mv = d["block_matvec"]
     ms = mv["ms"]
     padded = next(k for k in ms if k.endswith("_rows"))
+    w8 = (f"; weight-only (float row × int8 kernel): converted then dot "
+          f"{ms['w8_convert_then_dot']:.1f} ms, multiply-and-sum {ms['w8_multiply_sum']:.1f} ms"
+          if "w8_multiply_sum" in ms else "")
     rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
              f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
-             f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms.", "",
+             f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms{w8}.", "",
              f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
              f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
              f"1-minute load average {m['load_1min_before']:.1f} before and "
