@@ -207,7 +207,7 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     def run_prompt(params, ids):
         model = nnx.merge(pre.graphdef, params)
         logits, cache, layers = prefill(model, ids, new_tokens, make_cache=make_cache,
-                                      per_layer=v.per_layer)
+                                        per_layer=v.per_layer)
         return sample_token(logits, None, 0.0, 0), cache, layers
 
     @jax.jit

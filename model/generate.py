@@ -18,8 +18,8 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None, make_cache=None,
-          per_layer: bool = True) -> tuple[jax.Array, object, list | None]:
+def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
+            make_cache=None, per_layer: bool = True) -> tuple[jax.Array, object, list | None]:
     """Prefill: (logits [B, vocab] after the prompt, cache, per-layer block states or None).
 
     The cache is sized for the prompt plus `max_new_tokens`. With `per_layer` the blocks'
@@ -40,8 +40,7 @@ def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
 
 
 def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
-                               key: jax.Array, temperature: float = 0.0,
-                               top_k: int = 0) -> jax.Array:
+                 key: jax.Array, temperature: float = 0.0, top_k: int = 0) -> jax.Array:
     """[B, steps] tokens: `first_B` (already chosen, at position `index`), then `steps - 1` more,
     each one single-position forward pass over the cache, in one `lax.scan` (no host round
     trip per token)."""
@@ -69,11 +68,11 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
     """
     model = nnx.merge(graphdef, params)
     logits, cache, layers = prefill(model, prompt_BxT, max_new_tokens, cache_dtype, make_cache,
-                                  per_layer)
+                                    per_layer)
     key, sub = jax.random.split(key)
     first = sample_token(logits, sub, temperature, top_k)
-    out = decode_steps(model, first, cache, layers, prompt_BxT.shape[1],
-                                     max_new_tokens, key, temperature, top_k)
+    out = decode_steps(model, first, cache, layers, prompt_BxT.shape[1], max_new_tokens, key,
+                       temperature, top_k)
     return jnp.concatenate([prompt_BxT, out], axis=1)
 
 
