@@ -10,7 +10,7 @@ from flax import nnx
 
 from model import MODEL_PRESETS, DecoderLM, ModelConfig, param_count, train_flops_per_token
 from model.flops import matmul_params
-from model.generate import generate
+from model.generate import generate, stream
 from model.loss import nll_sum
 from parallel.state import abstract_model
 from tests.helpers import TINY, with_model
@@ -153,6 +153,19 @@ def test_per_layer_decoding_matches_and_never_slices_weights_per_step():
                           and "dynamic-slice(" in ln]
     assert sliced(step_hlo(None, m.init_cache(2, 12)))  # the scan layout does slice
     assert not sliced(step_hlo(layers, m.unstack_cache(m.init_cache(2, 12))))
+
+
+def test_stream_yields_what_generate_writes():
+    """The chat path (one jitted call per token, per-layer weights unstacked once, eagerly)
+    writes the greedy tokens `generate` writes, and stops after a stop token."""
+    m = _model()
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    prompt = jnp.asarray([[5, 6, 7]], jnp.int32)
+    want = np.asarray(generate(graphdef, params, prompt, 6, jax.random.key(0)))[0, 3:].tolist()
+    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0))) == want
+    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0),
+                       stop_ids=(want[1],)))[-1] == want[1]
 
 
 def test_bf16_compute_keeps_fp32_params_and_is_close():
