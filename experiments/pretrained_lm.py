@@ -22,7 +22,7 @@ from experiments import pydoc_corpus
 from experiments.config import ConfigError
 from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
-from model.generate import decode_steps, prefill, sample_token
+from model.generate import decode_steps, default_per_layer, prefill, sample_token
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
@@ -193,7 +193,7 @@ class DecodeVariant:
     name: str
     model: Pretrained
     kv_int8: bool = False
-    per_layer: bool = True  # False: the stacked layer scan at every step (the old layout)
+    per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
 
 
 def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
@@ -202,12 +202,14 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     every time (nothing is donated), so repeated calls do identical work."""
     pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
+    per_layer = (default_per_layer(nnx.merge(pre.graphdef, pre.params)) if v.per_layer is None
+                 else v.per_layer)
 
     @jax.jit
     def run_prompt(params, ids):
         model = nnx.merge(pre.graphdef, params)
         logits, cache, layers = prefill(model, ids, new_tokens, make_cache=make_cache,
-                                        per_layer=v.per_layer)
+                                        per_layer=per_layer)
         return sample_token(logits, None, 0.0, 0), cache, layers
 
     @jax.jit
@@ -239,9 +241,9 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
             t.append(time.perf_counter() - t0)
     rows = []
     for v, t, toks, (_, args) in zip(variants, times, tokens, progs, strict=True):
-        sec, cache = float(np.median(t)), args[2]
+        sec, cache, layers = float(np.median(t)), args[2], args[3]
         rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
-                     "layout": "per_layer" if v.per_layer else "layer_scan",
+                     "layout": "per_layer" if layers is not None else "layer_scan",
                      "prompt_tokens": len(prompt), "new_tokens": new_tokens,
                      "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
                      "runs_s": [round(x, 5) for x in t],

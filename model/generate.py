@@ -18,13 +18,25 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def default_per_layer(model) -> bool:
+    """Whether decoding should split the blocks into per-layer arrays: yes for float kernels,
+    whose per-step slice copies out of the stack are the large cost (see `DecoderLM.decode`).
+    A model with int8 kernels keeps the layer scan: their copies are a quarter the size, and
+    with per-layer arrays XLA hoists a weight-only kernel's int8 -> float conversion out of the
+    token loop, holding a float32 copy of every such kernel while it generates."""
+    return not any(x.dtype == jnp.int8 for x in jax.tree.leaves(nnx.state(model.blocks)))
+
+
 def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
-            make_cache=None, per_layer: bool = True) -> tuple[jax.Array, object, list | None]:
+            make_cache=None, per_layer: bool | None = None
+            ) -> tuple[jax.Array, object, list | None]:
     """Prefill: (logits [B, vocab] after the prompt, cache, per-layer block states or None).
 
-    The cache is sized for the prompt plus `max_new_tokens`. With `per_layer` the blocks'
-    weights and the cache are split into one array per layer once, here, so that every later
-    step reads each weight where it lies (see `DecoderLM.decode`)."""
+    The cache is sized for the prompt plus `max_new_tokens`. With `per_layer` (None:
+    `default_per_layer`) the blocks' weights and the cache are split into one array per layer
+    once, here, so that every later step reads each weight where it lies."""
+    if per_layer is None:
+        per_layer = default_per_layer(model)
     B, T = prompt_BxT.shape
     total = T + max_new_tokens
     if total > model.cfg.max_len:
@@ -58,13 +70,14 @@ def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
 
 def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
              temperature: float = 0.0, top_k: int = 0, cache_dtype=None,
-             make_cache=None, per_layer: bool = True) -> jax.Array:
+             make_cache=None, per_layer: bool | None = None) -> jax.Array:
     """[B, T + max_new_tokens] tokens: the prompt, then what the model wrote.
 
     The prompt is run once (prefill) to fill the cache; each new token then costs one
     single-position forward pass over the cached keys and values. `make_cache(cfg, batch,
     length)` supplies another cache kind (e.g. `quant.kv_cache.init_int8_cache`); `per_layer`
-    False keeps the stacked layer scan (as the training forward runs) for every step.
+    chooses the layer layout of the steps (None: `default_per_layer`; False: the stacked layer
+    scan the training forward runs).
     """
     model = nnx.merge(graphdef, params)
     logits, cache, layers = prefill(model, prompt_BxT, max_new_tokens, cache_dtype, make_cache,
@@ -92,9 +105,11 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     if total > model.cfg.max_len:
         raise ValueError(f"max_new_tokens={max_new_tokens}: prompt ({T}) + new tokens must fit "
                          f"the context of {model.cfg.max_len}")
-    cache = model.unstack_cache(make_cache(model.cfg, 1, total) if make_cache is not None
-                                else model.init_cache(1, total))
-    layers = model.unstack_layers()  # once, eagerly: each step then reads the weights in place
+    cache = (make_cache(model.cfg, 1, total) if make_cache is not None
+             else model.init_cache(1, total))
+    layers = None
+    if default_per_layer(model):  # split once, eagerly: each step then reads weights in place
+        layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
     @jax.jit
     def step(params, layers, tokens, cache, index, key):
