@@ -8,6 +8,7 @@ outlier split must differ from it.
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM
 from model.flops import param_bytes
-from model.generate import generate
+from model.generate import default_per_layer, generate
 from model.layers import Dense
 from parallel.mesh import make_mesh
 from quant import checkpoint as qckpt
@@ -509,6 +510,11 @@ def test_generation_with_a_quantized_model(trained_model, batches):
     # there is 0.008). 0.85 leaves room for one row that diverges early on another host's
     # rounding, not for a broken int8 path.
     assert agree >= 0.85
+    # int8 kernels keep the layer scan by default; both layouts write the same tokens.
+    assert default_per_layer(nnx.merge(graphdef, params))
+    assert not default_per_layer(nnx.merge(g, q))
+    per_layer = jax.jit(functools.partial(generate, per_layer=True), static_argnums=(0, 3))
+    np.testing.assert_array_equal(per_layer(g, q, prompt, 16, jax.random.key(0)), out)
 
 
 # --- bad input -------------------------------------------------------------------------------
