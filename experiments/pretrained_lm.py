@@ -22,7 +22,7 @@ from experiments import pydoc_corpus
 from experiments.config import ConfigError
 from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
-from model.generate import generate
+from model.generate import decode_steps, default_per_layer, prefill, sample_token
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
@@ -187,27 +187,82 @@ def load_from_flags(args) -> Pretrained:
     return quantize(load(args.model, args.layers, args.gguf), args.quant)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """One way to decode: a (possibly int8) model, its KV cache kind and its layer layout."""
+    name: str
+    model: Pretrained
+    kv_int8: bool = False
+    per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
+
+
+def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
+    """(timed, args): a jitted call that decodes `new_tokens` greedy tokens after the prompt's
+    prefill (run here, once, untimed), and its arguments. The call starts from the same cache
+    every time (nothing is donated), so repeated calls do identical work."""
+    pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
+    make_cache = init_int8_cache if v.kv_int8 else None
+    per_layer = (default_per_layer(nnx.merge(pre.graphdef, pre.params)) if v.per_layer is None
+                 else v.per_layer)
+
+    @jax.jit
+    def run_prompt(params, ids):
+        model = nnx.merge(pre.graphdef, params)
+        logits, cache, layers = prefill(model, ids, new_tokens, make_cache=make_cache,
+                                        per_layer=per_layer)
+        return sample_token(logits, None, 0.0, 0), cache, layers
+
+    @jax.jit
+    def steps(params, first, cache, layers):
+        return decode_steps(nnx.merge(pre.graphdef, params), first, cache, layers, len(prompt),
+                            new_tokens, jax.random.key(0))
+
+    first, cache, layers = run_prompt(pre.params, ids)
+    return steps, (pre.params, first, cache, layers)
+
+
+def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_tokens: int,
+                     repeats: int = 5) -> list[dict]:
+    """Batch-1 greedy decoding speed of each variant: `repeats` timed calls of `new_tokens`
+    cached steps each (one jitted `lax.scan`, the prefill excluded), the variants interleaved
+    (A, B, C, A, B, C, ...) so that a change in the machine's load hits them alike; the median
+    is reported. Every variant writes the same tokens' worth of work; `tokens` lets a caller
+    check they agree."""
+    if not prompt or len(prompt) + new_tokens > variants[0].model.cfg.max_len:
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
+                          f"the context of {variants[0].model.cfg.max_len}")
+    progs = [decode_programs(v, prompt, new_tokens) for v in variants]
+    tokens = [np.asarray(jax.block_until_ready(fn(*args)))[0] for fn, args in progs]  # compile
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(repeats):
+        for (fn, args), t in zip(progs, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            t.append(time.perf_counter() - t0)
+    rows = []
+    for v, t, toks, (_, args) in zip(variants, times, tokens, progs, strict=True):
+        sec, cache, layers = float(np.median(t)), args[2], args[3]
+        rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
+                     "layout": "per_layer" if layers is not None else "layer_scan",
+                     "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+                     "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
+                     "runs_s": [round(x, 5) for x in t],
+                     # A step multiplies by every block weight and (tied) the whole embedding
+                     # table, so each token reads all the parameters once; the cache on top.
+                     "weight_bytes_per_token": param_bytes(v.model.params),
+                     "kv_cache_bytes": param_bytes(cache),
+                     "tokens": toks.tolist()})
+    return rows
+
+
 def decode_speed(pre: Pretrained, prompt: list[int], new_tokens: int, kv_int8: bool,
                  repeats: int = 3) -> dict:
-    """Batch-1 greedy decoding speed: the best of `repeats` timed runs of the jitted
-    prefill + `new_tokens` cached steps (compiled once beforehand), prefill time subtracted."""
-    make_cache = init_int8_cache if kv_int8 else None
-    gen = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7, 8))
-    ids = jnp.asarray([prompt], jnp.int32)
-    key = jax.random.key(0)
-
-    def run(n):
-        t = time.perf_counter()
-        jax.block_until_ready(gen(pre.graphdef, pre.params, ids, n, key, 0.0, 0, None,
-                                  make_cache))
-        return time.perf_counter() - t
-
-    run(1), run(new_tokens)  # compile both programs
-    prefill = min(run(1) for _ in range(repeats))
-    total = min(run(new_tokens) for _ in range(repeats))
+    """Batch-1 greedy decoding speed of one model (`decode_benchmark` of one variant)."""
+    row = decode_benchmark([DecodeVariant(pre.quant, pre, kv_int8)], prompt, new_tokens,
+                           repeats)[0]
     return {"quant": pre.quant, "kv_int8": kv_int8, "prompt_tokens": len(prompt),
-            "new_tokens": new_tokens, "seconds": total - prefill,
-            "tokens_per_s": (new_tokens - 1) / max(total - prefill, 1e-9)}
+            "new_tokens": new_tokens, "seconds": row["ms_per_token"] * new_tokens / 1e3,
+            "tokens_per_s": row["tokens_per_s"]}
 
 
 def activation_outliers(pre: Pretrained, rows: list, top: int = 10) -> dict:

@@ -171,6 +171,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("bench_encoder", "--ablations", "--json", "--sentences", "32", "--rounds",
                   "1", "--no-cli", "--out", "{results}/encoder_ablations.json"),
                ("encoder_ablations.json",), 900, 90, "MiniLM speed changes table"),
+    Experiment("bench_decode", _m("bench_decode", "--json", "--out", "{results}/bench_decode.json"),
+               _m("bench_decode", "--json", "--layers", "2", "--new-tokens", "4", "--repeats",
+                  "1", "--variants", "float,w8a8,float-scan",
+                  "--out", "{results}/bench_decode.json"),
+               ("bench_decode.json",), 900, 60, "SmolLM2 decoding speed table"),
     Experiment("fault_injection", _m("fault_injection", "--json",
                                      "--out", "{results}/fault_injection.json"),
                # One fault of each kind: a kill, a damaged checkpoint, another layout, a

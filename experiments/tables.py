@@ -196,6 +196,56 @@ def smollm2_quant(d: dict) -> str:
     return "\n".join(rows)
 
 
+def bench_decode(d: dict) -> str:
+    m = d["machine"]
+    rows = [f"{d['model']} ({d['layers']} layers), batch 1, greedy, {d['new_tokens']} new tokens "
+            f"after a {d['prompt_tokens']}-token prompt, median of {d['repeats']} interleaved "
+            f"runs:", "",
+            *_head("variant", "layout", "KV cache", "tokens/s", "ms/token",
+                   "weight bytes read/token", "KV cache bytes")]
+    for r in d["variants"]:
+        rows.append(f"| {r['variant']} | {r['layout'].replace('_', ' ')} | "
+                    f"{'int8' if r['kv_int8'] else 'float32'} | {r['tokens_per_s']:.1f} | "
+                    f"{r['ms_per_token']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} MB | "
+                    f"{r['kv_cache_bytes'] / 1e6:.1f} MB |")
+    rows += ["", *_head("change (same run)", "before", "after", "speed-up")]
+    for c in d["changes"]:
+        rows.append(f"| {c['change']} | {c['before']} | {c['after']} | {c['speedup']:.2f}× |")
+    mv = d["block_matvec"]
+    ms = mv["ms"]
+    padded = next(k for k in ms if k.endswith("_rows"))
+    w8 = (f"; weight-only (float row × int8 kernel): converted then dot "
+          f"{ms['w8_convert_then_dot']:.1f} ms, multiply-and-sum {ms['w8_multiply_sum']:.1f} ms"
+          if "w8_multiply_sum" in ms else "")
+    rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
+             f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
+             f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms{w8}.", "",
+             f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
+             f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
+             f"1-minute load average {m['load_1min_before']:.1f} before and "
+             f"{m['load_1min_after']:.1f} after."]
+    return "\n".join(rows)
+
+
+def bench_gpu(d: dict) -> str:
+    m = d["machine"]
+    rows = [f"{m['device_kind']} (JAX {m['jax_version']}), preset `{d['preset']}`:", "",
+            *_head("strategy", "parameters", "tokens/step", "step", "tokens/s",
+                   "model TFLOP/s", "MFU")]
+    for r in d["training"]:
+        mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a (unknown peak)"
+        rows.append(f"| {r['strategy']} | {r['params'] / 1e9:.2f} B | {r['tokens_per_step']:,} | "
+                    f"{r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} | "
+                    f"{r['model_tflops_per_s']:.0f} | {mfu} |")
+    rows += ["", *_head("matmul", "bf16", "int8 (s8×s8→s32)", "int8 / bf16 speed",
+                        "compiled program keeps s8")]
+    for r in d["matmuls"]:
+        rows.append(f"| {r['n']}³ | {r['bf16_ms']:.2f} ms ({r['bf16_tflops']:.0f} TFLOP/s) | "
+                    f"{r['int8_ms']:.2f} ms ({r['int8_tops']:.0f} TOP/s) | "
+                    f"{r['int8_speedup_vs_bf16']:.2f}× | {r['hlo_keeps_s8']} |")
+    return "\n".join(rows)
+
+
 def smollm2_int8_checkpoint(d: dict) -> str:
     return "\n".join([
         *_head("mode", "rules", "int8 checkpoint on disk", "float32 parameters", "smaller by",
@@ -514,6 +564,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "smollm2_parity": ("smollm2_parity.json", smollm2_parity),
     "smollm2_quant": ("smollm2_quant.json", smollm2_quant),
     "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
+    "bench_decode": ("bench_decode.json", bench_decode),
+    "bench_gpu": ("bench_gpu.json", bench_gpu),
     "finetune_smollm2": ("finetune_smollm2.json", finetune_smollm2),
     "equivalence_smollm2": ("equivalence_smollm2.json", equivalence_smollm2),
     "plan_example": ("plan_7.5b_64x32gb.json", plan_example),

@@ -18,16 +18,25 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
-             temperature: float = 0.0, top_k: int = 0, cache_dtype=None,
-             make_cache=None) -> jax.Array:
-    """[B, T + max_new_tokens] tokens: the prompt, then what the model wrote.
+def default_per_layer(model) -> bool:
+    """Whether decoding should split the blocks into per-layer arrays: yes for float kernels,
+    whose per-step slice copies out of the stack are the large cost (see `DecoderLM.decode`).
+    A model with int8 kernels keeps the layer scan: their copies are a quarter the size, and
+    with per-layer arrays XLA hoists a weight-only kernel's int8 -> float conversion out of the
+    token loop, holding a float32 copy of every such kernel while it generates."""
+    return not any(x.dtype == jnp.int8 for x in jax.tree.leaves(nnx.state(model.blocks)))
 
-    The prompt is run once (prefill) to fill the cache; each new token then costs one
-    single-position forward pass over the cached keys and values. `make_cache(cfg, batch,
-    length)` supplies another cache kind (e.g. `quant.kv_cache.init_int8_cache`).
-    """
-    model = nnx.merge(graphdef, params)
+
+def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
+            make_cache=None, per_layer: bool | None = None
+            ) -> tuple[jax.Array, object, list | None]:
+    """Prefill: (logits [B, vocab] after the prompt, cache, per-layer block states or None).
+
+    The cache is sized for the prompt plus `max_new_tokens`. With `per_layer` (None:
+    `default_per_layer`) the blocks' weights and the cache are split into one array per layer
+    once, here, so that every later step reads each weight where it lies."""
+    if per_layer is None:
+        per_layer = default_per_layer(model)
     B, T = prompt_BxT.shape
     total = T + max_new_tokens
     if total > model.cfg.max_len:
@@ -35,19 +44,49 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
                          f"the context of {model.cfg.max_len}")
     cache = (make_cache(model.cfg, B, total) if make_cache is not None
              else model.init_cache(B, total, cache_dtype))
-    logits, cache = model.decode(prompt_BxT, cache, 0)
-    key, sub = jax.random.split(key)
-    first = sample_token(logits[:, -1], sub, temperature, top_k)
+    layers = model.unstack_layers() if per_layer else None
+    if per_layer:
+        cache = model.unstack_cache(cache)
+    logits, cache = model.decode(prompt_BxT, cache, 0, layers)
+    return logits[:, -1], cache, layers
+
+
+def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
+                 key: jax.Array, temperature: float = 0.0, top_k: int = 0) -> jax.Array:
+    """[B, steps] tokens: `first_B` (already chosen, at position `index`), then `steps - 1` more,
+    each one single-position forward pass over the cache, in one `lax.scan` (no host round
+    trip per token)."""
 
     def step(carry, i):
         token, cache, key = carry
-        logits, cache = model.decode(token[:, None], cache, T + i)
+        logits, cache = model.decode(token[:, None], cache, index + i, layers)
         key, sub = jax.random.split(key)
         nxt = sample_token(logits[:, -1], sub, temperature, top_k)
         return (nxt, cache, key), token
 
-    (_, _, _), out = jax.lax.scan(step, (first, cache, key), jnp.arange(max_new_tokens))
-    return jnp.concatenate([prompt_BxT, out.T], axis=1)
+    (_, _, _), out = jax.lax.scan(step, (first_B, cache, key), jnp.arange(steps))
+    return out.T
+
+
+def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
+             temperature: float = 0.0, top_k: int = 0, cache_dtype=None,
+             make_cache=None, per_layer: bool | None = None) -> jax.Array:
+    """[B, T + max_new_tokens] tokens: the prompt, then what the model wrote.
+
+    The prompt is run once (prefill) to fill the cache; each new token then costs one
+    single-position forward pass over the cached keys and values. `make_cache(cfg, batch,
+    length)` supplies another cache kind (e.g. `quant.kv_cache.init_int8_cache`); `per_layer`
+    chooses the layer layout of the steps (None: `default_per_layer`; False: the stacked layer
+    scan the training forward runs).
+    """
+    model = nnx.merge(graphdef, params)
+    logits, cache, layers = prefill(model, prompt_BxT, max_new_tokens, cache_dtype, make_cache,
+                                    per_layer)
+    key, sub = jax.random.split(key)
+    first = sample_token(logits, sub, temperature, top_k)
+    out = decode_steps(model, first, cache, layers, prompt_BxT.shape[1], max_new_tokens, key,
+                       temperature, top_k)
+    return jnp.concatenate([prompt_BxT, out], axis=1)
 
 
 def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: jax.Array,
@@ -68,17 +107,20 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
                          f"the context of {model.cfg.max_len}")
     cache = (make_cache(model.cfg, 1, total) if make_cache is not None
              else model.init_cache(1, total))
+    layers = None
+    if default_per_layer(model):  # split once, eagerly: each step then reads weights in place
+        layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
     @jax.jit
-    def step(params, tokens, cache, index, key):
-        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index)
+    def step(params, layers, tokens, cache, index, key):
+        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers)
         return sample_token(logits[:, -1], key, temperature, top_k), cache
 
-    token, cache = step(params, prompt_1xT, cache, 0, key)  # prefill: its own program
+    token, cache = step(params, layers, prompt_1xT, cache, 0, key)  # prefill: its own program
     for i in range(max_new_tokens):
         value = int(token[0])
         yield value
         if value in stop_ids or i + 1 == max_new_tokens:
             return
         key, sub = jax.random.split(key)
-        token, cache = step(params, token[:, None], cache, T + i, sub)
+        token, cache = step(params, layers, token[:, None], cache, T + i, sub)

@@ -138,23 +138,50 @@ class DecoderLM(nnx.Module):
         x = runner(run_layer, stacked, self.embed(tokens_BxT), positions_BxT)
         return self.logits(x)
 
-    def decode(self, tokens_BxT: jax.Array, cache: KVCache,
-               cache_index: jax.Array | int) -> tuple[jax.Array, KVCache]:
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache | list,
+               cache_index: jax.Array | int,
+               layers: list | None = None) -> tuple[jax.Array, KVCache | list]:
         """(logits [B, T, vocab] fp32, updated cache) for tokens at positions cache_index + t.
 
         Writes this chunk's keys and values into the cache and attends over everything written
         so far: a prompt (prefill) or one new token at a time (generation).
+
+        By default one scan runs the stacked blocks over the stacked cache. With `layers` (per
+        layer block states, `unstack_layers`) and a per-layer cache list (`unstack_cache`), the
+        blocks run one after the other on their own arrays: a scan slices each layer's weights
+        out of the stack at every call, and on XLA:CPU that slice is a copy, so a decoding step
+        would move every weight three times (read, write, read again) instead of once.
         """
         B, T = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
         block_def, stacked = nnx.split(self.blocks)
+        x = self.embed(tokens_BxT)
+        if layers is not None:
+            new_cache = []
+            for layer_params, layer_cache in zip(layers, cache, strict=True):
+                x, c = nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache,
+                                                          cache_index)
+                new_cache.append(c)
+            return self.logits(x), new_cache
 
         def layer(x, xs):
             layer_params, layer_cache = xs
             return nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache, cache_index)
 
-        x, cache = jax.lax.scan(layer, self.embed(tokens_BxT), (stacked, cache))
+        x, cache = jax.lax.scan(layer, x, (stacked, cache))
         return self.logits(x), cache
+
+    def unstack_layers(self) -> list:
+        """The stacked blocks' state split into one state per layer (for `decode(layers=...)`).
+        Call it once, outside the per-token loop: the slices are copies."""
+        _, stacked = nnx.split(self.blocks)
+        return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(self.cfg.n_layers)]
+
+    @staticmethod
+    def unstack_cache(cache) -> list:
+        """A stacked cache (any cache pytree with a leading `layers` axis) as one per layer."""
+        n = jax.tree.leaves(cache)[0].shape[0]
+        return [jax.tree.map(lambda a, i=i: a[i], cache) for i in range(n)]
 
     def init_cache(self, batch: int, length: int | None = None, dtype=None) -> KVCache:
         cfg = self.cfg

@@ -31,10 +31,27 @@ from quant import quantizers as qz
 ACT_MODES = ("none", "token", "tensor", "static")
 
 
-def int8_matmul(x_q: jax.Array, w_q: jax.Array) -> jax.Array:
-    """[tokens, in] int8 @ [in, out] int8 -> int32: without the int32 accumulator it wraps."""
-    return jax.lax.dot_general(x_q, w_q, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.int32)
+# XLA:CPU turns an int8 dot with fewer rows than this into a conversion of the whole int8 kernel
+# to int32 followed by an int32 dot (it reads and writes 9 bytes per weight instead of 1); from
+# this many rows on it calls its native s8 x s8 -> s32 kernel. Batch-1 decoding has one row, so
+# the rows are padded up (the extra rows are zeros, their results dropped).
+MIN_INT8_ROWS = 4
+
+
+def int8_dot_general(x_q: jax.Array, w_q: jax.Array, dims, min_rows: int = MIN_INT8_ROWS
+                     ) -> jax.Array:
+    """[tokens, in] int8 times an int8 kernel -> int32 [tokens, out] (`dims`: lax.dot_general's
+    dimension numbers); without the int32 accumulator it wraps."""
+    rows = x_q.shape[0]
+    if rows < min_rows:
+        x_q = jnp.pad(x_q, ((0, min_rows - rows), (0, 0)))
+    y = jax.lax.dot_general(x_q, w_q, dims, preferred_element_type=jnp.int32)
+    return y[:rows]
+
+
+def int8_matmul(x_q: jax.Array, w_q: jax.Array, min_rows: int = MIN_INT8_ROWS) -> jax.Array:
+    """[tokens, in] int8 @ [in, out] int8 -> int32."""
+    return int8_dot_general(x_q, w_q, (((1,), (0,)), ((), ())), min_rows)
 
 
 def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,
@@ -157,7 +174,6 @@ class QuantEmbed(nnx.Module):
             y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), contract) * row_scale
         else:
             s_x = qz.token_scale(x2)
-            acc = jax.lax.dot_general(qz.quantize(x2, s_x), table_q, contract,
-                                      preferred_element_type=jnp.int32)
+            acc = int8_dot_general(qz.quantize(x2, s_x), table_q, contract)
             y = acc.astype(jnp.float32) * (s_x * row_scale)
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))

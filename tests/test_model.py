@@ -10,6 +10,7 @@ from flax import nnx
 
 from model import MODEL_PRESETS, DecoderLM, ModelConfig, param_count, train_flops_per_token
 from model.flops import matmul_params
+from model.generate import generate, stream
 from model.loss import nll_sum
 from parallel.state import abstract_model
 from tests.helpers import TINY, with_model
@@ -94,13 +95,14 @@ def test_scan_unroll_does_not_change_loss():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def _assert_cached_decoding_matches_full_forward(m, tokens, cache):
-    """A 7-token prefill, then one token at a time through `cache`: the full forward's logits."""
+def _assert_cached_decoding_matches_full_forward(m, tokens, cache, layers=None):
+    """A 7-token prefill, then one token at a time through `cache`: the full forward's logits
+    (`layers`: the per-layer layout, `DecoderLM.unstack_layers`)."""
     full = m(tokens)
-    logits, cache = m.decode(tokens[:, :7], cache, 0)
+    logits, cache = m.decode(tokens[:, :7], cache, 0, layers)
     steps = [logits]
     for i in range(7, tokens.shape[1]):
-        step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i)
+        step_logits, cache = m.decode(tokens[:, i:i + 1], cache, i, layers)
         steps.append(step_logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
 
@@ -124,6 +126,47 @@ def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
     cache = m.init_cache(2, 12)
     assert cache.k.shape == (2, 2, 12, 2, cfg.head_dim)  # the cache holds kv heads only
     _assert_cached_decoding_matches_full_forward(m, tokens, cache)
+
+
+def test_per_layer_decoding_matches_and_never_slices_weights_per_step():
+    """The per-layer layout gives the full forward's logits and the layer scan's tokens, and its
+    compiled step holds no dynamic-slice of a weight (the scan's step slices, i.e. copies, every
+    layer's kernels out of the stack at every token)."""
+    cfg = dataclasses.replace(TINY.model, n_heads=4, n_kv_heads=2, mlp="swiglu",
+                              tie_embeddings=True)
+    m = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 256, (2, 12)), jnp.int32)
+    layers = m.unstack_layers()
+    _assert_cached_decoding_matches_full_forward(m, tokens, m.unstack_cache(m.init_cache(2, 12)),
+                                                 layers)
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    a = generate(graphdef, params, tokens[:, :4], 8, jax.random.key(0), per_layer=True)
+    b = generate(graphdef, params, tokens[:, :4], 8, jax.random.key(0), per_layer=False)
+    np.testing.assert_array_equal(a, b)
+    kernel = f"f32[1,{cfg.d_model},{cfg.d_ff}]"
+
+    def step_hlo(layers, cache):
+        fn = jax.jit(lambda p, ls, c: nnx.merge(graphdef, p).decode(tokens[:, :1], c, 5, ls))
+        return fn.lower(params, layers, cache).compile().as_text()
+
+    sliced = lambda hlo: [ln for ln in hlo.splitlines() if f"= {kernel}" in ln
+                          and "dynamic-slice(" in ln]
+    assert sliced(step_hlo(None, m.init_cache(2, 12)))  # the scan layout does slice
+    assert not sliced(step_hlo(layers, m.unstack_cache(m.init_cache(2, 12))))
+
+
+def test_stream_yields_what_generate_writes():
+    """The chat path (one jitted call per token, per-layer weights unstacked once, eagerly)
+    writes the greedy tokens `generate` writes, and stops after a stop token."""
+    m = _model()
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    prompt = jnp.asarray([[5, 6, 7]], jnp.int32)
+    want = np.asarray(generate(graphdef, params, prompt, 6, jax.random.key(0)))[0, 3:].tolist()
+    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0))) == want
+    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0),
+                       stop_ids=(want[1],)))[-1] == want[1]
 
 
 def test_bf16_compute_keeps_fp32_params_and_is_close():

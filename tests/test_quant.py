@@ -8,6 +8,7 @@ outlier split must differ from it.
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -19,14 +20,14 @@ from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM
 from model.flops import param_bytes
-from model.generate import generate
+from model.generate import default_per_layer, generate
 from model.layers import Dense
 from parallel.mesh import make_mesh
 from quant import checkpoint as qckpt
 from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
-from quant.dense import QuantDense, quantized_product
+from quant.dense import QuantDense, int8_matmul, quantized_product
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import dense_bytes, quantize
 from quant.smoothquant import fold
@@ -177,6 +178,21 @@ def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
     graphdef, state = nnx.split(w8)
     assert not int8_dots(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
                          .lower(state, x).compile().as_text())
+
+
+def test_a_one_token_int8_product_stays_int8_and_exact():
+    """Batch-1 decoding multiplies one row. XLA:CPU compiles a 1-row s8 dot by converting the
+    whole int8 kernel to s32 first (9 bytes moved per weight instead of 1): `int8_matmul` pads
+    the row so the compiled program keeps an s8 x s8 dot and never widens the kernel."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-127, 128, (1, 64)), jnp.int8)
+    w = jnp.asarray(rng.integers(-127, 128, (64, 96)), jnp.int8)
+    want = np.asarray(x, np.int64) @ np.asarray(w, np.int64)
+    np.testing.assert_array_equal(np.asarray(int8_matmul(x, w)), want)
+    hlo = jax.jit(int8_matmul).lower(x, w).compile().as_text()
+    widened = [ln for ln in hlo.splitlines() if re.search(r"= s32\[64,96\]", ln)]
+    assert not widened, widened
+    assert "s8[64,96]" in hlo
 
 
 def test_quantized_model_compiles_to_int8_dots_in_the_layer_scan(float_model, batches):
@@ -494,6 +510,11 @@ def test_generation_with_a_quantized_model(trained_model, batches):
     # there is 0.008). 0.85 leaves room for one row that diverges early on another host's
     # rounding, not for a broken int8 path.
     assert agree >= 0.85
+    # int8 kernels keep the layer scan by default; both layouts write the same tokens.
+    assert default_per_layer(nnx.merge(graphdef, params))
+    assert not default_per_layer(nnx.merge(g, q))
+    per_layer = jax.jit(functools.partial(generate, per_layer=True), static_argnums=(0, 3))
+    np.testing.assert_array_equal(per_layer(g, q, prompt, 16, jax.random.key(0)), out)
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -157,6 +157,39 @@ def test_int8_checkpoint_reloads_sharded_with_identical_scores(truncated, tmp_pa
     assert pretrained_lm.score_ids(remote, ids) == pretrained_lm.score_ids(local, ids)
 
 
+def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
+    """Interleaved decoding benchmark on the truncated model: the per-layer layout writes the
+    layer scan's tokens, the int8 model reads under a third of the float bytes in its blocks,
+    and every run is timed."""
+    w8a8 = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
+    V = pretrained_lm.DecodeVariant
+    prompt = FIXTURE["tokens"][1]
+    rows = pretrained_lm.decode_benchmark(
+        [V("float", truncated), V("float-scan", truncated, per_layer=False),
+         V("w8a8", w8a8), V("float+kv8", truncated, kv_int8=True)], prompt, 4, repeats=2)
+    by = {r["variant"]: r for r in rows}
+    assert by["float"]["tokens"] == by["float-scan"]["tokens"]
+    # The default layout: per-layer arrays for float weights, the layer scan for int8 ones.
+    assert [r["layout"] for r in rows] == ["per_layer", "layer_scan", "layer_scan", "per_layer"]
+    embed = truncated.params["embed"]["embedding"].nbytes  # the float tied head, in both
+    assert (by["w8a8"]["weight_bytes_per_token"] - embed
+            < (by["float"]["weight_bytes_per_token"] - embed) / 3)
+    assert by["float+kv8"]["kv_cache_bytes"] < by["float"]["kv_cache_bytes"] / 3
+    for r in rows:
+        assert len(r["runs_s"]) == 2 and r["tokens_per_s"] > 0 and len(r["tokens"]) == 4
+        assert r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"])
+    with pytest.raises(ConfigError, match="new_tokens=4096"):
+        pretrained_lm.decode_benchmark([V("float", truncated)], prompt, 4096)
+
+
+def test_bench_decode_cli_refuses_bad_input(tmp_path):
+    out = tmp_path / "b.json"
+    one_line_error(cli("bench_decode", "--variants", "float,fp4", "--out", str(out)),
+                   "variants='float,fp4'", "w8a8")
+    one_line_error(cli("bench_decode", "--repeats", "0", "--out", str(out)), "repeats=0")
+    assert not out.exists()
+
+
 def test_library_refuses_bad_input(truncated):
     with pytest.raises(ConfigError, match="model='llama9'"):
         pretrained_lm.load("llama9")
