@@ -544,6 +544,95 @@ def train_changes(d: dict) -> str:
     return "\n".join(rows)
 
 
+def headline(results: Path) -> str:
+    """One row per area: our headline figure beside its published or independent counterpart,
+    each read from the results file named in the last column."""
+    rows = _head("area", "ours", "published / independent counterpart", "from")
+
+    def row(file: str, area: str, fn) -> None:
+        d = _load(file, results)
+        if d is None:
+            rows.append(f"| {area} | _(no {file} yet)_ | | |")
+            return
+        ours, theirs = fn(d)
+        rows.append(f"| {area} | {ours} | {theirs} | `{file}` |")
+
+    def table1(d):
+        r = {x["stage"]: x for x in d["results"] if x["params"] == "7.5b" and x["n_devices"] == 64}
+        return (" / ".join(f"{r[s]['model_state_gb']:.2f}" for s in STAGE_ORDER) + " GB",
+                " / ".join(f"{r[s]['paper_gb']:.2f}" for s in STAGE_ORDER) + " GB (ZeRO Table 1)")
+
+    def volume(d):
+        r = {x["strategy"]: x["volume_psi"] for x in d["results"]}
+        return (f"{r['dp']:.2f} / {r['zero3']:.2f} Ψ", "2 / 3 Ψ (ZeRO §7)")
+
+    def table2(d):
+        r = {x["stage"]: x for x in d["table2"]}
+        return (" / ".join(f"{r[s]['state_psi'] / 1e9:.1f}B" for s in STAGE_ORDER) +
+                " (with activations: " +
+                " / ".join(f"{r[s]['compiled_psi'] / 1e9:.1f}B" for s in STAGE_ORDER) + ")",
+                " / ".join(f"{r[s]['paper_printed_psi'] / 1e9:g}B" for s in STAGE_ORDER) +
+                " (ZeRO Table 2)")
+
+    def quant(d):
+        r = {x["quant"]: x["perplexity"] for x in d["rows"]}
+        return (", ".join(f"{m} {r[m]:.2f}" for m in ("none", "w8a8-tensor", "w8a8",
+                                                       "smoothquant") if m in r),
+                "SmoothQuant's ordering: per-tensor ruined, per-token degraded, smoothed ≈ float")
+
+    def encoder(d):
+        r = {x["mode"]: x["mean_cosine"] for x in d["results"]}
+        bench = _load("bench_encoder.json", results) or {}
+        torch = bench.get("torch") or {}
+        theirs = (f"{torch['int8_cosine_mean']:.4f} (`quantize_dynamic` against its own float, "
+                  f"bench_encoder's texts)" if torch else "—")
+        return f"{r['w8a8']:.4f} (w8a8)", theirs
+
+    def speed(d):
+        t = {n: (r.get("torch") or {}).get("ratio") for n, r in d["runs"].items()}
+        return (" / ".join(f"{v:.2f}×" for v in t.values() if v is not None) +
+                " (1 / 8 devices)", "PyTorch eager, same model and batch = 1.00×")
+
+    def enc_speed(d):
+        r = d.get("ratios") or {}
+        if "float" not in r:
+            return "(no PyTorch side in this run)", "—"
+        return (f"float {r['float']:.2f}×, w8a8 {r['w8a8']:.2f}×",
+                "transformers float / `quantize_dynamic` int8 = 1.00×")
+
+    def decode(d):
+        r = {x["variant"]: x["tokens_per_s"] for x in d["variants"]}
+        return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f} tokens/s",
+                "int8 should beat float (memory-bound)")
+
+    row("zero_memory.json", "model state per device, 7.5B on 64 devices, dp / zero1 / zero2 / "
+        "zero3", table1)
+    row("comm_volume.json", "communication per step, dp / zero3", volume)
+    row("zero_table2.json", "largest model on 64 × 32 GB, dp / zero1 / zero2 / zero3", table2)
+    row("plan_accuracy.json", "planner's peak against the executed peak",
+        lambda d: (f"max error {d['max_abs_error']:.1%}", "goal ≤ 10%"))
+    row("equivalence.json", "every strategy against one device (fp32 loss)",
+        lambda d: (f"max difference {d['fp32_max_loss_diff']:.1e}", "tolerance 1e-5"))
+    row("smollm2_parity.json", "SmolLM2 float against transformers (36 texts)",
+        lambda d: (f"max Δ mean NLL {d['max_abs_nll_diff']:.1e} nats, next tokens "
+                   f"{d['next_identical']}/{d['texts']}", "transformers on the same GGUF"))
+    row("smollm2_quant.json", "SmolLM2 perplexity, float and int8", quant)
+    row("embed_fidelity.json", "MiniLM int8 embeddings, mean cosine to float", encoder)
+    row("finetune_smollm2.json", "SmolLM2 fine-tuned under zero3, held-out perplexity",
+        lambda d: (f"{d['perplexity_before']:.2f} → {d['perplexity_after']:.2f}",
+                   "goal: ≥ 10% lower"))
+    row("bench_train.json", "training speed (`small`)", speed)
+    row("bench_encoder.json", "MiniLM encoding speed", enc_speed)
+    row("bench_decode.json", "SmolLM2 batch-1 decoding", decode)
+    return "\n".join(rows)
+
+
+STAGE_ORDER = ("dp", "zero1", "zero2", "zero3")
+
+# Sections whose renderer reads several results files: it gets the results folder instead.
+MULTI_FILE = {"headline": headline}
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", main_job),
     "equivalence": ("equivalence.json", equivalence),
@@ -585,8 +674,9 @@ def documents(root: Path = Path(".")) -> list[Path]:
 
 def render(readme: str, results: str | Path = RESULTS) -> str:
     """`readme` with every marked table regenerated from the JSON files in `results`."""
-    for name, (file, fn) in SECTIONS.items():
-        data = _load(file, results)
+    jobs = [(name, _load(file, results), fn, file) for name, (file, fn) in SECTIONS.items()]
+    jobs += [(name, Path(results), fn, "*") for name, fn in MULTI_FILE.items()]
+    for name, data, fn, file in jobs:
         body = fn(data) if data else f"_(no {SHOWN}/{file} yet: run the command above)_"
         pattern = re.compile(rf"(<!-- report:{name} -->\n)(?:.*?\n)?(<!-- /report:{name} -->)",
                              re.S)

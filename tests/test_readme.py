@@ -30,7 +30,7 @@ def test_readme_tables_come_from_the_results_files(monkeypatch):
     texts = {p: p.read_text() for p in report.documents(ROOT)}
     for path, text in texts.items():
         assert report.render(text) == text, f"{path} is stale: run python -m experiments.report"
-    for name in report.SECTIONS:
+    for name in [*report.SECTIONS, *report.MULTI_FILE]:
         homes = [p.name for p, t in texts.items() if f"<!-- report:{name} -->" in t]
         assert len(homes) == 1, f"table {name} appears in {homes or 'no document'}"
 
