@@ -593,8 +593,11 @@ def headline(results: Path) -> str:
 
     def speed(d):
         t = {n: (r.get("torch") or {}).get("ratio") for n, r in d["runs"].items()}
-        return (" / ".join(f"{v:.2f}×" for v in t.values() if v is not None) +
-                " (1 / 8 devices)", "PyTorch eager, same model and batch = 1.00×")
+        t = {n: v for n, v in t.items() if v is not None}
+        if not t:
+            return "(no PyTorch side in this run)", "—"
+        return (" / ".join(f"{v:.2f}×" for v in t.values()) +
+                f" ({' / '.join(t)} devices)", "PyTorch eager, same model and batch = 1.00×")
 
     def enc_speed(d):
         r = d.get("ratios") or {}
