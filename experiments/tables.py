@@ -25,6 +25,9 @@ def _load(name: str, results: Path = RESULTS) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+STAGE_ORDER = ("dp", "zero1", "zero2", "zero3")  # the ZeRO stages, in the paper's column order
+
+
 def _head(*columns: str) -> list[str]:
     """A markdown table's header and separator lines."""
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -71,7 +74,7 @@ def zero_memory(d: dict) -> str:
         cells[(r["params"], r["n_devices"], r["stage"])] = r
     models = sorted({k[0] for k in cells})
     nds = sorted({k[1] for k in cells})
-    stages = ["dp", "zero1", "zero2", "zero3"]
+    stages = STAGE_ORDER
     rows = _head("params", "N_d", *(f"{s} ours / paper GB" for s in stages))
     for m in models:
         for n in nds:
@@ -106,8 +109,12 @@ def comm_volume_layers(d: dict) -> str:
     return "\n".join(rows)
 
 
-def export_run(d: dict) -> str:
-    parity = _load("export_run_parity.json") or {}
+def export_run(results: Path) -> str:
+    """The export summary and, from the same results folder, its transformers parity."""
+    d = _load("export_run_smollm2.json", results)
+    if d is None:
+        return f"_(no {SHOWN}/export_run_smollm2.json yet: run the commands above)_"
+    parity = _load("export_run_parity.json", results) or {}
     rows = _head("exported", "tensors", "bytes", "host peak before → after first/last leaf",
                  "largest leaf", "ids identical", "next tokens identical",
                  "largest Δ mean NLL")
@@ -393,7 +400,7 @@ def zero_table2_planning(d: dict) -> str:
     cells = {(r["memory_gb"], r["devices"], r["stage"]): r for r in d["planning"]}
     memories = sorted({k[0] for k in cells})
     devices = sorted({k[1] for k in cells})
-    stages = ["dp", "zero1", "zero2", "zero3"]
+    stages = STAGE_ORDER
     rows = _head("devices", *(f"{m:g} GB {s}" for m in memories for s in stages))
     for n in devices:
         parts = []
@@ -633,10 +640,8 @@ def headline(results: Path) -> str:
     return "\n".join(rows)
 
 
-STAGE_ORDER = ("dp", "zero1", "zero2", "zero3")
-
 # Sections whose renderer reads several results files: it gets the results folder instead.
-MULTI_FILE = {"headline": headline}
+MULTI_FILE = {"headline": headline, "export_run": export_run}
 
 
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
@@ -647,7 +652,6 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "comm_volume": ("comm_volume.json", comm_volume),
     "comm_volume_smollm2": ("comm_volume_smollm2.json", comm_volume_layers),
     "zero_memory_llama": ("zero_memory_llama.json", zero_memory),
-    "export_run": ("export_run_smollm2.json", export_run),
     "zero_release": ("zero_release.json", zero_release),
     "quant_eval": ("quant_eval.json", quant_eval),
     "quant_disk_medium": ("quant_disk_medium.json", quant_eval),
