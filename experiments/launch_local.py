@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PROG = "experiments.launch_local"
@@ -67,29 +69,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _supervise(procs: list[subprocess.Popen]) -> int:
-    """Wait for all; on the first failure stop the rest and report which process failed."""
+    """Wait for all; on the first failure stop the rest and report which process failed.
+
+    One waiter thread per process queues each exit the moment the kernel reports it, so the
+    process that failed first is the one named: when a peer is killed, the others abort inside
+    gloo a few milliseconds later, and polling every few hundred ms would see both at once.
+    """
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for i, p in enumerate(procs):
+        threading.Thread(target=lambda i=i, p=p: exits.put((i, p.wait())), daemon=True).start()
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # A peer usually fails *because* one died: name the one killed by a signal.
-                i, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGTERM)
-                deadline = time.time() + 10
-                for p in procs:
-                    try:
-                        p.wait(timeout=max(0.1, deadline - time.time()))
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                print(f"{PROG}: error: process {i} exited with status {code}; stopped the other "
-                      f"{len(procs) - 1}", file=sys.stderr)
-                return code if code > 0 else 1
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
+        for _ in procs:
+            i, code = exits.get()
+            if code == 0:
+                continue
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.time() + 10
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            print(f"{PROG}: error: process {i} exited with status {code}; stopped the other "
+                  f"{len(procs) - 1}", file=sys.stderr)
+            return code if code > 0 else 1
+        return 0
     except KeyboardInterrupt:
         for p in procs:
             p.kill()
