@@ -36,6 +36,7 @@ from pathlib import Path
 from experiments import runtime
 from experiments.config import fail
 from experiments.encoder_bench import ablations, bench_sentences, run
+from experiments.minilm import MAX_DEVICES, default_devices
 from experiments.results_io import results_path, write_result
 from quant.convert import MODES
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sentences", type=int, default=512, help="benchmark texts")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="timed passes per variant (median)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="CPU devices each batch is split over (default: one per usable core, "
+                        f"at most {MAX_DEVICES}, as experiments.embed)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated int8 modes, of {', '.join(MODES)}")
     p.add_argument("--torch-python", default=os.environ.get(TORCH_ENV) or None, metavar="PATH",
@@ -74,23 +78,26 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in modes if m not in MODES]
     if bad:
         fail(PROG, f"modes={args.modes!r}: allowed {', '.join(MODES)}")
-    for name in ("sentences", "batch", "rounds"):
-        if getattr(args, name) < 1:
-            fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
+    devices = args.devices if args.devices is not None else default_devices()
+    for name in ("sentences", "batch", "rounds", "devices"):
+        value = devices if name == "devices" else getattr(args, name)
+        if value < 1:
+            fail(PROG, f"{name}={value}: must be a positive integer")
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
-    runtime.start(8 if args.ablations else 1)  # 8: the dp ablation's mesh, as embed defaults
+    runtime.start(max(8, devices) if args.ablations else devices)  # 8: the dp ablation's mesh
 
     try:
         texts = bench_sentences(args.sentences)
     except ValueError as e:
         fail(PROG, f"sentences={args.sentences}: {e}")
     if args.ablations:
-        out = ablations(texts, batch=args.batch, rounds=args.rounds, cli=not args.no_cli)
+        out = ablations(texts, batch=args.batch, rounds=args.rounds, cli=not args.no_cli,
+                        cores=devices)
     else:
         out = run(texts, modes, batch=args.batch, rounds=args.rounds,
-                  torch_python=args.torch_python)
+                  torch_python=args.torch_python, devices=devices)
     # The interpreter's path is this machine's: the record names the flag's value generically.
     shown = ["PYTHON" if a == args.torch_python else a
              for a in (argv if argv is not None else sys.argv[1:])]

@@ -27,6 +27,7 @@ from experiments import runtime
 from experiments.config import fail
 from experiments.minilm import (
     convert,
+    default_devices,
     encode,
     load_encoder,
     make_encode_fn,
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", action="append", default=[], help="a text to embed (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"embeddings": [[...], ...]}')
     p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
-    p.add_argument("--devices", type=int, default=None, help="fake CPU devices (default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="fake CPU devices (default: one per usable core, at most 8)")
     p.add_argument("--strategy", default="dp", help="dp (replicated) or zero3 (sharded params)")
     p.add_argument("--checkpoint", default=None, help="a folder written by --convert")
     p.add_argument("--convert", default=None, metavar="DIR",
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     for i, t in enumerate(args.text):
         if not t.strip():
             fail(PROG, f"text {i}: empty; give at least one non-blank character")
-    runtime.start(args.devices)  # XLA_FLAGS before JAX starts
+    devices = args.devices if args.devices is not None else default_devices()
+    runtime.start(devices)  # XLA_FLAGS before JAX starts
 
     try:
         if args.convert:
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         graphdef, params, tokenizer = load_encoder(args.checkpoint)
         if args.quant != "none":
             graphdef, params, _ = quantize_encoder(graphdef, params, tokenizer, args.quant)
-        params, mesh = place(params, graphdef, args.devices, args.strategy)
+        params, mesh = place(params, graphdef, devices, args.strategy)
         emb = encode(make_encode_fn(graphdef), params, tokenizer, args.text, mesh=mesh)
     except (CheckpointError, QuantError, ValueError) as e:
         fail(PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -17,6 +17,7 @@ from pathlib import Path
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -24,7 +25,9 @@ import model.bert as bert
 from experiments.machine import describe
 from experiments.minilm import (
     BATCH,
+    BUCKETS,
     batch_rows,
+    batch_sharding,
     encode,
     load_encoder,
     make_encode_fn,
@@ -35,6 +38,8 @@ from experiments.minilm import (
 )
 from model.bert import sentence_embeddings
 from model.hf_bert import package_model_dir
+from quant.dense import int8_matmul, quantized_product
+from quant.quantizers import weight_scale
 
 TORCH_SCRIPT = Path(__file__).with_name("torch_encoder_reference.py")
 # How many stdlib sentences each benchmark text joins, cycling: mostly single sentences, some
@@ -60,14 +65,14 @@ def load_1min() -> float:
     return os.getloadavg()[0]
 
 
-def pass_seconds(fn, params, tok, texts, batch: int) -> float:
+def pass_seconds(fn, params, tok, texts, batch: int, mesh=None) -> float:
     """Wall time of one end-to-end pass (tokenise, pad, transfer, compute, fetch)."""
     start = time.perf_counter()
-    encode(fn, params, tok, texts, batch)
+    encode(fn, params, tok, texts, batch, mesh)
     return time.perf_counter() - start
 
 
-def breakdown(graphdef, params, tok, texts, batch: int) -> dict:
+def breakdown(graphdef, params, tok, texts, batch: int, mesh=None) -> dict:
     """One pass taken apart, each stage waited for before the next: tokenisation (ids and
     padding), compilation of every padded shape (a fresh jit: what a new process pays),
     host->device, compute, device->host. The stages of a normal pass overlap, so these sum to
@@ -75,22 +80,24 @@ def breakdown(graphdef, params, tok, texts, batch: int) -> dict:
     t0 = time.perf_counter()
     ids = tok.ids(texts)
     plan = plan_batches([len(r) for r in ids], batch)
-    host = [tok.pad([ids[i] for i in idx], length, batch_rows(len(idx), batch))
+    multiple = mesh.size if mesh is not None else 1
+    host = [tok.pad([ids[i] for i in idx], length, batch_rows(len(idx), batch, multiple))
             for idx, length in plan]
+    sharding = batch_sharding(mesh) if mesh is not None else None
     tokenize_s = time.perf_counter() - t0
 
+    t0 = time.perf_counter()
+    dev = jax.block_until_ready(jax.device_put(host, sharding))
+    h2d_s = time.perf_counter() - t0
     fresh = make_encode_fn.__wrapped__(graphdef)  # not the cached one: nothing compiled
     compiled, compile_s = {}, {}
-    for tokens, mask in host:
+    for tokens, mask in dev:
         shape = tokens.shape
         if shape not in compiled:
             t0 = time.perf_counter()
             compiled[shape] = fresh.lower(params, tokens, mask).compile()
             compile_s[f"{shape[0]}x{shape[1]}"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    dev = jax.block_until_ready(jax.device_put(host))
-    h2d_s = time.perf_counter() - t0
     for shape, exe in compiled.items():  # each executable's first run sets up buffers
         jax.block_until_ready(exe(params, *next(d for d in dev if d[0].shape == shape)))
     t0 = time.perf_counter()
@@ -128,6 +135,11 @@ class TorchReference:
             raise RuntimeError(f"the PyTorch reference exited (code {self.proc.wait()})")
         return json.loads(line)
 
+    def kernels(self, shapes) -> list[dict]:
+        self.proc.stdin.write("kernels " + ";".join(",".join(map(str, s)) for s in shapes) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()["kernels"]
+
     def seconds(self, variant: str) -> float:
         self.proc.stdin.write(variant + "\n")
         self.proc.stdin.flush()
@@ -141,21 +153,59 @@ class TorchReference:
         os.unlink(self._tmp.name)
 
 
+# One encoder layer's Dense shapes at 1024 token rows (32 texts of 32 tokens): q/k/v/o, up, down.
+KERNEL_SHAPES = ((1024, 384, 384), (1024, 384, 1536), (1024, 1536, 384))
+
+
+def kernel_times(shapes=KERNEL_SHAPES, calls: int = 30) -> list[dict]:
+    """Median ms per shape of XLA:CPU's float32 dot, its bare s8 x s8 -> s32 dot, and our whole
+    int8 Dense (per-token quantisation, the s8 dot, dequantisation), all on one device: where
+    the int8 layer's time goes against the float one, and (with the PyTorch rows) against
+    quantize_dynamic's."""
+    rng = np.random.default_rng(0)
+
+    def median_ms(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    f32 = jax.jit(lambda x, w: x @ w)
+    s8 = jax.jit(int8_matmul)
+    dense = jax.jit(lambda x, w, s: quantized_product(x, w, s, "token"))
+    rows = []
+    for m, k, n in shapes:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
+        w_q, w_s = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8), weight_scale(w)
+        x_q = jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
+        rows.append({"m": m, "k": k, "n": n, "float32_ms": median_ms(f32, x, w),
+                     "s8_dot_ms": median_ms(s8, x_q, w_q),
+                     "int8_dense_ms": median_ms(dense, x, w_q, w_s)})
+    return rows
+
+
 def run(texts: list[str], modes: list[str], batch: int = BATCH, rounds: int = 3,
-        torch_python: str | None = None, calib: list[str] | None = None,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+        torch_python: str | None = None, calib: list[str] | None = None, devices: int = 1,
+        kernel_shapes=KERNEL_SHAPES, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """Sentences/s of our float encoder and each int8 mode (median of `rounds` passes, the
     variants interleaved), the breakdown of each, cosine fidelity to our float embeddings, and
-    with `torch_python` the PyTorch float / dynamic-int8 passes interleaved with ours."""
+    with `torch_python` the PyTorch float / dynamic-int8 passes interleaved with ours.
+
+    Each batch is split over `devices` CPU devices (embed's dp placement: the parameters
+    replicated, the rows of a batch divided), as `experiments.embed` runs by default."""
     load_start = load_1min()
     graphdef, params, tok = load_encoder()
-    params = jax.device_put(params)
     if calib is None:
         calib = stdlib_sentences(64, offset=CALIB_OFFSET)
-    variants = {"float": (graphdef, params)}
+    placed, mesh = place(params, graphdef, devices, "dp")
+    variants = {"float": (graphdef, placed)}
     for mode in modes:
         qdef, qparams, _ = quantize_encoder(graphdef, params, tok, mode, calib)
-        variants[mode] = (qdef, jax.device_put(qparams))
+        variants[mode] = (qdef, place(qparams, qdef, devices, "dp")[0])
     torch_ref = None
     if torch_python:
         log(f"starting the PyTorch reference ({torch_python})")
@@ -166,8 +216,9 @@ def run(texts: list[str], modes: list[str], batch: int = BATCH, rounds: int = 3,
         for name, (gd, p) in variants.items():
             log(f"{name}: breakdown and warm-up")
             fn = make_encode_fn(gd)
-            results[name] = {"variant": name, "breakdown": breakdown(gd, p, tok, texts, batch)}
-            emb = encode(fn, p, tok, texts, batch)  # compiles the shapes, checks fidelity
+            results[name] = {"variant": name,
+                             "breakdown": breakdown(gd, p, tok, texts, batch, mesh)}
+            emb = encode(fn, p, tok, texts, batch, mesh)  # compiles the shapes, checks fidelity
             if ref is None:
                 ref = emb
             cos = np.sum(emb * ref, axis=1)
@@ -177,12 +228,18 @@ def run(texts: list[str], modes: list[str], batch: int = BATCH, rounds: int = 3,
         for r in range(rounds):
             for name, (gd, p) in variants.items():
                 results[name]["pass_s"].append(
-                    pass_seconds(make_encode_fn(gd), p, tok, texts, batch))
+                    pass_seconds(make_encode_fn(gd), p, tok, texts, batch, mesh))
             if torch_ref:
                 for v in torch_s:
                     torch_s[v].append(torch_ref.seconds(v))
             log(f"round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {len(texts) / res['pass_s'][-1]:.0f}/s" for n, res in results.items()))
+        log("kernels: one Dense layer per shape")
+        kernels = kernel_times(kernel_shapes)
+        if torch_ref:
+            for row, theirs in zip(kernels, torch_ref.kernels(kernel_shapes), strict=True):
+                row["torch_float32_ms"] = theirs["float32_ms"]
+                row["torch_int8_ms"] = theirs["int8_ms"]
     finally:
         if torch_ref:
             torch_ref.close()
@@ -190,8 +247,9 @@ def run(texts: list[str], modes: list[str], batch: int = BATCH, rounds: int = 3,
     for res in results.values():
         res["sentences_per_s"] = n / statistics.median(res["pass_s"])
     out = {"machine": describe(), "load_1min": {"start": load_start, "end": load_1min()},
-           "n_sentences": n, "batch": batch, "rounds": rounds,
-           "token_lengths": _lengths(tok, texts), "results": list(results.values())}
+           "n_sentences": n, "batch": batch, "rounds": rounds, "devices": devices,
+           "token_lengths": _lengths(tok, texts), "results": list(results.values()),
+           "kernels": kernels}
     if torch_ref:
         t = {**torch_ref.info, "pass_s": torch_s,
              **{f"{v}_sentences_per_s": n / statistics.median(s) for v, s in torch_s.items()}}
@@ -251,6 +309,61 @@ def ablation_bucketing(graphdef, params, tok, texts, batch: int, rounds: int) ->
                       "compiled_shapes": len(new_shapes)},
             "speedup_first": first_before / first_after,
             "speedup_warm": warm["before"] / warm["after"]}
+
+
+# The padded lengths before the multiples of 8 (minilm.BUCKETS): about 1.5x apart.
+PREVIOUS_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def ablation_bucket_set(variants: dict, tok, texts, batch: int, rounds: int) -> list[dict]:
+    """Padded lengths every 8 tokens (minilm.BUCKETS) vs about 1.5x apart, per variant: warm
+    passes interleaved, with the padded share and the number of compiled lengths of each."""
+    lengths = [len(r) for r in tok.ids(texts)]
+    real = sum(lengths)
+
+    def shape_stats(buckets):
+        plan = plan_batches(lengths, batch, buckets)
+        padded = sum(batch_rows(len(idx), batch) * length for idx, length in plan)
+        return {"padding_fraction": 1 - real / padded,
+                "compiled_shapes": len({(batch_rows(len(idx), batch), length)
+                                        for idx, length in plan})}
+
+    rows = []
+    for name, (gd, p) in variants.items():
+        fn = make_encode_fn(gd)
+        for buckets in (PREVIOUS_BUCKETS, BUCKETS):
+            encode(fn, p, tok, texts, batch, buckets=buckets)  # compile every shape first
+        t = _paired({"before": lambda fn=fn, p=p: encode(fn, p, tok, texts, batch,
+                                                         buckets=PREVIOUS_BUCKETS),
+                     "after": lambda fn=fn, p=p: encode(fn, p, tok, texts, batch)}, rounds)
+        rows.append({"change": "padded lengths every 8 tokens", "variant": name,
+                     "n_sentences": len(texts),
+                     "before": {"warm_pass_s": t["before"], **shape_stats(PREVIOUS_BUCKETS)},
+                     "after": {"warm_pass_s": t["after"], **shape_stats(BUCKETS)},
+                     "speedup_warm": t["before"] / t["after"]})
+    return rows
+
+
+def ablation_devices(variants_host: dict, tok, texts, batch: int, rounds: int,
+                     devices: int) -> list[dict]:
+    """One CPU device vs `devices` (one per core, embed's default), each batch split over
+    them, per variant: warm passes interleaved."""
+    rows = []
+    for name, (gd, params) in variants_host.items():
+        fn = make_encode_fn(gd)
+        one, one_mesh = place(params, gd, 1, "dp")
+        many, many_mesh = place(params, gd, devices, "dp")
+        encode(fn, one, tok, texts, batch, one_mesh)
+        encode(fn, many, tok, texts, batch, many_mesh)
+        t = _paired({"before": lambda fn=fn, p=one, m=one_mesh: encode(fn, p, tok, texts,
+                                                                      batch, m),
+                     "after": lambda fn=fn, p=many, m=many_mesh: encode(fn, p, tok, texts,
+                                                                       batch, m)}, rounds)
+        rows.append({"change": "one device per core", "variant": name, "devices": devices,
+                     "n_sentences": len(texts), "before": {"warm_pass_s": t["before"]},
+                     "after": {"warm_pass_s": t["after"]},
+                     "speedup_warm": t["before"] / t["after"]})
+    return rows
 
 
 def ablation_gelu(variants: dict, tok, texts, batch: int, rounds: int) -> list[dict]:
@@ -314,7 +427,7 @@ def cli_marginal(modes: tuple[str, ...], base: list[str], extra: list[str],
 
 
 def ablations(texts: list[str], batch: int = BATCH, rounds: int = 3, devices: int = 8,
-              dp_texts: int = 64, cli: bool = True,
+              dp_texts: int = 64, cli: bool = True, cores: int = 2,
               log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """Every speed change before/after (see the ablation_* functions), one results dict."""
     load_start = load_1min()
@@ -325,8 +438,14 @@ def ablations(texts: list[str], batch: int = BATCH, rounds: int = 3, devices: in
                 "w8a8": (qdef, jax.device_put(qparams, jax.devices()[0]))}
     log("length buckets")
     rows = [ablation_bucketing(graphdef, single, tok, texts, batch, rounds)]
+    log("bucket lengths")
+    rows += ablation_bucket_set(variants, tok, texts, batch, rounds)
     log("GELU")
     rows += ablation_gelu(variants, tok, texts, batch, rounds)
+    if len(jax.devices()) >= cores > 1:
+        log(f"one device per core ({cores})")
+        rows += ablation_devices({"float": (graphdef, params), "w8a8": (qdef, qparams)}, tok,
+                                 texts, batch, rounds, cores)
     if len(jax.devices()) >= devices > 1:
         log(f"dp over {devices} devices")
         rows.append(ablation_mesh_split(graphdef, params, tok, texts[:dp_texts], batch,

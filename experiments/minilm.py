@@ -20,6 +20,7 @@ from flax import nnx
 
 from model.bert import BertConfig, BertEncoder, sentence_embeddings
 from model.hf_bert import CheckpointError, Tokenizer, load_pretrained, package_model_dir
+from parallel.devices import usable_cpu_cores, xla_flags_device_count
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
 from parallel.state import logical_specs, place_params
@@ -179,6 +180,17 @@ def throughput(encode_fn, params, tokenizer, texts, repeats: int = 2) -> float:
 
 
 BATCH = 64
+# Encoding is data parallel over CPU devices; each device executes on its own thread, so one
+# device per core keeps both busy (one device leaves a core idle between the ops that XLA:CPU
+# runs single-threaded, 8 on 2 cores split each batch into slivers): measured in
+# docs/inference_speed.md.
+MAX_DEVICES = 8
+
+
+def default_devices() -> int:
+    """CPU devices for encoding when none are asked for: XLA_FLAGS's count if it sets one, else
+    one per usable core, at most 8."""
+    return xla_flags_device_count() or max(1, min(MAX_DEVICES, usable_cpu_cores()))
 
 
 def load_encoder(checkpoint: str | None = None):
@@ -218,13 +230,18 @@ def make_encode_fn(graphdef):
     return jax.jit(lambda p, t, m: sentence_embeddings(nnx.merge(graphdef, p), t, m))
 
 
-# Padded lengths about 1.5x apart: padding stays under a third of a batch's tokens while a whole
-# corpus compiles at most len(BUCKETS) lengths (times the row counts of `batch_rows`).
-BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Padded lengths: every multiple of 8 up to 128 (where sentences live), then steps of 16, 32 and
+# 64. Rounding a batch's longest text up wastes at most 7 positions below 128 and an eighth above,
+# for at most len(BUCKETS) compiled lengths (times the row counts of `batch_rows`). Lengths 1.5x
+# apart (16, 24, 32, 48, ...) compiled 7 shapes for the benchmark's texts instead of 13, but
+# padded 25% of the positions instead of 8%, and a compile is paid once while padding is paid
+# on every pass (docs/inference_speed.md).
+BUCKETS = (tuple(range(8, 129, 8)) + tuple(range(144, 257, 16)) + tuple(range(288, 385, 32))
+           + tuple(range(448, 513, 64)))
 
 
-def bucket_length(n: int) -> int:
-    return next((b for b in BUCKETS if b >= n), BUCKETS[-1])
+def bucket_length(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    return next((b for b in buckets if b >= n), buckets[-1])
 
 
 def batch_rows(n: int, batch: int, multiple: int = 1) -> int:
@@ -234,15 +251,22 @@ def batch_rows(n: int, batch: int, multiple: int = 1) -> int:
     return -(-max(rows, n) // multiple) * multiple
 
 
-def plan_batches(lengths: list[int], batch: int) -> list[tuple[list[int], int]]:
+def plan_batches(lengths: list[int], batch: int, buckets: tuple[int, ...] = BUCKETS
+                 ) -> list[tuple[list[int], int]]:
     """[(text indices, padded length)]: texts sorted by length (longest first), cut into
     batches, each padded to the bucket of its longest text."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [(idx, bucket_length(lengths[idx[0]]))
+    return [(idx, bucket_length(lengths[idx[0]], buckets))
             for idx in (order[s:s + batch] for s in range(0, len(order), batch))]
 
 
-def encode(encode_fn, params, tokenizer, texts: list[str], batch: int = BATCH, mesh=None):
+def batch_sharding(mesh) -> jax.sharding.NamedSharding:
+    """Token batches split over every device of the mesh (data parallel)."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_AXES))
+
+
+def encode(encode_fn, params, tokenizer, texts: list[str], batch: int = BATCH, mesh=None,
+           buckets: tuple[int, ...] = BUCKETS):
     """Unit-norm embeddings [len(texts), D] float32, in the order of `texts`.
 
     Texts are grouped by length into padded buckets (`plan_batches`); every batch is dispatched
@@ -252,10 +276,9 @@ def encode(encode_fn, params, tokenizer, texts: list[str], batch: int = BATCH, m
     ids = tokenizer.ids(texts)
     multiple, sharding = 1, None
     if mesh is not None:
-        multiple = mesh.size
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(BATCH_AXES))
+        multiple, sharding = mesh.size, batch_sharding(mesh)
     pending = []
-    for idx, length in plan_batches([len(r) for r in ids], batch):
+    for idx, length in plan_batches([len(r) for r in ids], batch, buckets):
         tokens, mask = tokenizer.pad([ids[i] for i in idx], length,
                                      batch_rows(len(idx), batch, multiple))
         if sharding is not None:

@@ -430,7 +430,8 @@ def bench_encoder(d: dict) -> str:
     flags = ", ".join(m["host_cpu"]["int8_flags"]) or "no int8 dot flags"
     rows = [f"{d['n_sentences']} texts ({d['token_lengths']['min']}–"
             f"{d['token_lengths']['max']} tokens, median {d['token_lengths']['median']}), "
-            f"batch {d['batch']}, median of {d['rounds']} interleaved passes; "
+            f"batch {d['batch']} split over {d.get('devices', 1)} CPU device(s), median of "
+            f"{d['rounds']} interleaved passes; "
             f"{m['host_cpu']['model']} ({flags}), {m['cpus']} cores, {_load_avg(d)}, "
             f"JAX {m['jax_version']}" + (f", torch {torch['torch']} ({torch['threads']} "
                                          f"threads)" if torch else "") + ":", ""]
@@ -451,6 +452,21 @@ def bench_encoder(d: dict) -> str:
                  f"{torch['int8_sentences_per_s']:.0f} sentences/s, int8 cosine to its float "
                  f"{torch['int8_cosine_mean']:.4f} / {torch['int8_cosine_min']:.4f} (mean / "
                  f"min). × PyTorch: float against its float, every int8 mode against its int8."]
+    if d.get("kernels"):
+        theirs = torch is not None and "torch_int8_ms" in d["kernels"][0]
+        rows += ["", "One Dense layer per shape (x [M, K] → [M, N], one device, median ms): "
+                 "XLA:CPU's float32 dot, its bare s8 × s8 → s32 dot, our whole int8 Dense "
+                 "(per-token quantisation + s8 dot + dequantisation)"
+                 + (", and PyTorch's float32 `nn.Linear` and `quantize_dynamic` int8 Linear "
+                    "(FBGEMM) on the same shape:" if theirs else ":"), "",
+                 *_head("M × K × N", "ours float32", "ours s8 dot", "ours int8 Dense",
+                        *(("PyTorch float32", "PyTorch int8", "int8: ours / PyTorch time")
+                          if theirs else ()))]
+        for k in d["kernels"]:
+            extra = (f" | {k['torch_float32_ms']:.2f} | {k['torch_int8_ms']:.2f} | "
+                     f"{k['int8_dense_ms'] / k['torch_int8_ms']:.1f}×" if theirs else "")
+            rows.append(f"| {k['m']} × {k['k']} × {k['n']} | {k['float32_ms']:.2f} | "
+                        f"{k['s8_dot_ms']:.2f} | {k['int8_dense_ms']:.2f}{extra} |")
     return "\n".join(rows)
 
 
@@ -461,7 +477,11 @@ def encoder_ablations(d: dict) -> str:
             *_head("change", "variant", "texts", "before s", "after s", "speed-up", "notes")]
     for r in d["results"]:
         notes = []
-        if "compiled_shapes" in r["before"]:
+        if "padding_fraction" in r["before"]:
+            notes.append(f"padding {r['before']['padding_fraction']:.0%} → "
+                         f"{r['after']['padding_fraction']:.0%}, compiled lengths "
+                         f"{r['before']['compiled_shapes']} → {r['after']['compiled_shapes']}")
+        elif "compiled_shapes" in r["before"]:
             notes.append(f"first pass (compiles included) {r['before']['first_pass_s']:.1f} → "
                          f"{r['after']['first_pass_s']:.1f} s, shapes "
                          f"{r['before']['compiled_shapes']} → {r['after']['compiled_shapes']}")
@@ -474,8 +494,8 @@ def encoder_ablations(d: dict) -> str:
                     f"{r['before']['warm_pass_s']:.2f} | {r['after']['warm_pass_s']:.2f} | "
                     f"{r['speedup_warm']:.2f}× | {'; '.join(notes)} |")
     if d.get("cli"):
-        rows += ["", "`python -m experiments.embed --json` as a user runs it (default 8 CPU "
-                 "devices, dp), marginal speed of the extra texts:", "",
+        rows += ["", "`python -m experiments.embed --json` as a user runs it (default: one CPU "
+                 "device per core, dp), marginal speed of the extra texts:", "",
                  *_head("--quant", "texts", "wall s", "marginal sentences/s")]
         for c in d["cli"]:
             rows.append(f"| {c['mode']} | {c['base_texts']} → {c['base_texts'] + c['extra_texts']}"

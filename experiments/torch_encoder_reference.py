@@ -16,7 +16,10 @@ Threads = the machine's cores unless --threads. A timed pass is the whole set en
 embeddings' cosine to the float ones (mean/min), versions.
 
 --serve: lines "float" or "int8" each time one pass and reply {"variant", "seconds"}; "quit"
-ends. This lets bench_encoder interleave torch passes with its own (A, B, A, B, ...).
+ends. This lets bench_encoder interleave torch passes with its own (A, B, A, B, ...). A line
+"kernels M,K,N;M,K,N..." times one Linear layer per shape instead (x [M,K] -> [M,N], float32
+and quantize_dynamic int8, median of 30 calls) and replies {"kernels": [{m, k, n,
+"float32_ms", "int8_ms"}, ...]}: the per-layer side of the comparison.
 """
 
 from __future__ import annotations
@@ -85,6 +88,32 @@ class Encoder:
         return time.perf_counter() - start
 
 
+def kernel_times(shapes: list[tuple[int, int, int]], calls: int = 30) -> list[dict]:
+    """Median ms of one nn.Linear(K, N) on x [M, K]: float32, and quantize_dynamic's int8."""
+    import torch
+
+    def median_ms(f, x) -> float:
+        f(x)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            f(x)
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[len(times) // 2]
+
+    rows = []
+    torch.manual_seed(0)
+    for m, k, n in shapes:
+        linear = torch.nn.Sequential(torch.nn.Linear(k, n)).eval()
+        int8 = torch.ao.quantization.quantize_dynamic(linear, {torch.nn.Linear},
+                                                      dtype=torch.qint8)
+        x = torch.randn(m, k)
+        with torch.inference_mode():
+            rows.append({"m": m, "k": k, "n": n, "float32_ms": median_ms(linear, x),
+                         "int8_ms": median_ms(int8, x)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub lookup would be a bug: fail instead
@@ -108,6 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
             variant = line.strip()
             if variant == "quit":
                 break
+            if variant.startswith("kernels "):
+                shapes = [tuple(int(v) for v in spec.split(","))
+                          for spec in variant.split(" ", 1)[1].split(";")]
+                print(json.dumps({"kernels": kernel_times(shapes)}), flush=True)
+                continue
             if variant not in enc.models:
                 print(json.dumps({"error": f"unknown request {variant!r}"}), flush=True)
                 continue

@@ -23,6 +23,15 @@ def xla_flags_device_count() -> int | None:
     return int(found.group(1)) if found else None
 
 
+def usable_cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which a container or `taskset`
+    narrows; os.cpu_count() where the platform has no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def request_cpu_devices(n: int | None, default: int = 8) -> None:
     """Ask the CPU backend for n devices (None: XLA_FLAGS's count if set, else `default`).
 

@@ -21,7 +21,11 @@ echo '{"ready": {"torch": "fake", "transformers": "fake", "threads": 1, \
 "int8_cosine_mean": 0.9, "int8_cosine_min": 0.8}}'
 while read line; do
   [ "$line" = quit ] && exit 0
-  echo "{\\"variant\\": \\"$line\\", \\"seconds\\": 2.0}"
+  case "$line" in
+    kernels*) echo '{"kernels": [{"m": 16, "k": 32, "n": 48, "float32_ms": 1.0, \
+"int8_ms": 0.5}]}' ;;
+    *) echo "{\\"variant\\": \\"$line\\", \\"seconds\\": 2.0}" ;;
+  esac
 done
 """
 
@@ -34,7 +38,7 @@ def result(tmp_path_factory):
     # Four texts of similar length: one padded shape, so few compilations.
     texts = [t for t in bench_sentences(16) if t.count(".") == 1][:4]
     return texts, run(texts, ["w8a8"], batch=4, rounds=2, torch_python=str(fake),
-                      log=lambda msg: None)
+                      kernel_shapes=((16, 32, 48),), log=lambda msg: None)
 
 
 def test_json_fields_are_sane(result):
@@ -62,8 +66,11 @@ def test_torch_side_lands_in_the_ratios(result):
     assert t["float_sentences_per_s"] == pytest.approx(2.0)  # 4 texts in 2 s
     for r in d["results"]:
         assert d["ratios"][r["variant"]] == pytest.approx(r["sentences_per_s"] / 2.0)
+    (k,) = d["kernels"]  # ours measured, theirs from the reference's reply
+    assert (k["m"], k["k"], k["n"]) == (16, 32, 48) and k["torch_int8_ms"] == 0.5
+    assert k["float32_ms"] > 0 and k["s8_dot_ms"] > 0 and k["int8_dense_ms"] > 0
     table = bench_encoder(d)
-    assert "| w8a8 |" in table and "× PyTorch" in table
+    assert "| w8a8 |" in table and "× PyTorch" in table and "| 16 × 32 × 48 |" in table
 
 
 def test_bench_encoder_cli_bad_input():
