@@ -190,7 +190,8 @@ def kernel_times(shapes=KERNEL_SHAPES, calls: int = 30) -> list[dict]:
 
 def run(texts: list[str], modes: list[str], batch: int = BATCH, rounds: int = 3,
         torch_python: str | None = None, calib: list[str] | None = None, devices: int = 1,
-        kernel_shapes=KERNEL_SHAPES, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+        kernel_shapes=KERNEL_SHAPES,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """Sentences/s of our float encoder and each int8 mode (median of `rounds` passes, the
     variants interleaved), the breakdown of each, cosine fidelity to our float embeddings, and
     with `torch_python` the PyTorch float / dynamic-int8 passes interleaved with ours.

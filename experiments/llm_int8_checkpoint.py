@@ -10,7 +10,10 @@ compares their sizes: against the float32 parameters (4 bytes each), and against
 checkpoint on disk (Orbax compresses it, and weights dequantised from Q4_1 blocks, 16 distinct
 values per block, compress well). Then reads the int8 checkpoint back sharded over --devices
 fake devices in the zero3 layout and scores texts with it (each layer gathered right before it
-runs) and with the in-memory int8 model.
+runs) and with the in-memory int8 model: put in the same zero3 shards (the same program, so the
+scores must be bit-identical: that is the checkpoint's check) and on one device (a different
+program: float rounding may differ, and per-token int8 can amplify it; the float model's scores
+through the same two programs are recorded for scale).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from experiments import pretrained_lm, runtime
 from experiments.config import ConfigError, fail
@@ -28,6 +35,7 @@ from experiments.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
 from parallel.mesh import make_mesh
+from parallel.state import logical_shardings, logical_specs
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError
 from quant.stored import quantize_with_meta, save_atomic
@@ -62,10 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
         result = run(args, qcfg)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
+    same = result["reload_vs_in_memory_same_layout"]
     print(f"{result['mode']}: {result['int8_disk_bytes'] / 1e6:.1f} MB on disk, "
           f"{result['disk_ratio']:.2f}x smaller than float32; zero3 reload over "
-          f"{result['devices']} devices: max |d mean NLL| {result['max_abs_nll_diff']:.2e}, "
-          f"next tokens identical: {result['next_tokens_identical']}")
+          f"{result['devices']} devices: parameters bit-identical "
+          f"{result['params_bit_identical']}, scores against the in-memory model in the same "
+          f"layout: max |d mean NLL| {same['max_abs_nll_diff']:.2e}, against one device "
+          f"{result['max_abs_nll_diff']:.2e}")
     return result
 
 
@@ -85,23 +96,60 @@ def run(args, qcfg: QuantConfig) -> dict:
         gdef, sharded, _ = qckpt.load(target, pre.cfg, mesh, sharded=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the float copy, and the int8 one unless --out
+    texts = list(TEXTS)
+    identical = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+        jax.tree.leaves(jax.device_get(sharded)), jax.tree.leaves(jax.device_get(qparams)),
+        strict=True))
     local = pretrained_lm.Pretrained(pre.name, pre.cfg, qdef, qparams, pre.tokenizer, args.mode)
     remote = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, sharded, pre.tokenizer, args.mode)
-    a = pretrained_lm.score_texts(local, list(TEXTS))
-    b = pretrained_lm.score_texts(remote, list(TEXTS))
+    # The in-memory int8 parameters put in the reloaded ones' zero3 shards: the same program
+    # as the reload, so any difference would be the checkpoint's.
+    placed = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), qparams, sharded)
+    in_layout = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, placed, pre.tokenizer,
+                                         args.mode)
+    # ... and replicated on every device of the mesh: the 8-device program without shards.
+    replicated = pretrained_lm.Pretrained(
+        pre.name, pre.cfg, gdef, jax.tree.map(
+            lambda x, ref: jax.device_put(x, NamedSharding(ref.sharding.mesh, P())), qparams,
+            sharded), pre.tokenizer, args.mode)
+    a, b, c, r = (pretrained_lm.score_texts(m, texts)
+                  for m in (local, remote, in_layout, replicated))
+    # The float model through the same two programs (one device; zero3 over the mesh): how much
+    # the layout alone moves a score when no rounding to int8 follows.
+    float_sharded = jax.device_put(pre.params, _float_shardings(pre, mesh))
+    f1 = pretrained_lm.score_texts(pre, texts)
+    f8 = pretrained_lm.score_texts(pretrained_lm.Pretrained(
+        pre.name, pre.cfg, pre.graphdef, float_sharded, pre.tokenizer, "none"), texts)
     float_params = param_bytes(pre.params)
     result = {"model": pre.name, "mode": args.mode, "rules": list(qcfg.rules),
               "int8_disk_bytes": int8_bytes, "float32_param_bytes": float_params,
               "disk_ratio": float_params / int8_bytes, "float32_disk_bytes": float_bytes,
               "disk_ratio_vs_float_checkpoint": float_bytes / int8_bytes, "devices": args.devices,
               "strategy": "zero3", "texts": len(TEXTS),
-              "max_abs_nll_diff": max(abs(x["mean_nll"] - y["mean_nll"])
-                                      for x, y in zip(a, b, strict=True)),
-              "next_tokens_identical": all(x["next_token"] == y["next_token"]
-                                           for x, y in zip(a, b, strict=True)),
+              "params_bit_identical": identical,
+              "reload_vs_in_memory_same_layout": _compare(c, b),
+              "zero3_vs_one_device": _compare(a, b),
+              "replicated_vs_one_device": _compare(a, r),
+              "float_zero3_vs_one_device": _compare(f1, f8),
+              # The single-device comparison, kept under its former names.
+              "max_abs_nll_diff": _compare(a, b)["max_abs_nll_diff"],
+              "next_tokens_identical": _compare(a, b)["next_tokens_identical"],
               "checkpoint": project_relative(target) if args.out else None}
     write_result(args.json_out, result)
     return result
+
+
+def _compare(a: list[dict], b: list[dict]) -> dict:
+    return {"max_abs_nll_diff": max(abs(x["mean_nll"] - y["mean_nll"])
+                                    for x, y in zip(a, b, strict=True)),
+            "next_tokens_identical": all(x["next_token"] == y["next_token"]
+                                         for x, y in zip(a, b, strict=True))}
+
+
+def _float_shardings(pre, mesh):
+    """The float model's zero3 shardings (its logical axes through the rules table)."""
+    axes = logical_specs(nnx.state(nnx.merge(pre.graphdef, pre.params)))
+    return logical_shardings(axes, mesh, True)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,15 @@ from experiments.config import ConfigError, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.convert import MODES, QuantError
+from quant.convert import MODES, QuantConfig, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
 SPEED_MODES = ("none", "w8", "w8a8")
+# Plain w8a8 with one group of Dense layers (those reading the same input) left in float: how
+# much of w8a8's perplexity change each group's int8 activations cause.
+GROUPS = {"q/k/v": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"), "o": ("blocks/attn/o",),
+          "gate/up": ("blocks/mlp/gate", "blocks/mlp/up"), "down": ("blocks/mlp/down",)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64, help="decoding benchmark length")
+    p.add_argument("--no-sensitivity", action="store_true",
+                   help="skip w8a8 with each group of layers left float (4 more evaluations)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -68,6 +74,18 @@ def main(argv: list[str] | None = None) -> dict:
             for r in out["rows"]:
                 r["vs_float_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
             write_result(args.out, out)  # after every mode: a long run keeps what it measured
+        if not args.no_sensitivity and "w8a8" in modes:
+            out["w8a8_sensitivity"] = []
+            for name, paths in tqdm(GROUPS.items(), desc="w8a8 with a group float",
+                                    unit="group"):
+                rules = tuple(p for g, ps in GROUPS.items() if g != name for p in ps)
+                pre = pretrained_lm.quantize(float_model, "w8a8",
+                                             QuantConfig(mode="w8a8", rules=rules))
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                out["w8a8_sensitivity"].append(
+                    {"float_group": name, "float_paths": list(paths), **row,
+                     "vs_float_pct": 100.0 * (row["perplexity"] / base - 1.0)})
+                write_result(args.out, out)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     for r in out["rows"]:

@@ -193,8 +193,17 @@ def smollm2_quant(d: dict) -> str:
                     f"{e['channel']}: {e['absmax']:.0f}, {e['ratio_to_median']:.0f}× the median "
                     f"channel)" for e in out["top"][:3])
     rows += ["", f"Largest activations (float model, {out['calibration']['rows']} calibration "
-             f"rows of {out['calibration']['tokens_per_row']} tokens): {top}.", "",
-             *_head("decoding, batch 1 (greedy, 64 new tokens)", "KV cache", "tokens/s")]
+             f"rows of {out['calibration']['tokens_per_row']} tokens): {top}."]
+    if d.get("w8a8_sensitivity"):
+        w8a8 = next(r for r in d["rows"] if r["quant"] == "w8a8")
+        rows += ["", f"Plain w8a8 ({w8a8['vs_float_pct']:+.2f}%) with one group of layers left "
+                 "float, all 30 layers each (the groups share an input):", "",
+                 *_head("left float", "perplexity", "vs float", "share of w8a8's change removed")]
+        for r in d["w8a8_sensitivity"]:
+            removed = 1 - r["vs_float_pct"] / w8a8["vs_float_pct"]
+            rows.append(f"| {r['float_group']} | {r['perplexity']:.3f} | "
+                        f"{r['vs_float_pct']:+.2f}% | {removed:.0%} |")
+    rows += ["", *_head("decoding, batch 1 (greedy, 64 new tokens)", "KV cache", "tokens/s")]
     for r in d["decoding"]:
         rows.append(f"| {r['quant']} | {'int8' if r['kv_int8'] else 'float'} | "
                     f"{r['tokens_per_s']:.1f} |")
@@ -254,15 +263,28 @@ def bench_gpu(d: dict) -> str:
 
 
 def smollm2_int8_checkpoint(d: dict) -> str:
-    return "\n".join([
-        *_head("mode", "rules", "int8 checkpoint on disk", "float32 parameters", "smaller by",
-               "float32 checkpoint on disk (compressed)", "smaller by",
-               "zero3 reload: largest Δ mean NLL", "next tokens identical"),
-        f"| {d['mode']} | `{','.join(d['rules'])}` | {d['int8_disk_bytes']:,} | "
-        f"{d['float32_param_bytes']:,} | **{d['disk_ratio']:.2f}×** | "
-        f"{d['float32_disk_bytes']:,} | {d['disk_ratio_vs_float_checkpoint']:.2f}× | "
-        f"{d['max_abs_nll_diff']:.1e} ({d['texts']} texts, {d['devices']} devices) | "
-        f"{d['next_tokens_identical']} |"])
+    rows = [*_head("mode", "rules", "int8 checkpoint on disk", "float32 parameters", "smaller by",
+                   "float32 checkpoint on disk (compressed)", "smaller by"),
+            f"| {d['mode']} | `{','.join(d['rules'])}` | {d['int8_disk_bytes']:,} | "
+            f"{d['float32_param_bytes']:,} | **{d['disk_ratio']:.2f}×** | "
+            f"{d['float32_disk_bytes']:,} | {d['disk_ratio_vs_float_checkpoint']:.2f}× |"]
+    if "reload_vs_in_memory_same_layout" not in d:  # written before the layout comparisons
+        return "\n".join(rows)
+    rows += ["", f"Scores of {d['texts']} texts, zero3 over {d['devices']} devices "
+             f"(parameters read back bit-identical: {d['params_bit_identical']}):", "",
+             *_head("compared", "largest Δ mean NLL", "next tokens identical")]
+    for key, label in (("reload_vs_in_memory_same_layout", "int8 reload vs the in-memory int8 "
+                        "model in the same zero3 shards (same program)"),
+                       ("zero3_vs_one_device", "int8 reload (zero3) vs the in-memory int8 model "
+                        "on one device"),
+                       ("replicated_vs_one_device", "in-memory int8 model replicated on the mesh "
+                        "vs on one device"),
+                       ("float_zero3_vs_one_device", "float model: zero3 vs one device")):
+        c = d.get(key)
+        if c is None:
+            continue
+        rows.append(f"| {label} | {c['max_abs_nll_diff']:.1e} | {c['next_tokens_identical']} |")
+    return "\n".join(rows)
 
 
 def smollm2_parity(d: dict) -> str:
