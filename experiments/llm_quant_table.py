@@ -27,10 +27,6 @@ from quant.convert import MODES, QuantConfig, QuantError
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
 SPEED_MODES = ("none", "w8", "w8a8")
-# Plain w8a8 with one group of Dense layers (those reading the same input) left in float: how
-# much of w8a8's perplexity change each group's int8 activations cause.
-GROUPS = {"q/k/v": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"), "o": ("blocks/attn/o",),
-          "gate/up": ("blocks/mlp/gate", "blocks/mlp/up"), "down": ("blocks/mlp/down",)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -76,11 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
             write_result(args.out, out)  # after every mode: a long run keeps what it measured
         if not args.no_sensitivity and "w8a8" in modes:
             out["w8a8_sensitivity"] = []
-            for name, paths in tqdm(GROUPS.items(), desc="w8a8 with a group float",
+            groups = pretrained_lm.SENSITIVITY_GROUPS
+            for name, paths in tqdm(groups.items(), desc="w8a8 with a group float",
                                     unit="group"):
-                rules = tuple(p for g, ps in GROUPS.items() if g != name for p in ps)
-                pre = pretrained_lm.quantize(float_model, "w8a8",
-                                             QuantConfig(mode="w8a8", rules=rules))
+                pre = pretrained_lm.quantize(float_model, "w8a8", QuantConfig(
+                    mode="w8a8", rules=pretrained_lm.rules_without(name)))
                 row = pretrained_lm.perplexity(pre, args.tokens, args.window)
                 out["w8a8_sensitivity"].append(
                     {"float_group": name, "float_paths": list(paths), **row,

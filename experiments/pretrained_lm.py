@@ -72,6 +72,18 @@ def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -
     return [ids[i * step:i * step + length + 1][None] for i in range(n)]
 
 
+# The Llama block's Dense layers grouped by the input they read: leaving one group in float
+# under plain w8a8 shows how much of w8a8's perplexity change that input's int8 rounding causes.
+SENSITIVITY_GROUPS = {"q/k/v": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
+                      "o": ("blocks/attn/o",), "gate/up": ("blocks/mlp/gate", "blocks/mlp/up"),
+                      "down": ("blocks/mlp/down",)}
+
+
+def rules_without(group: str) -> tuple[str, ...]:
+    """Quantisation rules selecting every block Dense layer except `group`'s."""
+    return tuple(p for g, paths in SENSITIVITY_GROUPS.items() if g != group for p in paths)
+
+
 def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None) -> Pretrained:
     """The int8 model (`mode` of quant/convert.py; `none` returns the float model)."""
     if mode not in ALL_MODES:

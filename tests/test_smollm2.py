@@ -210,3 +210,18 @@ def test_score_cli(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 16)
     one_line_error(cli("score", "--gguf", str(bad), "--text", "a"), "bad.gguf")
+
+
+def test_sensitivity_groups_split_the_block_dense_layers(truncated):
+    """llm_quant_table's w8a8 sensitivity rows: the groups cover every block Dense layer once,
+    and each group's rules select all the others."""
+    from flax import nnx
+
+    from quant.convert import linear_modules
+
+    model = nnx.merge(truncated.graphdef, truncated.params)
+    blocks = {p for p in linear_modules(model) if p.startswith("blocks/")}
+    grouped = [p for paths in pretrained_lm.SENSITIVITY_GROUPS.values() for p in paths]
+    assert sorted(grouped) == sorted(blocks) and len(set(grouped)) == len(grouped)
+    for name, paths in pretrained_lm.SENSITIVITY_GROUPS.items():
+        assert set(pretrained_lm.rules_without(name)) == blocks - set(paths)
