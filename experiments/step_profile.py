@@ -160,6 +160,25 @@ def time_steps(step, state, batch, n: int, warmup: int = 0) -> tuple[object, lis
     return state, times
 
 
+def host_costs(step, state, batch, n: int) -> tuple[object, dict]:
+    """(state after, what the host adds to a step): the median time `step(...)` takes to return
+    (tracing is cached, so this is jit dispatch: argument handling and enqueueing) and the
+    mean step time when n steps are enqueued back to back with one wait at the end, against
+    which a loop that waits for every step's loss (time_steps) can be compared."""
+    dispatch = []
+    for _ in range(n):
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        dispatch.append(time.perf_counter() - t)
+        jax.block_until_ready(metrics["loss"])
+    t = time.perf_counter()
+    for _ in range(n):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics["loss"])
+    return state, {"dispatch_s": statistics.median(dispatch),
+                   "pipelined_step_s": (time.perf_counter() - t) / n}
+
+
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     """FLOP/s of a large fp32 matmul (n^3) on this backend: the roof a model step's FLOP/s is
     compared with (median of `reps` timed calls after one warm-up)."""

@@ -531,7 +531,7 @@ _GROUPS = {"matmul": "matmul (projections, MLP, head)", "attention": "attention 
            "residuals, copies", "embedding": "embedding gather + its gradient",
            "loss": "loss (log-softmax, target pick)", "optimizer": "clipping, AdamW, update "
            "guard", "collectives": "collectives (incl. waiting for the other devices)",
-           "host": "host (step wall time the device program did not run)"}
+           "host": "outside the traced operations (step wall time no traced execution covers)"}
 
 
 def train_speed(d: dict) -> str:
@@ -573,6 +573,12 @@ def train_breakdown(d: dict) -> str:
                     f"in {f['attention']:.1%}, and at the matmuls' rate would take "
                     f"{at_matmul_rate:.1%}. Every other group does none of the counted FLOPs: "
                     f"{1 - f['matmul'] - f['attention']:.1%} of the step.")
+        if "host" in r:
+            h = r["host"]
+            rows.append(f"Host, measured apart from the trace: a step call returns in "
+                        f"{h['dispatch_s'] * 1e3:.2f} ms (jit dispatch), and steps enqueued back "
+                        f"to back take {h['pipelined_step_s'] * 1e3:.0f} ms each against "
+                        f"{r['median_step_s'] * 1e3:.0f} ms when every loss is waited for.")
     return "\n".join(rows)
 
 

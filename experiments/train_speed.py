@@ -76,6 +76,7 @@ def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
             theirs.append(torch_out["tokens_per_s"])
     state, breakdown = step_profile.step_breakdown(run.step_fn, state, batch,
                                                    steps=profile_steps)
+    state, host = step_profile.host_costs(run.step_fn, state, batch, steps)
     peak = step_profile.matmul_peak(peak_size)
     tokens = cfg.train.batch_size * cfg.model.max_len
     step_s = statistics.median(ours)
@@ -89,7 +90,7 @@ def bench(cfg: Config, *, steps: int, rounds: int = 1, warmup: int = 3,
            "train_flops_per_token": train_flops_per_token(cfg.model),
            "model_flops_per_s": flops, "matmul_peak_flops_per_s": peak,
            "flop_shares": flop_shares(cfg),
-           "fraction_of_peak": flops / peak, "breakdown": breakdown,
+           "fraction_of_peak": flops / peak, "breakdown": breakdown, "host": host,
            "machine": {**machine.describe(), "load_avg_1min": os.getloadavg()[0]}}
     if cmd:
         torch_tps = statistics.median(theirs)
