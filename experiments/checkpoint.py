@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -116,13 +117,22 @@ def _frames(tb) -> list:
     return out
 
 
+# How TensorStore words a failed write (an OCDBT chunk, an OS error code): such an exception
+# can reach asyncio's "exception was never retrieved" report with no Python frames at all.
+_WRITE_ERROR = re.compile(r"Error writing|os_error_code")
+
+
 class _SaveTracebacks(logging.Filter):
     """Drops a logged traceback that runs through Orbax (its own error logs, and asyncio's
-    "exception was never retrieved" for the save's other writes)."""
+    "exception was never retrieved" for the save's other writes), and asyncio's report of a
+    write error that carries no traceback (raised inside TensorStore)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.exc_info or record.exc_info[2] is None:
+        if not record.exc_info or record.exc_info[1] is None:
             return True
+        if record.exc_info[2] is None:
+            return not (record.name == "asyncio"
+                        and _WRITE_ERROR.search(str(record.exc_info[1])) is not None)
         return not ("orbax" in record.pathname or any(
             "/orbax/" in code.co_filename for code in _frames(record.exc_info[2])))
 

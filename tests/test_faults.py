@@ -337,3 +337,32 @@ def test_same_seed_and_config_give_identical_losses(tmp_path):
     other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))
     train_and_evaluate(other, tmp_path / "c", progress=False)
     assert _losses(tmp_path / "c") != _losses(tmp_path / "a")  # the check can fail
+
+
+def test_orphaned_write_errors_are_not_logged_during_a_save():
+    """A full disk fails every write of a save; the caller's wait raises one of them (reported in
+    one line) and asyncio reports the others as "exception was never retrieved", some with no
+    Python traceback at all (raised inside TensorStore). Those reports are dropped while the
+    save's filters are installed; an unrelated asyncio error still gets through."""
+    import logging
+
+    write_error = ValueError("OUT_OF_RANGE: Error writing \"params.x/0.2.0\" in OCDBT database: "
+                             "Failed to write 94320 bytes to file 4: File too large "
+                             "[os_error_code='27']")
+    other = RuntimeError("something else went wrong")
+
+    def record(exc) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1,
+                                 "Future exception was never retrieved", None,
+                                 (type(exc), exc, None))
+
+    asyncio_log = logging.getLogger("asyncio")
+    assert asyncio_log.filter(record(write_error))  # nothing installed: it would be logged
+    with pytest.raises(OSError), ckpt.save_errors_raised_not_logged():
+        assert not asyncio_log.filter(record(write_error))
+        assert asyncio_log.filter(record(other))
+        raise OSError("the save failed")  # the run stops: the filters stay for late writes
+    assert not asyncio_log.filter(record(write_error))
+    with ckpt.save_errors_raised_not_logged():  # a later save: installed once, removed after
+        pass
+    assert asyncio_log.filter(record(write_error))
