@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in modes if m not in MODES]
     if bad:
         fail(PROG, f"modes={args.modes!r}: allowed {', '.join(MODES)}")
+    for name in ("sentences", "batch", "rounds"):
+        if getattr(args, name) < 1:
+            fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
+    if args.devices is not None and args.devices < 1:
+        fail(PROG, f"devices={args.devices}: must be a positive integer")
     devices = args.devices if args.devices is not None else default_devices()
-    for name in ("sentences", "batch", "rounds", "devices"):
-        value = devices if name == "devices" else getattr(args, name)
-        if value < 1:
-            fail(PROG, f"{name}={value}: must be a positive integer")
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")

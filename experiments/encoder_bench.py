@@ -36,6 +36,7 @@ from experiments.minilm import (
     quantize_encoder,
     stdlib_sentences,
 )
+from experiments.step_profile import median_call_s
 from model.bert import sentence_embeddings
 from model.hf_bert import package_model_dir
 from quant.dense import int8_matmul, quantized_product
@@ -165,13 +166,7 @@ def kernel_times(shapes=KERNEL_SHAPES, calls: int = 30) -> list[dict]:
     rng = np.random.default_rng(0)
 
     def median_ms(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+        return 1e3 * median_call_s(fn, *args, calls=calls)
 
     f32 = jax.jit(lambda x, w: x @ w)
     s8 = jax.jit(int8_matmul)

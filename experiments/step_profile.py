@@ -179,15 +179,20 @@ def host_costs(step, state, batch, n: int) -> tuple[object, dict]:
                    "pipelined_step_s": (time.perf_counter() - t) / n}
 
 
+def median_call_s(fn, *args, calls: int) -> float:
+    """Median wall seconds of `calls` waited-for calls of a jitted fn, after one warm-up call
+    (compilation excluded)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
     """FLOP/s of a large fp32 matmul (n^3) on this backend: the roof a model step's FLOP/s is
     compared with (median of `reps` timed calls after one warm-up)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    jax.block_until_ready(dot(a, a))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(dot(a, a))
-        times.append(time.perf_counter() - t)
-    return 2.0 * n**3 / statistics.median(times)
+    return 2.0 * n**3 / median_call_s(jax.jit(jnp.dot), a, a, calls=reps)
