@@ -197,7 +197,7 @@ def smollm2_quant(d: dict) -> str:
     if d.get("w8a8_sensitivity"):
         w8a8 = next(r for r in d["rows"] if r["quant"] == "w8a8")
         rows += ["", f"Plain w8a8 ({w8a8['vs_float_pct']:+.2f}%) with one group of layers left "
-                 "float, all 30 layers each (the groups share an input):", "",
+                 f"float, all {d['layers']} layers each (the groups share an input):", "",
                  *_head("left float", "perplexity", "vs float", "share of w8a8's change removed")]
         for r in d["w8a8_sensitivity"]:
             removed = 1 - r["vs_float_pct"] / w8a8["vs_float_pct"]
@@ -280,9 +280,7 @@ def smollm2_int8_checkpoint(d: dict) -> str:
                        ("replicated_vs_one_device", "in-memory int8 model replicated on the mesh "
                         "vs on one device"),
                        ("float_zero3_vs_one_device", "float model: zero3 vs one device")):
-        c = d.get(key)
-        if c is None:
-            continue
+        c = d[key]
         rows.append(f"| {label} | {c['max_abs_nll_diff']:.1e} | {c['next_tokens_identical']} |")
     return "\n".join(rows)
 
