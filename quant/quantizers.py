@@ -23,8 +23,16 @@ def scale_from_absmax(absmax: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """int8 values of x under a (broadcast-compatible, same-rank) scale."""
-    q = jnp.round(x.astype(jnp.float32) / scale)
+    """int8 values of x under a (broadcast-compatible, same-rank) scale.
+
+    x is multiplied by the scale's reciprocal, computed once per scale, rather than divided by
+    the scale: XLA rewrites `x / broadcast(s)` into `x * broadcast(1 / s)` in some programs and
+    not in others (it depends on how the program around it is partitioned and fused), and the
+    two differ in the last bit, which moves a value sitting on a rounding boundary to the next
+    integer. Written as a product, every program rounds the same values the same way, so an int8
+    model scores bit-identically on one device and sharded over many.
+    """
+    q = jnp.round(x.astype(jnp.float32) * (1.0 / scale))
     return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
 
 
