@@ -151,19 +151,26 @@ def score_texts(pre: Pretrained, texts: list[str]) -> list[dict]:
     return score_ids(pre, [pre.tokenizer.encode(t) for t in texts])
 
 
-def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
-    """NLL and perplexity on the first `tokens` tokens of the validation topics, read in
-    non-overlapping windows of `window` tokens (each window's first token has no context and is
-    not scored, so `tokens - windows` positions are)."""
+def validation_ids(pre: Pretrained, tokens: int, window: int) -> np.ndarray:
+    """The token ids perplexity reads: the first whole windows of `window` tokens among the
+    first `tokens` tokens of the validation topics (ConfigError, one line, if they don't fit)."""
     if window < 2 or window > pre.cfg.max_len:
         raise ConfigError(f"window={window}: must be in 2..{pre.cfg.max_len}")
     ids = np.asarray(pre.tokenizer.encode(pydoc_corpus.split_text("validation")), np.int32)
     if not window <= tokens <= len(ids):
         raise ConfigError(f"tokens={tokens}: must be in {window}..{len(ids)} (the validation "
                           f"topics hold {len(ids)} tokens)")
+    return ids[:tokens // window * window]
+
+
+def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
+    """NLL and perplexity on the first `tokens` tokens of the validation topics, read in
+    non-overlapping windows of `window` tokens (each window's first token has no context and is
+    not scored, so `tokens - windows` positions are)."""
+    ids = validation_ids(pre, tokens, window)
     fn = make_logprob_fn(pre.graphdef, mesh_of(pre.params))
-    total, count, windows = 0.0, 0, tokens // window
-    for start in range(0, windows * window, window):
+    total, count, windows = 0.0, 0, len(ids) // window
+    for start in range(0, len(ids), window):
         chunk = ids[start:start + window]
         logp = np.asarray(fn(pre.params, chunk[None]), np.float64)
         total -= float(np.sum(logp[np.arange(window - 1), chunk[1:]]))

@@ -212,6 +212,24 @@ def smollm2_quant(d: dict) -> str:
     return "\n".join(rows)
 
 
+def w8a8_crosscheck(d: dict) -> str:
+    ref, m = d["reference"], d["machine"]
+    rows = [f"{d['model']} ({d['layers']} layers), the same {d['tokens']:,} validation tokens "
+            f"(windows of {d['window']}, {d['scored']:,} positions scored) through both:", "",
+            *_head("variant", "ours: perplexity", "vs our float", "transformers: perplexity",
+                   "vs its float", "transformers, float32 quotient: vs its float")]
+    for r in d["rows"]:
+        o, t = r["ours"], r["transformers"]
+        f32 = r.get("transformers_float32_quotient")  # absent for the float model
+        f32_cell = f"{f32['vs_float_pct']:+.2f}%" if f32 else "—"
+        rows.append(f"| {r['variant']} | {o['perplexity']:.3f} | {o['vs_float_pct']:+.2f}% | "
+                    f"{t['perplexity']:.3f} | {t['vs_float_pct']:+.2f}% | {f32_cell} |")
+    versions = ", ".join(f"{k} {v}" for k, v in ref["versions"].items())
+    rows += ["", f"Reference: {versions} ({ref['threads']} threads). Host: "
+             f"{m['host_cpu']['model']} ({m['cpus']} cores)."]
+    return "\n".join(rows)
+
+
 def bench_decode(d: dict) -> str:
     m = d["machine"]
     rows = [f"{d['model']} ({d['layers']} layers), batch 1, greedy, {d['new_tokens']} new tokens "
@@ -709,6 +727,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "smollm2_parity": ("smollm2_parity.json", smollm2_parity),
     "smollm2_quant": ("smollm2_quant.json", smollm2_quant),
     "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
+    "w8a8_crosscheck": ("smollm2_w8a8_crosscheck.json", w8a8_crosscheck),
     "bench_decode": ("bench_decode.json", bench_decode),
     "bench_gpu": ("bench_gpu.json", bench_gpu),
     "finetune_smollm2": ("finetune_smollm2.json", finetune_smollm2),

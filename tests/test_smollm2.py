@@ -7,6 +7,7 @@ against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -205,6 +206,23 @@ def test_bench_decode_cli_refuses_bad_input(tmp_path):
     one_line_error(cli("bench_decode", "--variants", "float,fp4", "--out", str(out)),
                    "variants='float,fp4'", "w8a8")
     one_line_error(cli("bench_decode", "--repeats", "0", "--out", str(out)), "repeats=0")
+    assert not out.exists()
+
+
+def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
+    out = tmp_path / "x.json"
+    run = lambda *a: cli("w8a8_crosscheck", "--json-out", str(out), *a)
+    one_line_error(run(), "torch_python", "SHARDQ_TORCH_PYTHON")
+    one_line_error(run("--torch-python", str(tmp_path / "nope")), "torch_python=", "executable")
+    one_line_error(run("--torch-python", sys.executable, "--layers", "0"), "layers=0")
+    one_line_error(run("--torch-python", sys.executable, "--layers", "1", "--tokens", "10",
+                       "--window", "32"), "tokens=10")
+    # An interpreter without torch (this one): the reference fails, and says why in one line.
+    proc = run("--torch-python", sys.executable, "--layers", "1", "--tokens", "64",
+               "--window", "32")
+    assert proc.returncode == 1, proc.stderr
+    assert "transformers reference failed" in proc.stderr and "torch" in proc.stderr
     assert not out.exists()
 
 
