@@ -654,6 +654,11 @@ def headline(results: Path) -> str:
                                                        "smoothquant") if m in r),
                 "SmoothQuant's ordering: per-tensor ruined, per-token degraded, smoothed ≈ float")
 
+    def crosscheck(d):
+        r = {x["variant"]: x for x in d["rows"]}["w8a8"]
+        return (f"{r['ours']['vs_float_pct']:+.2f}%",
+                f"{r['transformers']['vs_float_pct']:+.2f}% (W8A8 in transformers, same windows)")
+
     def encoder(d):
         r = {x["mode"]: x["mean_cosine"] for x in d["results"]}
         bench = _load("bench_encoder.json", results) or {}
@@ -694,6 +699,8 @@ def headline(results: Path) -> str:
         lambda d: (f"max Δ mean NLL {d['max_abs_nll_diff']:.1e} nats, next tokens "
                    f"{d['next_identical']}/{d['texts']}", "transformers on the same GGUF"))
     row("smollm2_quant.json", "SmolLM2 perplexity, float and int8", quant)
+    row("smollm2_w8a8_crosscheck.json", "SmolLM2 plain per-token w8a8, perplexity vs float",
+        crosscheck)
     row("embed_fidelity.json", "MiniLM int8 embeddings, mean cosine to float", encoder)
     row("finetune_smollm2.json", "SmolLM2 fine-tuned under zero3, held-out perplexity",
         lambda d: (f"{d['perplexity_before']:.2f} → {d['perplexity_after']:.2f}",
