@@ -160,20 +160,23 @@ def test_int8_checkpoint_reloads_sharded_with_identical_scores(truncated, tmp_pa
     assert pretrained_lm.score_ids(remote, ids) == pretrained_lm.score_ids(local, ids)
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
-def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncated, strategy):
-    """The same int8 model, replicated on or sharded over 8 devices, is a differently compiled
-    program from the one-device one. This text's space tokens put first-layer activations on a
-    rounding boundary of the int8 grid; when one program divided by the scale and the other
-    multiplied by its reciprocal (XLA rewrites one into the other in some programs only), the
-    boundary values rounded apart and the text's mean NLL moved by 0.12 nats."""
+def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncated):
+    """The same int8 model, replicated on (dp) or sharded over (zero3) 8 devices, is a
+    differently compiled program from the one-device one. This text's space tokens put
+    first-layer activations on a rounding boundary of the int8 grid; when one program divided by
+    the scale and the other multiplied by its reciprocal (XLA rewrites one into the other in some
+    programs only), the boundary values rounded apart and the text's mean NLL moved by 0.12
+    nats."""
     q = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
-    axes = logical_specs(nnx.state(nnx.merge(q.graphdef, q.params)))
-    placed = place_params(q.params, axes, make_mesh(8), get_strategy(strategy))
-    spread = pretrained_lm.Pretrained("smollm2", q.cfg, q.graphdef, placed, q.tokenizer, "w8a8")
     ids = [q.tokenizer.encode("In 1969, Apollo 11 landed 2 astronauts on the Moon."),
            FIXTURE["tokens"][0]]
-    assert pretrained_lm.score_ids(spread, ids) == pretrained_lm.score_ids(q, ids)
+    one_device = pretrained_lm.score_ids(q, ids)
+    axes = logical_specs(nnx.state(nnx.merge(q.graphdef, q.params)))
+    for strategy in ("dp", "zero3"):
+        placed = place_params(q.params, axes, make_mesh(8), get_strategy(strategy))
+        spread = pretrained_lm.Pretrained("smollm2", q.cfg, q.graphdef, placed, q.tokenizer,
+                                          "w8a8")
+        assert pretrained_lm.score_ids(spread, ids) == one_device, strategy
 
 
 def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
