@@ -1,8 +1,10 @@
-"""Symmetric absmax int8 quantizers (ANCHORS §3): s = absmax / 127, q = clip(round(x / s)).
+"""Symmetric absmax int8 quantizers (ANCHORS §3): s = absmax / 127, q = clip(round(x / s)),
+with x / s computed as x * (1 / s) (see `quantize`).
 
 Every function here is pure and jit-friendly. Scales keep the reduced axes (keepdims) so that
 dequantisation is a plain same-rank product: the project runs with rank promotion off.
-An all-zero channel gets scale 1 (its values quantise to 0 either way), never a division by 0.
+An all-zero (or subnormal) channel gets scale 1 (its values quantise to 0 either way), never a
+division by 0.
 A non-finite absmax (a NaN or inf in the row) keeps a non-finite scale, so the NaN reaches the
 dequantised output as it would in float, instead of vanishing into an int8 value.
 """
@@ -18,8 +20,10 @@ QMAX = 127  # symmetric: -127..127, so negating a quantised value never overflow
 def scale_from_absmax(absmax: jax.Array) -> jax.Array:
     """float32 scale with the all-zero guard (NaN and inf pass through: see above)."""
     scale = absmax.astype(jnp.float32) / QMAX
-    # A subnormal absmax underflows to a zero scale: such a channel rounds to 0 under scale 1.
-    return jnp.where(scale == 0, jnp.ones_like(scale), scale)
+    # A zero or subnormal scale becomes 1: such a channel (|x| < 1.5e-36) rounds to 0. Every
+    # scale left is normal, so its reciprocal (`quantize` multiplies by it) is finite, whether
+    # or not the backend flushes subnormals to zero (XLA:CPU does, and then they read as 0).
+    return jnp.where(scale < jnp.finfo(jnp.float32).tiny, jnp.ones_like(scale), scale)
 
 
 def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
