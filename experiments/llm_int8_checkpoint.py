@@ -25,7 +25,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from experiments import pretrained_lm, runtime
 from experiments.config import ConfigError, fail
@@ -33,7 +32,7 @@ from experiments.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
 from parallel.mesh import make_mesh
-from parallel.state import logical_specs, place_params
+from parallel.state import place_model_params
 from parallel.strategies import get_strategy
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError
@@ -107,14 +106,14 @@ def run(args, qcfg: QuantConfig) -> dict:
     in_layout = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, placed, pre.tokenizer,
                                          args.mode)
     # ... and replicated on every device of the mesh: the 8-device program without shards.
-    replicated = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef,
-                                          _place(gdef, qparams, mesh, "dp"), pre.tokenizer,
-                                          args.mode)
+    replicated = pretrained_lm.Pretrained(
+        pre.name, pre.cfg, gdef, place_model_params(gdef, qparams, mesh, get_strategy("dp")),
+        pre.tokenizer, args.mode)
     a, b, c, r = (pretrained_lm.score_texts(m, texts)
                   for m in (local, remote, in_layout, replicated))
     # The float model through the same two programs (one device; zero3 over the mesh): how much
     # the layout alone moves a score when no rounding to int8 follows.
-    float_sharded = _place(pre.graphdef, pre.params, mesh, "zero3")
+    float_sharded = place_model_params(pre.graphdef, pre.params, mesh, get_strategy("zero3"))
     f1 = pretrained_lm.score_texts(pre, texts)
     f8 = pretrained_lm.score_texts(pretrained_lm.Pretrained(
         pre.name, pre.cfg, pre.graphdef, float_sharded, pre.tokenizer, "none"), texts)
@@ -141,12 +140,6 @@ def _compare(a: list[dict], b: list[dict]) -> dict:
                                     for x, y in zip(a, b, strict=True)),
             "next_tokens_identical": all(x["next_token"] == y["next_token"]
                                          for x, y in zip(a, b, strict=True))}
-
-
-def _place(graphdef, params, mesh, strategy: str) -> dict:
-    """params on the mesh as `strategy` places them (its logical axes through the rules table)."""
-    axes = logical_specs(nnx.state(nnx.merge(graphdef, params)))
-    return place_params(params, axes, mesh, get_strategy(strategy))
 
 
 if __name__ == "__main__":

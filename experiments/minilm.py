@@ -23,7 +23,7 @@ from model.hf_bert import CheckpointError, Tokenizer, load_pretrained, package_m
 from parallel.devices import usable_cpu_cores, xla_flags_device_count
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
-from parallel.state import logical_specs, place_params
+from parallel.state import place_model_params
 from parallel.strategies import get_strategy
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig
@@ -297,5 +297,4 @@ def place(params, graphdef, devices: int | None, strategy: str):
     """(params on a mesh of `devices` devices, the mesh): sharded by their logical axes where
     the strategy shards parameters (zero3), replicated otherwise (dp)."""
     mesh = make_mesh(devices)
-    axes = logical_specs(nnx.state(nnx.merge(graphdef, params)))
-    return place_params(params, axes, mesh, get_strategy(strategy)), mesh
+    return place_model_params(graphdef, params, mesh, get_strategy(strategy)), mesh

@@ -96,10 +96,9 @@ def run(args) -> dict:
     theirs = reference(args.torch_python, ids.tolist(), args.window, args.layers)
     ours = {}
     for name, (mode, float_group, _, _) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
-        rules = (pretrained_lm.rules_without(float_group) if float_group
-                 else QuantConfig().rules)
-        model = pretrained_lm.quantize(pre, mode, QuantConfig(mode=mode, rules=rules)
-                                       if mode != "none" else None)
+        qcfg = (QuantConfig(mode=mode, rules=pretrained_lm.rules_without(float_group))
+                if float_group else None)  # None: the mode's defaults
+        model = pretrained_lm.quantize(pre, mode, qcfg)
         ours[name] = pretrained_lm.perplexity(model, args.tokens, args.window)
     rows = []
     float_theirs = theirs["rows"]["none"]["float64"]["nll"]
@@ -112,7 +111,7 @@ def run(args) -> dict:
                                       f"scored {o['scored']}: not the same windows")
             key = "transformers" if quotient == "float64" else f"transformers_{quotient}_quotient"
             row[key] = _figures(t["nll"], float_theirs)
-            row["transformers_int8_linears"] = t["int8_linears"]
+        row["transformers_int8_linears"] = t["int8_linears"]  # the same for every quotient
         rows.append(row)
     return {"model": pre.name, "layers": pre.cfg.n_layers, "tokens": len(ids),
             "window": args.window, "scored": ours["none"]["scored"], "rows": rows,

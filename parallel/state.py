@@ -79,6 +79,14 @@ def place_params(params: dict, axes: dict, mesh: Mesh, strategy: Strategy) -> di
     return jax.device_put(params, logical_shardings(axes, mesh, strategy.shards_params))
 
 
+def place_model_params(graphdef: nnx.GraphDef, params: dict, mesh: Mesh,
+                       strategy: Strategy) -> dict:
+    """`place_params` for the params of the model `graphdef` describes: their logical axes are
+    read from the model's own parameter metadata."""
+    axes = logical_specs(nnx.state(nnx.merge(graphdef, params)))
+    return place_params(params, axes, mesh, strategy)
+
+
 def state_specs(abstract_state: dict, axes: dict, strategy: Strategy,
                 tx: optax.GradientTransformation) -> dict:
     """PartitionSpec tree matching the state, from the logical axes and the strategy."""

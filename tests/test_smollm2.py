@@ -27,7 +27,7 @@ from model.generate import generate  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
 from parallel.mesh import make_mesh  # noqa: E402
-from parallel.state import logical_specs, place_params  # noqa: E402
+from parallel.state import place_model_params  # noqa: E402
 from parallel.strategies import get_strategy  # noqa: E402
 from quant import checkpoint as qckpt  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
@@ -171,9 +171,8 @@ def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncate
     ids = [q.tokenizer.encode("In 1969, Apollo 11 landed 2 astronauts on the Moon."),
            FIXTURE["tokens"][0]]
     one_device = pretrained_lm.score_ids(q, ids)
-    axes = logical_specs(nnx.state(nnx.merge(q.graphdef, q.params)))
     for strategy in ("dp", "zero3"):
-        placed = place_params(q.params, axes, make_mesh(8), get_strategy(strategy))
+        placed = place_model_params(q.graphdef, q.params, make_mesh(8), get_strategy(strategy))
         spread = pretrained_lm.Pretrained("smollm2", q.cfg, q.graphdef, placed, q.tokenizer,
                                           "w8a8")
         assert pretrained_lm.score_ids(spread, ids) == one_device, strategy
