@@ -45,7 +45,7 @@ class Pretrained:
     tokenizer: BPETokenizer
     quant: str = "none"
     quantized_fraction: float = 0.0
-    report: dict | None = None  # quant/pipeline's per-layer report of an int8 model
+    report: dict | None = None  # quant/pipeline's report of an int8 model (see quantize)
 
 
 def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
@@ -84,16 +84,21 @@ def rules_without(group: str) -> tuple[str, ...]:
     return tuple(p for g, paths in SENSITIVITY_GROUPS.items() if g != group for p in paths)
 
 
-def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None) -> Pretrained:
-    """The int8 model (`mode` of quant/convert.py; `none` returns the float model)."""
+def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
+             error_report: bool = False) -> Pretrained:
+    """The int8 model (`mode` of quant/convert.py; `none` returns the float model). Only the
+    modes that calibrate (w8a8-static, smoothquant, auto) read calibration rows; error_report
+    asks for quant.pipeline's per-layer error rows as well, an eager pass over those rows that
+    costs the full model about half a minute and changes nothing in the model."""
     if mode not in ALL_MODES:
         raise ConfigError(f"quant={mode!r}: allowed {', '.join(ALL_MODES)}")
     if mode == "none":
         return pre
     qcfg = qcfg or QuantConfig(mode=mode)
-    batches = calibration_rows(pre.tokenizer, qcfg.calib_batches)
+    batches = (calibration_rows(pre.tokenizer, qcfg.calib_batches)
+               if qcfg.needs_calibration or error_report else [])
     graphdef, qparams, plan, report = run_quantize(pre.graphdef, jax.device_get(pre.params),
-                                                   qcfg, batches)
+                                                   qcfg, batches, error_report)
     return dataclasses.replace(pre, graphdef=graphdef, params=qparams, quant=mode,
                                quantized_fraction=quantized_fraction(pre.params, plan),
                                report=report)

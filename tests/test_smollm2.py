@@ -122,6 +122,30 @@ def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
     assert abs(got["mean_nll"] - ref["mean_nll"]) < 0.02 * ref["mean_nll"]
 
 
+def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch):
+    """chat / score / perplexity --quant w8a8 read no calibration rows: quantising runs no
+    eager pass (about half a minute on the full model) unless the error report is asked for,
+    and the int8 model is the same either way."""
+    import quant.pipeline
+
+    qcfg = QuantConfig(mode="w8a8", calib_batches=1)
+    with_report = pretrained_lm.quantize(truncated, "w8a8", qcfg, error_report=True)
+    assert len(with_report.report["layers"]) == 7 * truncated.cfg.n_layers
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("calibrate() ran")
+
+    monkeypatch.setattr(quant.pipeline, "calibrate", no_pass)
+    monkeypatch.setattr(pretrained_lm, "calibration_rows", no_pass)
+    q = pretrained_lm.quantize(truncated, "w8a8", qcfg)
+    assert "layers" not in q.report and q.report["calib_batches"] == 0
+    assert jax.tree.structure(q.params) == jax.tree.structure(with_report.params)
+    for a, b in zip(jax.tree.leaves(q.params), jax.tree.leaves(with_report.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(AssertionError, match="calibrate"):  # smoothquant still calibrates
+        pretrained_lm.quantize(truncated, "smoothquant", QuantConfig(mode="smoothquant"))
+
+
 @pytest.mark.parametrize("mode", ["w8a8", "smoothquant"])
 def test_greedy_replies_agree_between_float_and_int8(truncated, mode):
     """The float model replies greedily to chat prompts; fed the same reply (teacher forcing, so
