@@ -212,12 +212,12 @@ def quantize_encoder(graphdef, params, tokenizer, mode: str, calib_texts: list[s
     error_report asks for quant.pipeline's per-layer error rows (eager passes: slow)."""
 
     qcfg = QuantConfig(mode=mode)
-    batches = []
-    if qcfg.needs_calibration or error_report:
-        if calib_texts is None:
-            calib_texts = stdlib_sentences(64, offset=1000)
-        tokens, _ = tokenizer.encode(calib_texts)
-        batches = calibration_rows(tokens, 16)[:qcfg.calib_batches]
+
+    def batches():  # built only if a pass of quant.pipeline reads them
+        tokens, _ = tokenizer.encode(calib_texts if calib_texts is not None
+                                     else stdlib_sentences(64, offset=1000))
+        return calibration_rows(tokens, 16)[:qcfg.calib_batches]
+
     qdef, qparams, _plan, report = quantize(graphdef, params, qcfg, batches, error_report)
     return qdef, qparams, report
 

@@ -95,10 +95,9 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
     if mode == "none":
         return pre
     qcfg = qcfg or QuantConfig(mode=mode)
-    batches = (calibration_rows(pre.tokenizer, qcfg.calib_batches)
-               if qcfg.needs_calibration or error_report else [])
-    graphdef, qparams, plan, report = run_quantize(pre.graphdef, jax.device_get(pre.params),
-                                                   qcfg, batches, error_report)
+    graphdef, qparams, plan, report = run_quantize(
+        pre.graphdef, jax.device_get(pre.params), qcfg,
+        lambda: calibration_rows(pre.tokenizer, qcfg.calib_batches), error_report)
     return dataclasses.replace(pre, graphdef=graphdef, params=qparams, quant=mode,
                                quantized_fraction=quantized_fraction(pre.params, plan),
                                report=report)

@@ -96,10 +96,6 @@ class QuantConfig:
     def auto(self) -> bool:
         return MODES[self.mode][3]
 
-    @property
-    def needs_calibration(self) -> bool:
-        return self.act == "static" or self.smooth or self.auto
-
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "rules": list(self.rules)}
 

@@ -7,10 +7,14 @@ Passes over the calibration data (each a few eager batches):
      float twin on the float model's inputs: the error report, and for auto the layers kept
      in float (the model is then rebuilt with them).
 Each pass runs its batches eagerly, so it costs compilations as well as compute: a caller that
-only wants the model (embedding texts) skips pass 2 with error_report=False.
+only wants the model (embedding texts) skips pass 2 with error_report=False. The batches may be
+given as a recipe (a zero-argument callable): they are then built on the first pass that reads
+them, so a mode that runs no pass costs its caller no tokenising either.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from flax import nnx
@@ -22,17 +26,42 @@ from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
 from quant.smoothquant import fold
 
 
+class CalibrationBatches:
+    """Calibration batches read on demand: given a sequence, or a zero-argument callable that
+    builds one, `batches()` builds them on its first call and returns the same list after;
+    `read` says how many a pass has read (0: none ran)."""
+
+    def __init__(self, source: Sequence | Callable[[], Sequence]):
+        self._source, self._rows = source, None
+
+    def __call__(self) -> list:
+        if self._rows is None:
+            self._rows = list(self._source() if callable(self._source) else self._source)
+        return self._rows
+
+    @property
+    def read(self) -> int:
+        return 0 if self._rows is None else len(self._rows)
+
+
+def as_batches(batches) -> CalibrationBatches:
+    return batches if isinstance(batches, CalibrationBatches) else CalibrationBatches(batches)
+
+
 def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
              error_report: bool = True) -> tuple:
     """(quantised graphdef, quantised params (pure dict), plan, report); without error_report
-    (and not auto) the report has no per-layer "layers" rows."""
+    (and not auto) the report has no per-layer "layers" rows. `batches`: a sequence, a
+    zero-argument callable that builds one, or CalibrationBatches; only the passes that run read
+    them (see the module docstring), and report["calib_batches"] counts what they read."""
     qcfg.validate()
     check_finite(params, "parameter")
     plan = make_plan(qcfg, nnx.merge(graphdef, params))
-    report: dict = {"mode": qcfg.mode, "config": qcfg.to_json(), "calib_batches": len(batches)}
+    report: dict = {"mode": qcfg.mode, "config": qcfg.to_json()}
+    batches = as_batches(batches)
     act_absmax = None
     if qcfg.smooth or qcfg.act == "static":
-        stats = calibrate(graphdef, params, batches, outlier_threshold=qcfg.outlier_threshold)
+        stats = calibrate(graphdef, params, batches(), outlier_threshold=qcfg.outlier_threshold)
         if qcfg.smooth:
             model = nnx.merge(graphdef, params)
             factors = fold(model, stats["absmax"], qcfg.alpha)
@@ -40,7 +69,7 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
             report["smoothing"] = {k: {"min": float(np.min(v)), "max": float(np.max(v))}
                                    for k, v in factors.items()}
             # The folded model's inputs are the old ones divided by s: calibrate again.
-            stats = calibrate(graphdef, params, batches,
+            stats = calibrate(graphdef, params, batches(),
                               outlier_threshold=qcfg.outlier_threshold)
         act_absmax = {p: np.max(a, axis=-1) for p, a in stats["absmax"].items()}
 
@@ -49,12 +78,13 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
 
     qmodel = build(plan)
     if error_report or qcfg.auto:
-        stats = calibrate(graphdef, params, batches, twins=qmodel,
+        stats = calibrate(graphdef, params, batches(), twins=qmodel,
                           outlier_threshold=qcfg.outlier_threshold)
         if qcfg.auto:
             plan = auto_precision.choose_float_layers(plan, stats["rel_err"], qcfg.error_budget)
             qmodel = build(plan)
         report["layers"] = auto_precision.layer_rows(plan, stats)
+    report["calib_batches"] = batches.read
     qgraphdef, qstate = nnx.split(qmodel)
     qparams = nnx.to_pure_dict(qstate)
     check_finite(qparams, "quantised parameter")

@@ -308,6 +308,28 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
     # w8a8's); test_outlier_split_takes_planted_columns_out_of_the_int8_product plants some.
 
 
+@pytest.mark.parametrize("mode,report,reads", [
+    ("w8a8", False, False), ("w8a8", True, True), ("smoothquant", False, True),
+    ("w8a8-static", False, True), ("auto", False, True)])
+def test_calibration_batches_are_built_once_and_only_when_a_pass_reads_them(
+        float_model, batches, mode, report, reads):
+    """A caller hands quantize a recipe for its calibration batches: a mode that runs no pass
+    never builds them; one that runs several (smoothquant calibrates twice, then the report)
+    builds them once; the report counts what was read; the model is the same as from a list."""
+    graphdef, params = float_model
+    built = []
+
+    def recipe():
+        built.append(1)
+        return batches[:2]
+
+    g, q, _, rep = quantize(graphdef, params, QuantConfig(mode=mode), recipe, report)
+    assert len(built) == int(reads) and rep["calib_batches"] == (2 if reads else 0)
+    _, q_list, _, _ = quantize(graphdef, params, QuantConfig(mode=mode), batches[:2], report)
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(q_list), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def assert_smoothed(params, q):
     """SmoothQuant moved the norm scales by per-channel factors s and the int8 kernels the norms
     feed store diag(s) W, not W: each dequantised weight is within half a quantisation step of
