@@ -25,7 +25,6 @@ from experiments import pretrained_lm, runtime
 from experiments.config import ConfigError, fail
 from model.generate import stream
 from model.gguf import GGUFError
-from model.tokenizer import chat_prompt
 from quant.convert import QuantError
 from quant.kv_cache import init_int8_cache
 
@@ -66,9 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.top_k > pre.cfg.vocab_size:
             raise ConfigError(f"top_k={args.top_k}: must be at most the vocabulary "
                               f"({pre.cfg.vocab_size})")
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
-        prompt = np.asarray([pre.tokenizer.encode(chat_prompt(messages))], np.int32)
+        prompt = np.asarray([pretrained_lm.chat_ids(pre, args.prompt, args.system)], np.int32)
         if prompt.shape[1] + args.max_new_tokens > pre.cfg.max_len:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: the prompt "
                               f"({prompt.shape[1]} tokens) + new tokens must fit the context "

@@ -42,14 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="skip w8a8 with each group of layers left float (4 more evaluations)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
     try:
         args.quant = "none"
         pretrained_lm.check_model_flags(args)
-        unknown = [m for m in modes if m not in MODES]
-        if unknown or not modes:
-            raise ConfigError(f"modes={args.modes!r}: allowed a comma-separated subset of "
-                              f"{', '.join(MODES)}")
+        modes = pretrained_lm.parse_modes(args.modes)
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers)
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)

@@ -24,10 +24,10 @@ from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token
 from model.llama_gguf import load_gguf
-from model.tokenizer import BPETokenizer, tokenizer_from_gguf
+from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
 from quant.calibrate import calibrate
-from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
+from quant.convert import ALL_MODES, MODES, QuantConfig, quantized_fraction
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import quantize as run_quantize
 
@@ -62,6 +62,14 @@ def load(name: str = "smollm2", n_layers: int | None = None,
     tokenizer = tokenizer_from_gguf(gguf)
     params = jax.tree.map(jnp.asarray, params)
     return Pretrained(name, cfg, abstract_graphdef(cfg), params, tokenizer)
+
+
+def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:
+    """The token ids of one user turn in the model's ChatML template (a system message first:
+    `system`, or the model's default), ending where the assistant's reply begins."""
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": prompt})
+    return pre.tokenizer.encode(chat_prompt(messages))
 
 
 def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:
@@ -204,6 +212,15 @@ def check_model_flags(args) -> None:
         raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
+
+
+def parse_modes(text: str) -> list[str]:
+    """A --modes flag: a comma-separated, non-empty subset of quant/convert.py's int8 modes."""
+    modes = [m for m in text.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise ConfigError(f"modes={text!r}: allowed a comma-separated subset of "
+                          f"{', '.join(MODES)}")
+    return modes
 
 
 def load_from_flags(args) -> Pretrained:

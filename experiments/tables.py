@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -227,6 +228,57 @@ def w8a8_crosscheck(d: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in ref["versions"].items())
     rows += ["", f"Reference: {versions} ({ref['threads']} threads). Host: "
              f"{m['host_cpu']['model']} ({m['cpus']} cores)."]
+    return "\n".join(rows)
+
+
+def _cell(text: str, width: int = 70) -> str:
+    """`text` as one markdown table cell: one line, at most `width` characters, no pipes."""
+    text = " ".join(text.split()).replace("|", "/")
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def chat_replies(d: dict) -> str:
+    m, n, lengths = d["machine"], len(d["prompts"]), d["max_new_tokens"]
+    short, long = lengths[0], lengths[-1]
+    first = d["prompts"][0]["text"]
+    spread = {s["quant"]: s for s in d["spread"]}
+    modes = list(dict.fromkeys(r["quant"] for r in d["replies"]))
+    rows = [f"{d['model']} ({d['layers']} layers), greedy, the {n} prompts of "
+            "`experiments/reply_stability.py`:", "",
+            *_head("mode", *(f"mentions the answer ({k} new tokens)" for k in lengths),
+                   f"same reply at {short} and {long} new tokens",
+                   f"tokens equal to float's before they differ (median, {long})",
+                   f"P(float's first token) under {d['spread'][0]['seeds'] if d['spread'] else 0}"
+                   f" perturbed runs (rel {d['spread'][0]['rel'] if d['spread'] else 0:g})",
+                   "runs whose first token is not float's")]
+    for mode in modes:
+        mine = [r for r in d["replies"] if r["quant"] == mode]
+        by = {(r["prompt"], r["max_new_tokens"]): r for r in mine}
+        right = [f"{sum(r['correct'] for r in mine if r['max_new_tokens'] == k)}/{n}"
+                 for k in lengths]
+        same = sum(by[(p["text"], long)]["tokens"][:len(by[(p["text"], short)]["tokens"])]
+                   == by[(p["text"], short)]["tokens"] for p in d["prompts"])
+        prefix = float(statistics.median([r.get("same_as_float_prefix", len(r["tokens"]))
+                                  for r in mine if r["max_new_tokens"] == long]))
+        s = spread.get(mode)
+        p_cell = (f"{s['p_min']:.3f}–{s['p_max']:.3f}" if s else "—")
+        flips = f"{s['argmax_not_reference']}/{s['seeds']}" if s else "—"
+        rows.append(f"| {mode} | {' | '.join(right)} | {same}/{n} | {prefix:.0f} | {p_cell} | "
+                    f"{flips} |")
+    if "none" in spread and "top2_unperturbed" in spread["none"]:
+        (a, b), s0 = spread["none"]["top2_unperturbed"], spread["none"]
+        rows += ["", f"Float's first reply token to {s0['prompt']!r} (one forward pass of the "
+                 f"prompt): {a['text']!r} at p = {a['p']:.3f}, the runner-up {b['text']!r} at "
+                 f"{b['p']:.3f}. A perturbed run multiplies the float embedding table by "
+                 f"(1 + {s0['rel']:g}·N(0, 1)) elementwise, a new seed each run."]
+    rows += ["", f"The reply to {first!r} at {short} and {long} new tokens:", "",
+             *_head("mode", f"{short} new tokens", f"{long} new tokens")]
+    for mode in modes:
+        cells = [_cell(next(r["reply"] for r in d["replies"] if r["quant"] == mode
+                            and r["prompt"] == first and r["max_new_tokens"] == k))
+                 for k in (short, long)]
+        rows.append(f"| {mode} | {cells[0]} | {cells[1]} |")
+    rows += ["", f"Host: {m['host_cpu']['model']} ({m['cpus']} cores), JAX {m['jax_version']}."]
     return "\n".join(rows)
 
 
@@ -735,6 +787,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "smollm2_quant": ("smollm2_quant.json", smollm2_quant),
     "smollm2_int8_checkpoint": ("smollm2_int8_checkpoint.json", smollm2_int8_checkpoint),
     "w8a8_crosscheck": ("smollm2_w8a8_crosscheck.json", w8a8_crosscheck),
+    "chat_replies": ("smollm2_chat_replies.json", chat_replies),
     "bench_decode": ("bench_decode.json", bench_decode),
     "bench_gpu": ("bench_gpu.json", bench_gpu),
     "finetune_smollm2": ("finetune_smollm2.json", finetune_smollm2),

