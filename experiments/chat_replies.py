@@ -3,7 +3,8 @@
   python -m experiments.chat_replies          # writes results/smollm2_chat_replies.json
   python -m experiments.chat_replies --modes w8a8,auto --max-new-tokens 40 --seeds 4
 
-Per mode (float first): for each prompt of experiments/reply_stability.py's PROMPTS and each
+Per mode (float first): for each prompt of experiments/reply_stability.py's PROMPTS (the first
+--prompts of them; all by default) and each
 --max-new-tokens, the greedy reply `experiments.chat` prints, whether it mentions the expected
 answer, and how many of its first tokens equal float's reply. Then, for --spread-prompt, the
 probability of float's first reply token and the argmax when the float embedding table is
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--max-new-tokens", default="40,128",
                    help="comma-separated reply lengths (each prompt is answered at each)")
+    p.add_argument("--prompts", type=int, default=len(reply_stability.PROMPTS),
+                   help="ask only the first N prompts (quick checks)")
     p.add_argument("--spread-prompt", default=reply_stability.PROMPTS[0].text)
     p.add_argument("--seeds", type=int, default=8, help="perturbed runs per mode (0: none)")
     p.add_argument("--rel", type=float, default=1e-6, help="relative size of the perturbation")
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
         pretrained_lm.check_model_flags(args)
         modes = pretrained_lm.parse_modes(args.modes)
         lengths = parse_lengths(args.max_new_tokens)
+        n_prompts = len(reply_stability.PROMPTS)
+        if not 1 <= args.prompts <= n_prompts:
+            raise ConfigError(f"prompts={args.prompts}: must be in 1..{n_prompts}")
+        prompts = reply_stability.PROMPTS[:args.prompts]
         if args.seeds < 0:
             raise ConfigError(f"seeds={args.seeds}: must be >= 0")
         if not (math.isfinite(args.rel) and 0 < args.rel < 1):
@@ -67,19 +74,19 @@ def main(argv: list[str] | None = None) -> dict:
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers)
         longest = max(len(pretrained_lm.chat_ids(float_model, q.text))
-                      for q in reply_stability.PROMPTS) + max(lengths)
+                      for q in prompts) + max(lengths)
         if longest > float_model.cfg.max_len:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
                               f"must fit the context of {float_model.cfg.max_len}")
         out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
                "prompts": [{"text": q.text, "answer": q.answer}
-                           for q in reply_stability.PROMPTS],
+                           for q in prompts],
                "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,
                "replies": [], "spread": []}
         float_tokens, reference_token = None, None
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
             pre = pretrained_lm.quantize(float_model, mode)
-            rows = reply_stability.greedy_replies(pre, reply_stability.PROMPTS, lengths,
+            rows = reply_stability.greedy_replies(pre, prompts, lengths,
                                                   float_tokens)
             if float_tokens is None:
                 float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}

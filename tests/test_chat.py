@@ -90,22 +90,24 @@ def test_spread_refuses_a_quantised_embedding_table(truncated):
 
 def test_chat_replies_cli_writes_the_table_source(tmp_path):
     out = tmp_path / "replies.json"
-    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8",
+    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8", "--prompts", "2",
                "--max-new-tokens", "3,5", "--seeds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
-    n = len(reply_stability.PROMPTS)
+    n = 2
+    assert [p["text"] for p in d["prompts"]] == [q.text for q in reply_stability.PROMPTS[:n]]
     assert [r["quant"] for r in d["replies"]] == ["none"] * 2 * n + ["w8a8"] * 2 * n
     assert [s["quant"] for s in d["spread"]] == ["none", "w8a8"]
     assert all(s["seeds"] == 2 and len(s["p_reference"]) == 2 for s in d["spread"])
     table = tables.chat_replies(d)
-    assert "| none | " in table and "| w8a8 | " in table and "/6 |" in table
+    assert "| none | " in table and "| w8a8 | " in table and "/2 |" in table
 
 
 @pytest.mark.parametrize("args,fragment", [
     (["--modes", "w4"], "modes='w4'"),
     (["--max-new-tokens", "3,0"], "max_new_tokens='3,0'"),
     (["--rel", "0"], "rel=0.0"),
+    (["--prompts", "7"], "prompts=7"),
 ])
 def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "r.json"
