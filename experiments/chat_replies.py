@@ -73,21 +73,22 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError("spread_prompt: empty; give at least one non-blank character")
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers)
+        limit = float_model.cfg.max_len
+        if len(pretrained_lm.chat_ids(float_model, args.spread_prompt)) > limit:
+            raise ConfigError(f"spread_prompt: longer than the context of {limit} tokens")
         longest = max(len(pretrained_lm.chat_ids(float_model, q.text))
                       for q in prompts) + max(lengths)
-        if longest > float_model.cfg.max_len:
+        if longest > limit:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
-                              f"must fit the context of {float_model.cfg.max_len}")
+                              f"must fit the context of {limit}")
         out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
-               "prompts": [{"text": q.text, "answer": q.answer}
-                           for q in prompts],
+               "prompts": [{"text": q.text, "answer": q.answer} for q in prompts],
                "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,
                "replies": [], "spread": []}
         float_tokens, reference_token = None, None
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
             pre = pretrained_lm.quantize(float_model, mode)
-            rows = reply_stability.greedy_replies(pre, prompts, lengths,
-                                                  float_tokens)
+            rows = reply_stability.greedy_replies(pre, prompts, lengths, float_tokens)
             if float_tokens is None:
                 float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}
                 reference_token = reply_stability.greedy_first_token(pre, args.spread_prompt)

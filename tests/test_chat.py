@@ -108,6 +108,7 @@ def test_chat_replies_cli_writes_the_table_source(tmp_path):
     (["--max-new-tokens", "3,0"], "max_new_tokens='3,0'"),
     (["--rel", "0"], "rel=0.0"),
     (["--prompts", "7"], "prompts=7"),
+    (["--layers", str(LAYERS), "--spread-prompt", "word " * 9000], "spread_prompt: longer"),
 ])
 def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "r.json"
