@@ -91,11 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
             rows = reply_stability.greedy_replies(pre, prompts, lengths, float_tokens)
             if float_tokens is None:
                 float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}
-                reference_token = reply_stability.greedy_first_token(pre, args.spread_prompt)
             out["replies"] += rows
-            if args.seeds:
-                out["spread"].append(reply_stability.first_token_spread(
-                    pre, args.spread_prompt, args.seeds, args.rel, reference_token))
+            if args.seeds:  # float's run (reference None) names the token the others are read by
+                spread = reply_stability.first_token_spread(
+                    pre, args.spread_prompt, args.seeds, args.rel, reference_token)
+                reference_token = spread["reference_token"]
+                out["spread"].append(spread)
             write_result(args.out, out)  # after every mode: a long run keeps what it measured
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])

@@ -107,18 +107,17 @@ def next_token_probs(pre: Pretrained, params: dict, ids: list[int]) -> np.ndarra
     return np.exp(np.asarray(logp[-1], np.float64))
 
 
-def greedy_first_token(pre: Pretrained, prompt: str) -> int:
-    """The argmax after the chat prompt: the first token of the greedy reply."""
-    return int(np.argmax(next_token_probs(pre, pre.params, chat_ids(pre, prompt))))
-
-
 def first_token_spread(pre: Pretrained, prompt: str, seeds: int, rel: float,
-                       reference_token: int) -> dict:
+                       reference_token: int | None = None) -> dict:
     """P(reference_token) and the argmax after the chat prompt (one full forward pass of the
     unpadded prompt), unperturbed and under `seeds` perturbations of the embedding table (see
-    the module docstring); also the two likeliest tokens unperturbed: how close the call is."""
+    the module docstring); also the two likeliest tokens unperturbed: how close the call is.
+    reference_token None: this model's own unperturbed argmax (float's run gives the token the
+    int8 runs are then read against)."""
     ids = chat_ids(pre, prompt)
     base = next_token_probs(pre, pre.params, ids)
+    if reference_token is None:
+        reference_token = int(np.argmax(base))
     p_ref, argmax = [], []
     for seed in range(seeds):
         probs = next_token_probs(pre, perturbed(pre.params, seed, rel), ids)

@@ -53,8 +53,9 @@ def test_chat_cli_refuses_bad_input(args, fragment):
 
 
 def test_float_first_token_survives_last_bit_noise_and_moves_under_large_noise(truncated):
-    first = reply_stability.greedy_first_token(truncated, PROMPT)
-    small = reply_stability.first_token_spread(truncated, PROMPT, 3, 1e-6, first)
+    first = reply_stability.greedy_reply(truncated, PROMPT, 1)[0]  # what chat writes first
+    small = reply_stability.first_token_spread(truncated, PROMPT, 3, 1e-6)
+    assert small["reference_token"] == first
     assert small["argmax_unperturbed"] == first and small["argmax_not_reference"] == 0
     assert small["p_max"] - small["p_min"] < 1e-4 * small["p_unperturbed"], small
     large = reply_stability.first_token_spread(truncated, PROMPT, 3, 0.3, first)
