@@ -44,8 +44,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
-    p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")
+    pretrained_lm.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--max-new-tokens", default="40,128",
                    help="comma-separated reply lengths (each prompt is answered at each)")
@@ -57,7 +56,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
-        args.quant = "none"
         pretrained_lm.check_model_flags(args)
         modes = pretrained_lm.parse_modes(args.modes)
         lengths = parse_lengths(args.max_new_tokens)
@@ -72,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.spread_prompt.strip():
             raise ConfigError("spread_prompt: empty; give at least one non-blank character")
         runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers)
+        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
         limit = float_model.cfg.max_len
         if len(pretrained_lm.chat_ids(float_model, args.spread_prompt)) > limit:
             raise ConfigError(f"spread_prompt: longer than the context of {limit} tokens")
@@ -81,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         if longest > limit:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
                               f"must fit the context of {limit}")
-        out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
+        out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+               "machine": describe(),
                "prompts": [{"text": q.text, "answer": q.answer} for q in prompts],
                "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,
                "replies": [], "spread": []}

@@ -32,8 +32,7 @@ SPEED_MODES = ("none", "w8", "w8a8")
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
-    p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")
+    pretrained_lm.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
     p.add_argument("--window", type=int, default=512)
@@ -43,13 +42,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
-        args.quant = "none"
         pretrained_lm.check_model_flags(args)
         modes = pretrained_lm.parse_modes(args.modes)
         runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers)
+        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
-        out = {"model": args.model, "layers": float_model.cfg.n_layers, "machine": describe(),
+        out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+               "machine": describe(),
                "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
                "decoding": []}
         prompt = float_model.tokenizer.encode(pretrained_lm.pydoc_corpus.split_text(

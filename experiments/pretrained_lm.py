@@ -194,10 +194,12 @@ def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
             "quantized_fraction": pre.quantized_fraction}
 
 
-def add_model_flags(p) -> None:
-    """--model, --quant, --layers: how every pretrained-LM launcher picks its model."""
+def add_model_flags(p, quant: bool = True) -> None:
+    """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
+    itself) --quant: how every pretrained-LM launcher picks its model."""
     p.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
+    if quant:
+        p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--gguf", default=None, metavar="PATH",
@@ -208,7 +210,7 @@ def check_model_flags(args) -> None:
     """Refuse bad flags before anything is loaded (ConfigError, one line)."""
     if args.model not in MODELS:
         raise ConfigError(f"model={args.model!r}: allowed {', '.join(MODELS)}")
-    if args.quant not in ALL_MODES:
+    if getattr(args, "quant", "none") not in ALL_MODES:
         raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")

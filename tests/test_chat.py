@@ -110,6 +110,7 @@ def test_chat_replies_cli_writes_the_table_source(tmp_path):
     (["--rel", "0"], "rel=0.0"),
     (["--prompts", "7"], "prompts=7"),
     (["--layers", str(LAYERS), "--spread-prompt", "word " * 9000], "spread_prompt: longer"),
+    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
 ])
 def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "r.json"

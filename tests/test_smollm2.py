@@ -274,6 +274,17 @@ def test_score_cli(tmp_path):
     one_line_error(cli("score", "--gguf", str(bad), "--text", "a"), "bad.gguf")
 
 
+@pytest.mark.parametrize("args,fragment", [
+    (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
+    (["--layers", "0"], "layers=0"),
+    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
+])
+def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
+    out = tmp_path / "table.json"
+    one_line_error(cli("llm_quant_table", *args, "--out", str(out)), fragment)
+    assert not out.exists()
+
+
 def test_sensitivity_groups_split_the_block_dense_layers(truncated):
     """llm_quant_table's w8a8 sensitivity rows: the groups cover every block Dense layer once,
     and each group's rules select all the others."""
