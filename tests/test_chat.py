@@ -91,11 +91,11 @@ def test_spread_refuses_a_quantised_embedding_table(truncated):
 
 def test_chat_replies_cli_writes_the_table_source(tmp_path):
     out = tmp_path / "replies.json"
-    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8", "--prompts", "2",
+    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8", "--prompts", "1",
                "--max-new-tokens", "3,5", "--seeds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
-    n = 2
+    n = 1
     assert [p["text"] for p in d["prompts"]] == [q.text for q in reply_stability.PROMPTS[:n]]
     assert [r["quant"] for r in d["replies"]] == ["none"] * 2 * n + ["w8a8"] * 2 * n
     assert [s["quant"] for s in d["spread"]] == ["none", "w8a8"]

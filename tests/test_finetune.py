@@ -69,9 +69,10 @@ def test_a_model_that_is_not_the_file_is_refused():
         prepare(bad)
 
 
-def test_finetuning_resumes_on_other_layouts(tmp_path, monkeypatch):
+def test_finetuning_resumes_on_another_device_count(tmp_path):
     """Written by zero3 on 8 devices; step 2 retrained from its step-1 checkpoint by zero3 on
-    4 devices and dp on 1 gives step 2's loss again."""
+    4 devices gives step 2's loss again. (Other strategies and device counts resume the tiny
+    model's checkpoints in tests/test_checkpoint.py; this is the pretrained shapes' case.)"""
     base = PRESETS["smollm2"]
     cfg = dataclasses.replace(base, model=dataclasses.replace(
         base.model, n_layers=1, max_len=16, param_dtype="float32", compute_dtype="float32",
@@ -81,14 +82,12 @@ def test_finetuning_resumes_on_other_layouts(tmp_path, monkeypatch):
     rows = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     ref = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert rows[0]["step"] == 0 and "val_loss" in rows[0]  # the pretrained model's val loss
-    for strategy, devices in (("zero3", 4), ("dp", 1)):
-        work = tmp_path / f"{strategy}{devices}"
-        shutil.copytree(tmp_path / "ref", work)
-        shutil.rmtree(work / "checkpoints" / "2")  # as if the run died after step 1's save
-        (work / "checkpoints.sha256" / "2.json").unlink()
-        again = dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, strategy=strategy, devices=devices))
-        train_and_evaluate(again, work, resume=True, progress=False)
-        rows = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
-        got = {r["step"]: r["loss"] for r in rows if "loss" in r}
-        assert abs(got[2] - ref[2]) <= 1e-5, (strategy, devices)
+    work = tmp_path / "zero3-4"
+    shutil.copytree(tmp_path / "ref", work)
+    shutil.rmtree(work / "checkpoints" / "2")  # as if the run died after step 1's save
+    (work / "checkpoints.sha256" / "2.json").unlink()
+    again = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=4))
+    train_and_evaluate(again, work, resume=True, progress=False)
+    rows = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    got = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert abs(got[2] - ref[2]) <= 1e-5
