@@ -159,9 +159,10 @@ def test_greedy_replies_agree_between_float_and_int8(truncated):
                                                   16, jax.random.key(0))))
     for mode in ("w8a8", "smoothquant"):
         q = pretrained_lm.quantize(truncated, mode, QuantConfig(mode=mode, calib_batches=2))
+        model = nnx.merge(q.graphdef, q.params)
         agree = []
         for n_prompt, reply in replies:
-            logits = nnx.merge(q.graphdef, q.params)(reply)[0, n_prompt - 1:-1]
+            logits = model(reply)[0, n_prompt - 1:-1]
             agree.append(float(np.mean(np.argmax(logits, -1) == reply[0, n_prompt:])))
         print(mode, agree)
         assert np.mean(agree) >= 0.8, (mode, agree)
