@@ -1,6 +1,7 @@
 """The KV cache as a small pytree with a write/read interface.
 
-Attention only calls `write` and `read`, so how keys and values are stored is the cache's
+Attention only calls `write` and `block` (model/cached_attention.py reads the cache a block of
+positions at a time), so how keys and values are stored is the cache's
 business: `KVCache` keeps them in a float dtype; `quant.kv_cache.Int8KVCache` keeps int8 values
 with per-(token, head) scales. Leaves carry a leading `layers` axis; the layer scan hands each
 block its [B, S, N, H] slice.
@@ -24,9 +25,15 @@ class KVCache:
                                                                  axis=1)
         return KVCache(put(self.k, k_BxTxNxH), put(self.v, v_BxTxNxH))
 
-    def read(self, dtype) -> tuple[jax.Array, jax.Array]:
-        return self.k.astype(dtype), self.v.astype(dtype)
+    def block(self, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
+        """Keys and values at positions start .. start + size - 1, as `dtype`."""
+        get = lambda buf: jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1).astype(dtype)
+        return get(self.k), get(self.v)
 
     @property
     def length(self) -> int:
         return self.k.shape[-3]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[-2]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.cached_attention import blocked_cached_attention, padded_length
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.layer_stack import Runner, default_runner
@@ -53,12 +54,11 @@ class Attention(nnx.Module):
                        jax.nn.dot_product_attention(q, k, v, is_causal=True))
             new_cache = None
         else:
-            # Write this chunk's keys/values at cache_index, attend over everything written so far.
+            # Write this chunk's keys/values at cache_index, attend over everything written so far
+            # (block by block: the result does not depend on how long the cache is).
             new_cache = cache.write(k, v, cache_index)
-            k_all, v_all = new_cache.read(q.dtype)
-            S = new_cache.length
-            mask = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]  # B,T,S
-            out = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[:, None, :, :])
+            with jax.named_scope(ATTENTION_SCOPE):
+                out = blocked_cached_attention(q, new_cache, positions_BxT, cache_index + T - 1)
         return self.o(out.reshape(B, T, cfg.d_model)), new_cache
 
 
@@ -184,7 +184,10 @@ class DecoderLM(nnx.Module):
         return [jax.tree.map(lambda a, i=i: a[i], cache) for i in range(n)]
 
     def init_cache(self, batch: int, length: int | None = None, dtype=None) -> KVCache:
+        """An empty cache for `length` positions (default: the context), allocated in whole
+        blocks of `model.cached_attention.CACHE_BLOCK`."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, length or cfg.max_len, cfg.kv_heads, cfg.head_dim)
+        length = padded_length(cfg.max_len if length is None else length)
+        shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)
         dt = dtype or dtype_of(cfg.compute_dtype)
         return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))

@@ -9,8 +9,10 @@ import pytest
 from flax import nnx
 
 from model import MODEL_PRESETS, DecoderLM, ModelConfig, param_count, train_flops_per_token
+from model.cached_attention import CACHE_BLOCK
 from model.flops import matmul_params
 from model.generate import generate, stream
+from model.kv_cache import KVCache
 from model.loss import nll_sum
 from parallel.state import abstract_model
 from tests.helpers import TINY, with_model
@@ -124,7 +126,8 @@ def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
     assert sum(x.size for x in jax.tree.leaves(params)) == param_count(cfg)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
     cache = m.init_cache(2, 12)
-    assert cache.k.shape == (2, 2, 12, 2, cfg.head_dim)  # the cache holds kv heads only
+    # The cache holds kv heads only, in whole blocks of positions.
+    assert cache.k.shape == (2, 2, CACHE_BLOCK, 2, cfg.head_dim)
     _assert_cached_decoding_matches_full_forward(m, tokens, cache)
 
 
@@ -167,6 +170,50 @@ def test_stream_yields_what_generate_writes():
     assert list(stream(graphdef, params, prompt, 6, jax.random.key(0))) == want
     assert list(stream(graphdef, params, prompt, 6, jax.random.key(0),
                        stop_ids=(want[1],)))[-1] == want[1]
+
+
+def _gqa_model(max_len: int) -> DecoderLM:
+    cfg = dataclasses.replace(TINY.model, n_heads=4, n_kv_heads=2, mlp="swiglu",
+                              tie_embeddings=True, max_len=max_len)
+    return DecoderLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_decoding_does_not_depend_on_the_cache_length():
+    """The same tokens give bit-identical logits whatever the cache's size, across block
+    boundaries (prefill 250 positions, then steps past 256), and match the full forward; so a
+    larger token budget only extends a greedy reply."""
+    m = _gqa_model(max_len=1024)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 300)), jnp.int32)
+    step = jax.jit(lambda t, c, i: m.decode(t, c, i))
+    runs = []
+    for length in (300, 3 * CACHE_BLOCK + 1, 1000):
+        logits, cache = step(tokens[:, :250], m.init_cache(2, length), 0)
+        out = [logits]
+        for i in range(250, 300):
+            logits, cache = step(tokens[:, i:i + 1], cache, i)
+            out.append(logits)
+        runs.append(np.asarray(jnp.concatenate(out, axis=1)))
+    np.testing.assert_allclose(runs[0], m(tokens), atol=1e-5)
+    for other in runs[1:]:
+        np.testing.assert_array_equal(other, runs[0])
+    graphdef, params = nnx.split(m)
+    short = generate(graphdef, params, tokens[:1, :120], 20, jax.random.key(0))
+    long = generate(graphdef, params, tokens[:1, :120], 150, jax.random.key(0))
+    np.testing.assert_array_equal(long[:, :140], short)
+
+
+def test_cache_is_allocated_in_whole_blocks_and_attention_refuses_a_ragged_one():
+    m = _gqa_model(max_len=1024)
+    assert m.init_cache(1, 1).length == CACHE_BLOCK
+    assert m.init_cache(1, CACHE_BLOCK + 1).length == 2 * CACHE_BLOCK
+    assert m.init_cache(1).length == 1024  # the context, already whole blocks
+    with pytest.raises(ValueError, match="cache length=0: must be a positive integer"):
+        m.init_cache(1, 0)
+    cache = m.init_cache(1, 1)
+    ragged = jax.tree.map(lambda a: a[:, :, :100], cache)
+    assert isinstance(ragged, KVCache)
+    with pytest.raises(ValueError, match=f"cache length=100: must be a multiple of {CACHE_BLOCK}"):
+        m.decode(jnp.zeros((1, 1), jnp.int32), ragged, 0)
 
 
 def test_bf16_compute_keeps_fp32_params_and_is_close():

@@ -597,6 +597,25 @@ def test_int8_kv_cache_decodes_like_the_float_cache():
     assert float(jnp.mean(out == ref)) > 0.9  # greedy decoding barely changes
 
 
+def test_int8_kv_cache_decoding_does_not_depend_on_the_cache_length():
+    """The int8 cache is read a block at a time like the float one: past a block boundary
+    (prefill 120 positions, steps to 140), a longer cache gives bit-identical logits."""
+    cfg = dataclasses.replace(TINY.model, max_len=512)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (1, 140)), jnp.int32)
+    step = jax.jit(lambda t, c, i: model.decode(t, c, i))
+    runs = []
+    for length in (140, 400):
+        logits, cache = step(tokens[:, :120], init_int8_cache(cfg, 1, length), 0)
+        out = [logits]
+        for i in range(120, 140):
+            logits, cache = step(tokens[:, i:i + 1], cache, i)
+            out.append(logits)
+        runs.append(np.asarray(jnp.concatenate(out, axis=1)))
+    assert cache.length == 512 and cache.k.dtype == jnp.int8
+    np.testing.assert_array_equal(runs[1], runs[0])
+
+
 def test_results_record_workdirs_relative_to_the_project_root(tmp_path):
     """quant_table stores its --workdir through project_relative: a committed results file must
     not hold the absolute paths of the machine that wrote it."""

@@ -1,0 +1,73 @@
+"""Attention over a KV cache, block by block, so that the result never depends on the cache's size.
+
+A cache is sized for the prompt plus the token budget. Attending over all of it at once (scores
+over S positions, softmax over S, weighted sum over S) makes XLA sum in an order that depends on
+S, so the same prompt gave logits that differed by ~1e-5 between budgets, and a greedy reply's
+tokens could change with `--max-new-tokens` (an int8 model rounds those differences apart).
+
+Here the cache is read in fixed blocks of `CACHE_BLOCK` positions with an online softmax (a
+running max, denominator and weighted sum, as flash attention keeps them), and only the blocks
+that hold a position some query may see are visited. Every block has the same shape whatever S
+is and the blocks are visited in order, so the arithmetic for a given prompt and step is the
+same for every cache size: a reply with a larger budget begins with the reply of a smaller one,
+bit for bit. It also reads only the written part of a long cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+CACHE_BLOCK = 128  # positions per block; caches are allocated in whole blocks
+
+
+def padded_length(length: int) -> int:
+    """The cache length to allocate for `length` positions: whole blocks."""
+    if length < 1:
+        raise ValueError(f"cache length={length}: must be a positive integer")
+    return -(-length // CACHE_BLOCK) * CACHE_BLOCK
+
+
+def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,
+                             last_position) -> jax.Array:
+    """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].
+
+    `cache` offers `length`, `kv_heads` and `block(start, size, dtype)` -> (k, v)
+    [B, size, K, H] with K = `kv_heads` (K divides N: grouped-query attention, query head n
+    reads kv head n // (N / K), as Llama does). `last_position` (traced or static) is the
+    largest query position: blocks past it are never read.
+    """
+    B, T, N, H = q_BxTxNxH.shape
+    S = cache.length
+    if S % CACHE_BLOCK:
+        raise ValueError(f"cache length={S}: must be a multiple of {CACHE_BLOCK} "
+                         "(allocate it with model.cached_attention.padded_length)")
+    # Heads grouped by the kv head they share: [B, K, G, T, H].
+    K = cache.kv_heads
+    q = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    q = q * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
+
+    def visit(b, carry):
+        m, denom, acc = carry
+        start = b * CACHE_BLOCK
+        k, v = cache.block(start, CACHE_BLOCK, jnp.float32)  # [B, C, K, H]
+        s = jnp.einsum("bkgth,bckh->bkgtc", q, k)
+        seen = (start + jnp.arange(CACHE_BLOCK))[None, None, :] <= positions_BxT[:, :, None]
+        s = jnp.where(seen[:, None, None], s, -jnp.inf)  # [B, K, G, T, C]
+        # The first block holds position 0, which every query sees, so m is finite after it and a
+        # block a query cannot see changes nothing: its weights are exp(-inf) = 0, its rescale 1.
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        denom = denom * rescale + p.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bkgtc,bckh->bkgth", p, v)
+        return m_new, denom, acc
+
+    stats = jnp.full((B, K, N // K, T), -jnp.inf, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((B, K, N // K, T, H), jnp.float32))
+    n_blocks = jnp.minimum(last_position // CACHE_BLOCK + 1, S // CACHE_BLOCK)
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, visit, init)
+    out = (acc / denom[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return out.astype(q_BxTxNxH.dtype)
