@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -89,6 +91,20 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
     return jnp.concatenate([prompt_BxT, out], axis=1)
 
 
+@functools.lru_cache(maxsize=16)
+def _stream_step(graphdef, temperature: float, top_k: int):
+    """`stream`'s jitted call (prefill, then one token), one per model structure and sampling
+    setting, so that later replies reuse its compiled programs: the same cache shape (budgets
+    within one block of positions) reuses the step, the same prompt length the prefill."""
+
+    @jax.jit
+    def step(params, layers, tokens, cache, index, key):
+        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers)
+        return sample_token(logits[:, -1], key, temperature, top_k), cache
+
+    return step
+
+
 def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: jax.Array,
            temperature: float = 0.0, top_k: int = 0, stop_ids: tuple[int, ...] = (),
            make_cache=None):
@@ -111,11 +127,7 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     if default_per_layer(model):  # split once, eagerly: each step then reads weights in place
         layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
-    @jax.jit
-    def step(params, layers, tokens, cache, index, key):
-        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers)
-        return sample_token(logits[:, -1], key, temperature, top_k), cache
-
+    step = _stream_step(graphdef, temperature, top_k)
     token, cache = step(params, layers, prompt_1xT, cache, 0, key)  # prefill: its own program
     for i in range(max_new_tokens):
         value = int(token[0])
