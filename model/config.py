@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from model.layer_stack import REMAT_POLICIES
-
 MLP_KINDS = ("gelu", "swiglu")
+# Rematerialisation policies of the layer body by name (model/layer_stack.py maps each to JAX's
+# policy; the names live here so that checking a config never imports JAX).
+REMAT_NAMES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -62,8 +63,8 @@ class ModelConfig:
                              f"n_heads={self.n_heads}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"mlp={self.mlp!r}: allowed {', '.join(MLP_KINDS)}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r}: allowed {', '.join(REMAT_POLICIES)}")
+        if self.remat not in REMAT_NAMES:
+            raise ValueError(f"remat={self.remat!r}: allowed {', '.join(REMAT_NAMES)}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed {', '.join(DTYPES)}")

@@ -21,16 +21,18 @@ from typing import Any
 import jax
 from jax import lax
 
+from model.config import REMAT_NAMES
+
 RunLayer = Callable[[Any, jax.Array, Any], jax.Array]
 Runner = Callable[[RunLayer, Any, jax.Array, Any], jax.Array]
 
-# Named rematerialisation policies of the layer body (what the backward pass may keep); the
-# names are ModelConfig.remat's allowed values.
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+# Named rematerialisation policies of the layer body (what the backward pass may keep), one per
+# allowed value of ModelConfig.remat.
+REMAT_POLICIES: dict[str, Callable | None] = dict(zip(REMAT_NAMES, (
+    None,  # none
+    jax.checkpoint_policies.nothing_saveable,  # full
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # save_dots
+), strict=True))
 
 
 def n_layers(stacked) -> int:
