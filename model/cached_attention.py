@@ -30,6 +30,10 @@ def padded_length(length: int) -> int:
     return -(-length // CACHE_BLOCK) * CACHE_BLOCK
 
 
+# Jitted so that an eager caller (a prefill run layer by layer, a test stepping token by token)
+# compiles the block loop once per shape instead of at every call; inside a jitted step it
+# is inlined.
+@jax.jit
 def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,
                              last_position) -> jax.Array:
     """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].

@@ -179,27 +179,26 @@ def _gqa_model(max_len: int) -> DecoderLM:
 
 
 def test_decoding_does_not_depend_on_the_cache_length():
-    """The same tokens give bit-identical logits whatever the cache's size, across block
-    boundaries (prefill 250 positions, then steps past 256), and match the full forward; so a
+    """The same tokens give bit-identical logits whatever the cache's size, across a block
+    boundary (prefill 250 positions, then steps past 256), and match the full forward; so a
     larger token budget only extends a greedy reply."""
     m = _gqa_model(max_len=1024)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 300)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 262)), jnp.int32)
     step = jax.jit(lambda t, c, i: m.decode(t, c, i))
     runs = []
-    for length in (300, 3 * CACHE_BLOCK + 1, 1000):
+    for length in (262, 1000):  # 3 and 8 blocks
         logits, cache = step(tokens[:, :250], m.init_cache(2, length), 0)
         out = [logits]
-        for i in range(250, 300):
+        for i in range(250, 262):
             logits, cache = step(tokens[:, i:i + 1], cache, i)
             out.append(logits)
         runs.append(np.asarray(jnp.concatenate(out, axis=1)))
     np.testing.assert_allclose(runs[0], m(tokens), atol=1e-5)
-    for other in runs[1:]:
-        np.testing.assert_array_equal(other, runs[0])
+    np.testing.assert_array_equal(runs[1], runs[0])
     graphdef, params = nnx.split(m)
-    short = generate(graphdef, params, tokens[:1, :120], 20, jax.random.key(0))
-    long = generate(graphdef, params, tokens[:1, :120], 150, jax.random.key(0))
-    np.testing.assert_array_equal(long[:, :140], short)
+    short = generate(graphdef, params, tokens[:1, :120], 12, jax.random.key(0))
+    long = generate(graphdef, params, tokens[:1, :120], 140, jax.random.key(0))
+    np.testing.assert_array_equal(long[:, :132], short)
 
 
 def test_cache_is_allocated_in_whole_blocks_and_attention_refuses_a_ragged_one():
