@@ -180,32 +180,34 @@ def _gqa_model(max_len: int) -> DecoderLM:
 
 def test_decoding_does_not_depend_on_the_cache_length():
     """The same tokens give bit-identical logits whatever the cache's size, across a block
-    boundary (prefill 250 positions, then steps past 256), and match the full forward; so a
-    larger token budget only extends a greedy reply."""
-    m = _gqa_model(max_len=1024)
-    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 262)), jnp.int32)
+    boundary (prefill up to 6 positions before it, then steps past it), and match the full
+    forward; so a larger token budget only extends a greedy reply."""
+    m = _gqa_model(max_len=4 * CACHE_BLOCK)
+    n, start = CACHE_BLOCK + 6, CACHE_BLOCK - 6
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, n)), jnp.int32)
     step = jax.jit(lambda t, c, i: m.decode(t, c, i))
     runs = []
-    for length in (262, 1000):  # 3 and 8 blocks
-        logits, cache = step(tokens[:, :250], m.init_cache(2, length), 0)
+    for length in (n, 4 * CACHE_BLOCK):  # 2 and 4 blocks
+        logits, cache = step(tokens[:, :start], m.init_cache(2, length), 0)
         out = [logits]
-        for i in range(250, 262):
+        for i in range(start, n):
             logits, cache = step(tokens[:, i:i + 1], cache, i)
             out.append(logits)
         runs.append(np.asarray(jnp.concatenate(out, axis=1)))
     np.testing.assert_allclose(runs[0], m(tokens), atol=1e-5)
     np.testing.assert_array_equal(runs[1], runs[0])
     graphdef, params = nnx.split(m)
-    short = generate(graphdef, params, tokens[:1, :120], 12, jax.random.key(0))
-    long = generate(graphdef, params, tokens[:1, :120], 140, jax.random.key(0))
-    np.testing.assert_array_equal(long[:, :132], short)
+    prompt = tokens[:1, :CACHE_BLOCK - 8]
+    short = generate(graphdef, params, prompt, 12, jax.random.key(0))
+    long = generate(graphdef, params, prompt, CACHE_BLOCK + 20, jax.random.key(0))
+    np.testing.assert_array_equal(long[:, :short.shape[1]], short)
 
 
 def test_cache_is_allocated_in_whole_blocks_and_attention_refuses_a_ragged_one():
-    m = _gqa_model(max_len=1024)
+    m = _gqa_model(max_len=4 * CACHE_BLOCK)
     assert m.init_cache(1, 1).length == CACHE_BLOCK
     assert m.init_cache(1, CACHE_BLOCK + 1).length == 2 * CACHE_BLOCK
-    assert m.init_cache(1).length == 1024  # the context, already whole blocks
+    assert m.init_cache(1).length == 4 * CACHE_BLOCK  # the context, already whole blocks
     with pytest.raises(ValueError, match="cache length=0: must be a positive integer"):
         m.init_cache(1, 0)
     cache = m.init_cache(1, 1)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM
+from model.cached_attention import CACHE_BLOCK
 from model.flops import param_bytes
 from model.generate import default_per_layer, generate
 from model.layers import Dense
@@ -599,20 +600,22 @@ def test_int8_kv_cache_decodes_like_the_float_cache():
 
 def test_int8_kv_cache_decoding_does_not_depend_on_the_cache_length():
     """The int8 cache is read a block at a time like the float one: past a block boundary
-    (prefill 120 positions, steps to 140), a longer cache gives bit-identical logits."""
-    cfg = dataclasses.replace(TINY.model, max_len=512)
+    (prefill up to 8 positions before it, steps to 12 past it), a longer cache gives
+    bit-identical logits."""
+    cfg = dataclasses.replace(TINY.model, max_len=3 * CACHE_BLOCK)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (1, 140)), jnp.int32)
+    n, start = CACHE_BLOCK + 12, CACHE_BLOCK - 8
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 256, (1, n)), jnp.int32)
     step = jax.jit(lambda t, c, i: model.decode(t, c, i))
     runs = []
-    for length in (140, 400):
-        logits, cache = step(tokens[:, :120], init_int8_cache(cfg, 1, length), 0)
+    for length in (n, 3 * CACHE_BLOCK):
+        logits, cache = step(tokens[:, :start], init_int8_cache(cfg, 1, length), 0)
         out = [logits]
-        for i in range(120, 140):
+        for i in range(start, n):
             logits, cache = step(tokens[:, i:i + 1], cache, i)
             out.append(logits)
         runs.append(np.asarray(jnp.concatenate(out, axis=1)))
-    assert cache.length == 512 and cache.k.dtype == jnp.int8
+    assert cache.length == 3 * CACHE_BLOCK and cache.k.dtype == jnp.int8
     np.testing.assert_array_equal(runs[1], runs[0])
 
 
