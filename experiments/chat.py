@@ -18,21 +18,16 @@ import math
 import sys
 import time
 
-import jax
-import numpy as np
-
-from experiments import pretrained_lm, runtime
+from experiments import model_flags
 from experiments.config import ConfigError, fail
-from model.generate import stream
 from model.gguf import GGUFError
-from quant.convert import QuantError
-from quant.kv_cache import init_int8_cache
+from quant.modes import QuantError
 
 PROG = "experiments.chat"
 
 
 def check(args) -> None:
-    pretrained_lm.check_model_flags(args)
+    model_flags.check_model_flags(args)
     if not args.prompt.strip():
         raise ConfigError("prompt: empty; give at least one non-blank character")
     if args.max_new_tokens < 1:
@@ -48,7 +43,7 @@ def check(args) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pretrained_lm.add_model_flags(p)
+    model_flags.add_model_flags(p)
     p.add_argument("--prompt", required=True, help="the user's message")
     p.add_argument("--system", default=None, help="a system message (default: the model's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -60,6 +55,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         check(args)
+        # JAX starts here, after the flags are checked: a refused flag never waits for it.
+        import jax
+        import numpy as np
+
+        from experiments import pretrained_lm, runtime
+        from model.generate import stream
+        from quant.kv_cache import init_int8_cache
+
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
         if args.top_k > pre.cfg.vocab_size:

@@ -3,7 +3,7 @@
   python -m experiments.chat_replies          # writes results/smollm2_chat_replies.json
   python -m experiments.chat_replies --modes w8a8,auto --max-new-tokens 40 --seeds 4
 
-Per mode (float first): for each prompt of experiments/reply_stability.py's PROMPTS (the first
+Per mode (float first): for each prompt of experiments/chat_prompts.py's PROMPTS (the first
 --prompts of them; all by default) and each
 --max-new-tokens, the greedy reply `experiments.chat` prints, whether it mentions the expected
 answer, and how many of its first tokens equal float's reply. Then, for --spread-prompt, the
@@ -19,12 +19,12 @@ import math
 
 from tqdm import tqdm
 
-from experiments import pretrained_lm, reply_stability, runtime
+from experiments import model_flags
+from experiments.chat_prompts import PROMPTS
 from experiments.config import ConfigError, fail
-from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.convert import MODES, QuantError
+from quant.modes import MODES, QuantError
 
 PROG = "experiments.chat_replies"
 OUT = results_path("smollm2_chat_replies.json")
@@ -44,31 +44,35 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pretrained_lm.add_model_flags(p, quant=False)
+    model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--max-new-tokens", default="40,128",
                    help="comma-separated reply lengths (each prompt is answered at each)")
-    p.add_argument("--prompts", type=int, default=len(reply_stability.PROMPTS),
+    p.add_argument("--prompts", type=int, default=len(PROMPTS),
                    help="ask only the first N prompts (quick checks)")
-    p.add_argument("--spread-prompt", default=reply_stability.PROMPTS[0].text)
+    p.add_argument("--spread-prompt", default=PROMPTS[0].text)
     p.add_argument("--seeds", type=int, default=8, help="perturbed runs per mode (0: none)")
     p.add_argument("--rel", type=float, default=1e-6, help="relative size of the perturbation")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
-        pretrained_lm.check_model_flags(args)
-        modes = pretrained_lm.parse_modes(args.modes)
+        model_flags.check_model_flags(args)
+        modes = model_flags.parse_modes(args.modes)
         lengths = parse_lengths(args.max_new_tokens)
-        n_prompts = len(reply_stability.PROMPTS)
+        n_prompts = len(PROMPTS)
         if not 1 <= args.prompts <= n_prompts:
             raise ConfigError(f"prompts={args.prompts}: must be in 1..{n_prompts}")
-        prompts = reply_stability.PROMPTS[:args.prompts]
+        prompts = PROMPTS[:args.prompts]
         if args.seeds < 0:
             raise ConfigError(f"seeds={args.seeds}: must be >= 0")
         if not (math.isfinite(args.rel) and 0 < args.rel < 1):
             raise ConfigError(f"rel={args.rel}: must be in (0, 1)")
         if not args.spread_prompt.strip():
             raise ConfigError("spread_prompt: empty; give at least one non-blank character")
+        # JAX starts here, after the flags are checked: a refused flag never waits for it.
+        from experiments import pretrained_lm, reply_stability, runtime
+        from experiments.machine import describe
+
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
         limit = float_model.cfg.max_len

@@ -20,14 +20,9 @@ import functools
 import json
 import math
 
-from experiments import runtime
 from experiments.config import ConfigError, fail
-from experiments.restore import calibration_rows, restore_params, validation_rows
-from experiments.trainer import make_eval_fn
-from model.flops import param_bytes
 from parallel.strategies import STRATEGIES
-from quant.convert import ALL_MODES, QuantError
-from quant.stored import load_or_quantize
+from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.evaluate"
 
@@ -54,6 +49,13 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"eval_batches={args.eval_batches}: must be a positive integer")
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
+    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    from experiments import runtime
+    from experiments.restore import calibration_rows, restore_params, validation_rows
+    from experiments.trainer import make_eval_fn
+    from model.flops import param_bytes
+    from quant.stored import load_or_quantize
+
     runtime.start(args.devices)
     try:
         model = restore_params(args.workdir, step=args.step, devices=args.devices,

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments import pretrained_lm, runtime
+from experiments import model_flags, pretrained_lm, runtime
 from experiments.config import ConfigError, fail
 from experiments.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
@@ -49,7 +49,7 @@ TEXTS = ("The capital of France is Paris, and the capital of Italy is Rome.",
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(pretrained_lm.MODELS)}")
+    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(model_flags.MODELS)}")
     p.add_argument("--mode", default="w8a8", help=f"one of {', '.join(MODES)}")
     p.add_argument("--rules", default="blocks/*,embed", help="modules to quantise")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices for the reload")
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json-out", default=str(OUT))
     args = p.parse_args(argv)
     try:
-        if args.model not in pretrained_lm.MODELS:
-            raise ConfigError(f"model={args.model!r}: allowed {', '.join(pretrained_lm.MODELS)}")
+        if args.model not in model_flags.MODELS:
+            raise ConfigError(f"model={args.model!r}: allowed {', '.join(model_flags.MODELS)}")
         if args.devices < 1:
             raise ConfigError(f"devices={args.devices}: must be a positive integer")
         qcfg = QuantConfig(mode=args.mode, rules=tuple(r for r in args.rules.split(",") if r))

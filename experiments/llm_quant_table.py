@@ -17,12 +17,11 @@ import argparse
 
 from tqdm import tqdm
 
-from experiments import pretrained_lm, runtime
+from experiments import model_flags
 from experiments.config import ConfigError, fail
-from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.convert import MODES, QuantConfig, QuantError
+from quant.modes import MODES, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
@@ -32,7 +31,7 @@ SPEED_MODES = ("none", "w8", "w8a8")
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pretrained_lm.add_model_flags(p, quant=False)
+    model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
     p.add_argument("--window", type=int, default=512)
@@ -42,8 +41,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
-        pretrained_lm.check_model_flags(args)
-        modes = pretrained_lm.parse_modes(args.modes)
+        model_flags.check_model_flags(args)
+        modes = model_flags.parse_modes(args.modes)
+        # JAX starts here, after the flags are checked: a refused flag never waits for it.
+        from experiments import pretrained_lm, runtime
+        from experiments.machine import describe
+        from quant.convert import QuantConfig
+
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)

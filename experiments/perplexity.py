@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments import pretrained_lm, runtime
+from experiments import model_flags
 from experiments.config import ConfigError, fail
 from model.gguf import GGUFError
-from quant.convert import QuantError
+from quant.modes import QuantError
 
 PROG = "experiments.perplexity"
 DEFAULT_TOKENS = 8192
@@ -28,7 +28,7 @@ DEFAULT_WINDOW = 512
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pretrained_lm.add_model_flags(p)
+    model_flags.add_model_flags(p)
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"validation tokens to read (default {DEFAULT_TOKENS})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
@@ -36,9 +36,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = p.parse_args(argv)
     try:
-        pretrained_lm.check_model_flags(args)
+        model_flags.check_model_flags(args)
         if args.tokens < 2:
             raise ConfigError(f"tokens={args.tokens}: must be at least 2")
+        # JAX starts here, after the flags are checked: a refused flag never waits for it.
+        from experiments import pretrained_lm, runtime
+
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
         row = pretrained_lm.perplexity(pre, args.tokens, args.window)

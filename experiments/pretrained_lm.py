@@ -20,6 +20,7 @@ from flax import nnx
 
 from experiments import pydoc_corpus
 from experiments.config import ConfigError
+from experiments.model_flags import MODELS
 from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token
@@ -27,11 +28,10 @@ from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
 from quant.calibrate import calibrate
-from quant.convert import ALL_MODES, MODES, QuantConfig, quantized_fraction
+from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import quantize as run_quantize
 
-MODELS = ("smollm2",)
 PAD_MULTIPLE = 64  # texts are padded to a multiple of this: few distinct compiled lengths
 CALIB_LEN = 256  # tokens per calibration row
 
@@ -192,37 +192,6 @@ def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
             "window": window, "nll": nll, "perplexity": math.exp(nll),
             "param_bytes": param_bytes(pre.params),
             "quantized_fraction": pre.quantized_fraction}
-
-
-def add_model_flags(p, quant: bool = True) -> None:
-    """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
-    itself) --quant: how every pretrained-LM launcher picks its model."""
-    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}")
-    if quant:
-        p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep only the first N blocks (a truncated model, for quick checks)")
-    p.add_argument("--gguf", default=None, metavar="PATH",
-                   help="another Llama-architecture GGUF file (default: the model's package)")
-
-
-def check_model_flags(args) -> None:
-    """Refuse bad flags before anything is loaded (ConfigError, one line)."""
-    if args.model not in MODELS:
-        raise ConfigError(f"model={args.model!r}: allowed {', '.join(MODELS)}")
-    if getattr(args, "quant", "none") not in ALL_MODES:
-        raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
-    if args.layers is not None and args.layers < 1:
-        raise ConfigError(f"layers={args.layers}: must be a positive integer")
-
-
-def parse_modes(text: str) -> list[str]:
-    """A --modes flag: a comma-separated, non-empty subset of quant/convert.py's int8 modes."""
-    modes = [m for m in text.split(",") if m]
-    if not modes or any(m not in MODES for m in modes):
-        raise ConfigError(f"modes={text!r}: allowed a comma-separated subset of "
-                          f"{', '.join(MODES)}")
-    return modes
 
 
 def load_from_flags(args) -> Pretrained:

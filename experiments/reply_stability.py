@@ -3,9 +3,10 @@
 Two measurements of a pretrained chat model (SmolLM2) per quantisation mode:
 
 - `greedy_replies`: the reply `experiments.chat` prints for each of a few factual prompts
-  (`PROMPTS`, the same ChatML prompt and the same token-by-token `model.generate.stream`), at one
-  or more --max-new-tokens (the cache length is the only difference between those runs), whether
-  it mentions the expected answer, and how many of its first tokens equal float's.
+  (`experiments.chat_prompts.PROMPTS`, the same ChatML prompt and the same token-by-token
+  `model.generate.stream`), at one or more --max-new-tokens (only the cache length differs
+  between those runs, and the shorter reply must begin the longer one), whether it mentions the
+  expected answer, and how many of its first tokens equal float's.
 - `first_token_spread`: the probability of float's first reply token, and the argmax, when the
   embedding table (float in every mode; tied to the head) is multiplied by (1 + rel * N(0, 1))
   under several seeds. rel = 1e-6 is a last-bit change for float32: a model whose reply moves
@@ -14,34 +15,16 @@ Two measurements of a pretrained chat model (SmolLM2) per quantisation mode:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.chat_prompts import Prompt
 from experiments.config import ConfigError
 from experiments.pretrained_lm import Pretrained, chat_ids, make_logprob_fn
 from model.generate import stream
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    text: str
-    answer: str  # a regular expression (case-insensitive) the reply should match
-
-
-# Questions with one short, checkable answer. Float SmolLM2-135M does not answer all of them
-# right (it names Neptune the largest planet): the table reads each mode against float's count.
-PROMPTS = (
-    Prompt("What is the capital of France?", r"\bParis\b"),
-    Prompt("What is 2 + 2?", r"\b(4|four)\b"),
-    Prompt("Who wrote Hamlet?", r"\bShakespeare\b"),
-    Prompt("What colour is the sky on a clear day?", r"\bblue\b"),
-    Prompt("Which planet is the largest in our solar system?", r"\bJupiter\b"),
-    Prompt("Name a prime number between 20 and 30.", r"\b(23|29)\b"),
-)
 
 
 def greedy_reply(pre: Pretrained, prompt: str, max_new_tokens: int) -> list[int]:

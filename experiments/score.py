@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments import pretrained_lm, runtime
+from experiments import model_flags
 from experiments.config import ConfigError, fail
 from model.gguf import GGUFError
-from quant.convert import QuantError
+from quant.modes import QuantError
 
 PROG = "experiments.score"
 
@@ -25,17 +25,20 @@ PROG = "experiments.score"
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    pretrained_lm.add_model_flags(p)
+    model_flags.add_model_flags(p)
     p.add_argument("--text", action="append", default=[], help="a text to score (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} last')
     args = p.parse_args(argv)
     try:
-        pretrained_lm.check_model_flags(args)
+        model_flags.check_model_flags(args)
         if not args.text:
             raise ConfigError("text: give at least one --text")
         for i, t in enumerate(args.text):
             if not t:
                 raise ConfigError(f"text {i}: empty; give at least one character")
+        # JAX starts here, after the flags are checked: a refused flag never waits for it.
+        from experiments import pretrained_lm, runtime
+
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
         rows = pretrained_lm.score_texts(pre, args.text)

