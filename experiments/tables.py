@@ -246,7 +246,7 @@ def chat_replies(d: dict) -> str:
     rows = [f"{d['model']} ({d['layers']} layers), greedy, the {n} prompts of "
             "`experiments/reply_stability.py`:", "",
             *_head("mode", *(f"mentions the answer ({k} new tokens)" for k in lengths),
-                   f"same reply at {short} and {long} new tokens",
+                   f"reply at {short} new tokens begins the one at {long}",
                    f"tokens equal to float's before they differ (median, {long})",
                    f"P(float's first token) under {d['spread'][0]['seeds'] if d['spread'] else 0}"
                    f" perturbed runs (rel {d['spread'][0]['rel'] if d['spread'] else 0:g})",
