@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import typing
+from pathlib import Path
 
 from model.config import MODEL_PRESETS, ModelConfig
 from parallel.strategies import STRATEGIES
@@ -260,6 +261,19 @@ def check_sampling(model: ModelConfig, prompt_len: int, max_new_tokens: int, tem
     if prompt_len + max_new_tokens > model.max_len:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: prompt ({prompt_len} bytes) + new "
                           f"tokens must fit the context of {model.max_len}")
+
+
+def load_config(workdir: str | Path) -> Config:
+    """The run config a training run wrote to WORKDIR/config.json (JAX-free: a launcher reads
+    it, and refuses a work dir without one, before JAX starts)."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there first")
+    try:
+        return Config.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"workdir={str(workdir)!r}: config.json is not a shardq config ({e})") \
+            from None
 
 
 def fail(prog: str, message: str, code: int = 2) -> typing.NoReturn:

@@ -20,7 +20,7 @@ import functools
 import json
 import math
 
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, fail, load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 
@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"eval_batches={args.eval_batches}: must be a positive integer")
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
-    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    try:
+        cfg = load_config(args.workdir)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    # JAX starts here, after the flags and the work dir's config are checked: a refusal never
+    # waits for it.
     from experiments import runtime
     from experiments.restore import calibration_rows, restore_params, validation_rows
     from experiments.trainer import make_eval_fn
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     runtime.start(args.devices)
     try:
-        model = restore_params(args.workdir, step=args.step, devices=args.devices,
+        model = restore_params(args.workdir, cfg, step=args.step, devices=args.devices,
                                strategy=args.strategy)
         val = validation_rows(model.cfg, args.eval_batches)
         graphdef, params = model.graphdef, model.params

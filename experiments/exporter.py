@@ -30,8 +30,7 @@ import numpy as np
 
 from experiments import checkpoint as ckpt
 from experiments import integrity
-from experiments.config import ConfigError
-from experiments.restore import load_config
+from experiments.config import ConfigError, load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.llama_export import (

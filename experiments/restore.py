@@ -9,14 +9,13 @@ parameters are read from the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
 from jax.sharding import Mesh
 
 from experiments import checkpoint as ckpt
-from experiments.config import Config, ConfigError
+from experiments.config import Config, ConfigError, load_config
 from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.pretrained_init import check_model
 from model.tokenizer import tokenizer_from_gguf
@@ -35,17 +34,6 @@ class Restored:
     axes: dict  # logical axis names of every parameter
     params: dict
     step: int
-
-
-def load_config(workdir: str | Path) -> Config:
-    path = Path(workdir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there first")
-    try:
-        return Config.from_json(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"workdir={str(workdir)!r}: config.json is not a shardq config ({e})") \
-            from None
 
 
 def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | None = None, *,

@@ -13,16 +13,10 @@ import argparse
 import functools
 import json
 
-import jax
 import numpy as np
 
-from experiments import runtime
-from experiments.config import ConfigError, check_sampling, fail
-from experiments.restore import calibration_rows, load_config, restore_params
-from model.generate import generate
-from quant.convert import ALL_MODES, QuantError
-from quant.kv_cache import init_int8_cache
-from quant.stored import load_or_quantize
+from experiments.config import ConfigError, check_sampling, fail, load_config
+from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.sample"
 
@@ -57,6 +51,15 @@ def main(argv: list[str] | None = None) -> str:
                        args.top_k, args.seed)
     except ConfigError as e:
         fail(PROG, str(e))
+    # JAX starts here, after the flags and the work dir's config are checked.
+    import jax
+
+    from experiments import runtime
+    from experiments.restore import calibration_rows, restore_params
+    from model.generate import generate
+    from quant.kv_cache import init_int8_cache
+    from quant.stored import load_or_quantize
+
     runtime.start(1)
     try:
         model = restore_params(args.workdir, cfg, step=args.step, devices=1, strategy="dp")

@@ -210,6 +210,9 @@ def test_zero_release_needs_two_different_values(field, value):
 EARLY_REFUSALS = [
     ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--steps", "0"]),
     ("evaluate", ["--workdir", "{fresh}", "--eval-batches", "0"]),
+    ("evaluate", ["--workdir", "{fresh}"]),  # no config.json there
+    ("sample", ["--workdir", "{fresh}", "--quant", "w4"]),
+    ("sample", ["--workdir", "{fresh}"]),
     ("score", ["--quant", "w4", "--text", "a"]),
     ("perplexity", ["--tokens", "1"]),
     ("chat", ["--prompt", " "]),

@@ -18,10 +18,10 @@ import pytest
 
 from experiments import checkpoint as ckpt
 from experiments import integrity, trainer
-from experiments.config import ConfigError
+from experiments.config import ConfigError, load_config
 from experiments.guards import NonFiniteError
 from experiments.optim import make_optimizer
-from experiments.restore import load_config, restore_params
+from experiments.restore import restore_params
 from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
 from parallel.sharded_run import build
 from parallel.strategies import get_strategy

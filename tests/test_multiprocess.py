@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from experiments.restore import load_config, restore_params
+from experiments.config import load_config
+from experiments.restore import restore_params
 from experiments.trainer import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
