@@ -7,7 +7,8 @@ Each variant decodes `--new-tokens` tokens after the same prompt (the first 400 
 the validation topics): one jitted `lax.scan` over the tokens, the prefill excluded, timed
 `--repeats` times with the variants interleaved; the median is reported with the per-token
 latency and the bytes of weights every token reads. Besides the variants the issue asks for
-(float, w8, w8a8, float + int8 cache, w8 + int8 cache, each in the layer layout
+(float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
+input rotations at every step, each in the layer layout
 `model.generate` picks by default) the other layout of float, w8 and w8a8 is timed too, so the
 file records what the per-layer layout changes, measured in the same run. The machine and
 its load average are recorded beside.
@@ -18,19 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from experiments import pretrained_lm
 from experiments.config import ConfigError, fail
-from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.convert import QuantConfig, QuantError
-from quant.dense import MIN_INT8_ROWS, int8_matmul
+from quant.modes import QuantError
 
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
@@ -43,6 +36,7 @@ VARIANTS = {
     "float+kv8": ("none", True, None, False),
     "w8+kv8": ("w8", True, None, False),
     "w8a8+head8": ("w8a8", False, None, True),
+    "w8a8-rotated": ("w8a8-rotated", False, None, False),
     "float-scan": ("none", False, False, False),
     "w8-per-layer": ("w8", False, True, False),
     "w8a8-per-layer": ("w8a8", False, True, False),
@@ -57,6 +51,7 @@ CHANGES = (
     ("int8 KV cache (float weights)", "float", "float+kv8"),
     ("int8 KV cache (w8 weights)", "w8", "w8+kv8"),
     ("tied head (49152 x 576 table) in int8 too (w8a8)", "w8a8", "w8a8+head8"),
+    ("rotated int8 inputs (w8a8-rotated against w8a8)", "w8a8", "w8a8-rotated"),
 )
 
 
@@ -88,55 +83,13 @@ def check(args) -> list[str]:
     return names
 
 
-def matvec_check(cfg, repeats: int) -> dict:
-    """One token through every block kernel of the model (random weights of its shapes: speed
-    does not depend on the values), interleaved: the float32 dot; the int8 dot on the single
-    row and with the row padded to `MIN_INT8_ROWS` (what `quant.dense.int8_matmul` does); and
-    two weight-only forms, a float row times the int8 kernel converted first (what `w8` runs)
-    or as a multiply-and-sum (which XLA fuses with the conversion). Median ms of `repeats`
-    calls each."""
-    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
-    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * cfg.n_layers
-    keys = jax.random.split(jax.random.key(0), len(shapes))
-    w_q = [jax.random.randint(k, s, -127, 128, jnp.int32).astype(jnp.int8)
-           for k, s in zip(keys, shapes, strict=True)]
-    w_f = [w.astype(jnp.float32) for w in w_q]
-
-    def chain(product):
-        @jax.jit
-        def fn(ws, x):  # each product's input depends on the last: nothing runs ahead
-            total = jnp.zeros((), jnp.float32)
-            for w in ws:
-                y = product(x[:, :w.shape[0]] + total.astype(x.dtype), w)
-                total = total + y[0, 0].astype(jnp.float32) * 1e-9
-            return total
-        return fn
-
-    x_f = jnp.ones((1, f), jnp.float32)
-    x_q = jnp.ones((1, f), jnp.int8)
-    cases = {"float32_dot": (chain(jnp.dot), w_f, x_f),
-             "int8_dot_1_row": (chain(lambda a, w: int8_matmul(a, w, min_rows=1)), w_q, x_q),
-             f"int8_dot_{MIN_INT8_ROWS}_rows": (chain(int8_matmul), w_q, x_q),
-             # weight-only (w8) candidates: float row times the int8 kernel
-             "w8_convert_then_dot": (chain(lambda a, w: jnp.dot(a, w.astype(jnp.float32))),
-                                     w_q, x_f),
-             "w8_multiply_sum": (chain(lambda a, w: jnp.sum(
-                 a.reshape(-1, 1) * w.astype(jnp.float32), axis=0, keepdims=True)), w_q, x_f)}
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for fn, ws, x in cases.values():
-        jax.block_until_ready(fn(ws, x))
-    for _ in range(repeats):
-        for name, (fn, ws, x) in cases.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(ws, x))
-            times[name].append(time.perf_counter() - t0)
-    out = {"kernels": len(shapes), "int8_bytes": int(sum(w.size for w in w_q)),
-           "ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()}}
-    del w_f, w_q
-    return out
-
-
 def run(args, names: list[str]) -> dict:
+    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    from experiments import pretrained_lm
+    from experiments.block_matvec import matvec_check
+    from experiments.machine import describe
+    from quant.convert import QuantConfig
+
     load_before = os.getloadavg()[0]
     float_model = pretrained_lm.load(n_layers=args.layers)
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).

@@ -23,19 +23,8 @@ import argparse
 import json
 import sys
 
-from experiments import runtime
 from experiments.config import fail
-from experiments.minilm import (
-    convert,
-    default_devices,
-    encode,
-    load_encoder,
-    make_encode_fn,
-    place,
-    quantize_encoder,
-)
-from model.hf_bert import CheckpointError
-from quant.convert import ALL_MODES, QuantError
+from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.embed"
 
@@ -68,8 +57,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     for i, t in enumerate(args.text):
         if not t.strip():
             fail(PROG, f"text {i}: empty; give at least one non-blank character")
+    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    from experiments import runtime
+    from experiments.minilm import (
+        convert,
+        default_devices,
+        encode,
+        load_encoder,
+        make_encode_fn,
+        place,
+        quantize_encoder,
+    )
+    from model.hf_bert import CheckpointError
+
     devices = args.devices if args.devices is not None else default_devices()
-    runtime.start(devices)  # XLA_FLAGS before JAX starts
+    runtime.start(devices)  # XLA_FLAGS before JAX's backend starts
 
     try:
         if args.convert:

@@ -45,7 +45,7 @@ from quant.pipeline import param_bytes
 PROG = "experiments.embed_fidelity"
 RESULTS = results_path("embed_fidelity.json")
 DEFAULT_MODES = ("w8", "w8a8-tensor", "w8a8", "w8a8-static", "smoothquant", "w8a8-outlier",
-                 "auto")
+                 "auto", "w8a8-rotated")
 
 
 def build_parser() -> argparse.ArgumentParser:

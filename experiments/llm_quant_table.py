@@ -25,7 +25,7 @@ from quant.modes import MODES, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
-SPEED_MODES = ("none", "w8", "w8a8")
+SPEED_MODES = ("none", "w8", "w8a8", "w8a8-rotated")
 
 
 def main(argv: list[str] | None = None) -> dict:

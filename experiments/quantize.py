@@ -16,13 +16,8 @@ import argparse
 import json
 import sys
 
-from experiments import runtime
-from experiments.config import ConfigError, add_field_flags, fail, field_overrides
-from experiments.restore import calibration_rows, restore_params
-from quant import checkpoint as qckpt
-from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
-from quant.pipeline import dense_bytes, param_bytes
-from quant.stored import quantize_with_meta, save_atomic
+from experiments.config import ConfigError, add_field_flags, fail, field_overrides, load_config
+from quant.modes import MODES, QuantConfig, QuantError
 
 PROG = "experiments.quantize"
 
@@ -42,14 +37,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.override_mode is None:
         fail(PROG, f"mode: required; allowed {', '.join(MODES)}")
+    if args.devices is not None and args.devices < 1:
+        fail(PROG, f"devices={args.devices}: must be a positive integer")
     try:
         qcfg = QuantConfig(**field_overrides(args, QuantConfig))
         qcfg.validate()
-    except QuantError as e:
+        cfg = load_config(args.workdir)
+    except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
+    # JAX starts here, after the flags and the work dir's config are checked.
+    from experiments import runtime
+    from experiments.restore import calibration_rows, restore_params
+    from quant import checkpoint as qckpt
+    from quant.convert import quantized_fraction
+    from quant.pipeline import dense_bytes, param_bytes
+    from quant.stored import quantize_with_meta, save_atomic
+
     runtime.start(args.devices)
     try:
-        model = restore_params(args.workdir, step=args.step, devices=args.devices)
+        model = restore_params(args.workdir, cfg, step=args.step, devices=args.devices)
         batches, calibration = calibration_rows(model.cfg, qcfg.calib_batches)
         _, qparams, plan, report, meta = quantize_with_meta(
             model.graphdef, model.params, qcfg, batches, model.cfg.model, calibration,

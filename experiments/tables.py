@@ -703,8 +703,9 @@ def headline(results: Path) -> str:
     def quant(d):
         r = {x["quant"]: x["perplexity"] for x in d["rows"]}
         return (", ".join(f"{m} {r[m]:.2f}" for m in ("none", "w8a8-tensor", "w8a8",
-                                                       "smoothquant") if m in r),
-                "SmoothQuant's ordering: per-tensor ruined, per-token degraded, smoothed ≈ float")
+                                                       "smoothquant", "w8a8-rotated") if m in r),
+                "SmoothQuant's ordering: per-tensor ruined, per-token degraded, smoothed ≈ "
+                "float; QuaRot's: rotated ≈ float")
 
     def crosscheck(d):
         r = {x["variant"]: x for x in d["rows"]}["w8a8"]
@@ -736,7 +737,8 @@ def headline(results: Path) -> str:
 
     def decode(d):
         r = {x["variant"]: x["tokens_per_s"] for x in d["variants"]}
-        return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f} tokens/s",
+        rotated = f", w8a8-rotated {r['w8a8-rotated']:.1f}" if "w8a8-rotated" in r else ""
+        return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f}{rotated} tokens/s",
                 "int8 should beat float (memory-bound)")
 
     row("zero_memory.json", "model state per device, 7.5B on 64 devices, dp / zero1 / zero2 / "

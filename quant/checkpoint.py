@@ -5,11 +5,13 @@
                    QuantDense: kernel_q int8 [layers, in, out], kernel_scale float32
                    [layers, out] (per tensor: [layers, 1]), act_scale float32 [layers] (static
                    mode), kernel_float + keep_float (auto mode, layers kept in float);
+                   (mode w8a8-rotated: kernel_q is the int8 Rᵀ W, `quant/rotation.py`);
                    QuantEmbed: embedding_q int8 [vocab, embed], row_scale float32 [vocab];
                    everything else (norm scales, unquantised Dense) as in the float model.
     ckpt/meta/     Orbax JSON: format, quantisation config, plan (per module: activation mode,
-                   outlier threshold and capacity, float layers), model config, source step,
-                   calibration data (sampler seed, start position, batches x batch size).
+                   outlier threshold and capacity, float layers, rotation), model config,
+                   source step, calibration data (sampler seed, start position, batches x
+                   batch size).
     report.json    per-layer error report (also written by experiments.quantize).
 
 The quantised model's structure is rebuilt from the model config and the plan; the reader's
@@ -33,9 +35,11 @@ from parallel.state import logical_shardings, logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
 # /2 added the outlier capacity to the plan and made kept layers' kernels bf16. A /1 plan has no
-# capacity, so its outlier split runs uncapped, as it was written.
-FORMAT = "shardq-int8/2"
-READABLE = ("shardq-int8/1", FORMAT)
+# capacity, so its outlier split runs uncapped, as it was written. /3 added `rotate` to the plan
+# (its kernels hold Rᵀ W: a reader that ignored the key would compute garbage, so /2 readers
+# must refuse it); a plan without the key is unrotated.
+FORMAT = "shardq-int8/3"
+READABLE = ("shardq-int8/1", "shardq-int8/2", FORMAT)
 
 
 def quant_dir(workdir: str | Path, mode: str) -> Path:

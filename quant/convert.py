@@ -6,11 +6,13 @@ the quantised model's structure (`build_abstract`), which is how a checkpoint is
 
 Paths are the module paths of `DecoderLM` joined by "/": "blocks/attn/q", "blocks/mlp/down",
 "head", "embed". Rules are fnmatch patterns; the default selects every Dense of the blocks.
+
+`QuantConfig` and the mode table live in the JAX-free `quant.modes` (launchers check their flags
+before JAX starts) and are imported from here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 
@@ -22,76 +24,8 @@ from flax import nnx
 from model.layers import Dense, Embed
 from quant import quantizers as qz
 from quant.dense import QuantDense, QuantEmbed
-from quant.modes import ALL_MODES, MODES, QuantError  # noqa: F401  (also imported from here)
-
-DEFAULT_RULES = ("blocks/*",)
-
-
-def _field(default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text})
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantConfig:
-    """How a float model becomes int8; each field's `help` is also its command-line help."""
-    mode: str = _field("w8a8", f"one of {', '.join(MODES)}")
-    weights: str = _field("channel", "weight scales: channel | tensor")
-    clip_search: bool = _field(False, "search the weight clipping ratio that minimises the "
-                                      "squared error")
-    alpha: float = _field(0.5, "SmoothQuant migration strength")
-    outlier_threshold: float = _field(6.0, "w8a8-outlier: |x| at or above which an input "
-                                           "column is multiplied in float")
-    outlier_capacity: float = _field(0.0625, "w8a8-outlier: largest share of a layer's input "
-                                             "columns that may take the float path (static "
-                                             "shapes need a cap)")
-    error_budget: float = _field(0.02, "auto: relative RMS output error above which a layer "
-                                       "stays float")
-    rules: tuple[str, ...] = _field(DEFAULT_RULES, "comma-separated path rules of the modules to "
-                                                   "quantise, e.g. 'blocks/*,head,embed'")
-    calib_batches: int = _field(8, "calibration batches")
-
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise QuantError(f"mode={self.mode!r}: allowed {', '.join(ALL_MODES)}")
-        if self.weights not in ("channel", "tensor"):
-            raise QuantError(f"weights={self.weights!r}: allowed channel, tensor")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise QuantError(f"alpha={self.alpha}: must be in [0, 1]")
-        if not self.outlier_threshold > 0:
-            raise QuantError(f"outlier_threshold={self.outlier_threshold}: must be positive")
-        if not 0.0 < self.outlier_capacity <= 1.0:
-            raise QuantError(f"outlier_capacity={self.outlier_capacity}: must be in (0, 1]")
-        if not self.error_budget > 0:
-            raise QuantError(f"error_budget={self.error_budget}: must be positive")
-        if self.calib_batches < 1:
-            raise QuantError(f"calib_batches={self.calib_batches}: must be a positive integer")
-
-    @property
-    def act(self) -> str:
-        return MODES[self.mode][0]
-
-    @property
-    def smooth(self) -> bool:
-        return MODES[self.mode][1]
-
-    @property
-    def outliers(self) -> bool:
-        return MODES[self.mode][2]
-
-    @property
-    def auto(self) -> bool:
-        return MODES[self.mode][3]
-
-    def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "rules": list(self.rules)}
-
-    @staticmethod
-    def from_json(d: dict) -> QuantConfig:
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(QuantConfig)})
-        if unknown:
-            raise QuantError(f"quant_config: unknown field(s) {', '.join(unknown)}; written by a "
-                             f"newer version of shardq?")
-        return QuantConfig(**{**d, "rules": tuple(d.get("rules", DEFAULT_RULES))})
+from quant.modes import ALL_MODES, DEFAULT_RULES, MODES, QuantConfig, QuantError  # noqa: F401
+from quant.rotation import rotate_kernel
 
 
 def module_path(path: tuple) -> str:
@@ -116,8 +50,9 @@ def set_module(model: nnx.Module, path: str, new: nnx.Module) -> None:
 
 
 def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
-    """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers"}} for the
-    selected modules (capacity: how many input columns may take the float path)."""
+    """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers", "rotate"}}
+    for the selected modules (capacity: how many input columns may take the float path; rotate:
+    the int8 product takes rotated inputs, `quant/rotation.py`)."""
     qcfg.validate()
     candidates = linear_modules(model)
     selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
@@ -133,7 +68,8 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
                       "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None,
                       "outlier_capacity": (max(1, math.ceil(qcfg.outlier_capacity * in_features))
-                                           if qcfg.outliers else None)}
+                                           if qcfg.outliers else None),
+                      "rotate": qcfg.rotate}
     return plan
 
 
@@ -162,7 +98,11 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                          f"quantised")
     axes = tuple(dense.kernel.get_metadata()["out_sharding"])
     lead = w.shape[:-2]
-    scale = _weight_scale(w, qcfg)
+    rotate = bool(entry.get("rotate", False))  # plans written before rotation have no key
+    # The int8 kernel is Rᵀ W; the bf16 copy kept for `auto`'s float layers stays W (the float
+    # path multiplies the unrotated input).
+    w_int = rotate_kernel(w) if rotate else w
+    scale = _weight_scale(w_int, qcfg)
     act_scale = None
     if entry["act"] == "static":
         act_scale = (qz.scale_from_absmax(act_absmax) if act_absmax is not None
@@ -176,11 +116,11 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
         # per parameter; `param_bytes` counts them).
         kernel_float, keep_float = w.astype(jnp.bfloat16), jnp.asarray(keep)
     bias = dense.bias[...] if dense.bias is not None else None
-    return QuantDense(qz.quantize(w, scale), scale, kernel_axes=axes,
+    return QuantDense(qz.quantize(w_int, scale), scale, kernel_axes=axes,
                       compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
                       outlier_threshold=entry["outlier_threshold"],
                       outlier_capacity=entry.get("outlier_capacity"), kernel_float=kernel_float,
-                      keep_float=keep_float, bias=bias)
+                      keep_float=keep_float, bias=bias, rotate=rotate)
 
 
 def quantize_embed(embed: Embed, act: str = "token") -> QuantEmbed:

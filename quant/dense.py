@@ -16,7 +16,9 @@ columns (the largest by |x|) take the float path: they are gathered, with their 
 into a [tokens, capacity] x [capacity, out] float product (capacity/in of a float layer's work).
 Should more columns exceed the threshold, the rest stay in int8 (the per-token scale then
 covers them: correct, as accurate as plain w8a8). `has_float` adds a per-layer switch to a
-bf16 kernel (the automatic precision choice keeps over-budget layers there).
+bf16 kernel (the automatic precision choice keeps over-budget layers there). `rotate` makes the
+int8 product take x R against a kernel stored as Rᵀ W (R orthogonal, `quant/rotation.py`): same
+product, evener channels to quantise; the float paths keep x and W.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flax import nnx
 
 from model.layers import Axes, dtype_of, param
 from quant import quantizers as qz
+from quant import rotation
 
 ACT_MODES = ("none", "token", "tensor", "static")
 
@@ -85,7 +88,8 @@ class QuantDense(nnx.Module):
                  compute_dtype: str, act: str = "token", act_scale: jax.Array | None = None,
                  outlier_threshold: float | None = None, outlier_capacity: int | None = None,
                  kernel_float: jax.Array | None = None,
-                 keep_float: jax.Array | None = None, bias: jax.Array | None = None):
+                 keep_float: jax.Array | None = None, bias: jax.Array | None = None,
+                 rotate: bool = False):
         if act not in ACT_MODES:
             raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
         if kernel_q.dtype != jnp.int8:
@@ -94,6 +98,7 @@ class QuantDense(nnx.Module):
         self.in_features, self.out_features = kernel_q.shape[-2:]
         self.compute_dtype = compute_dtype
         self.act = act
+        self.rotate = rotate
         self.outlier_threshold = outlier_threshold
         # None means every column may be an outlier (exact LLM.int8(), a full float product).
         self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
@@ -109,6 +114,8 @@ class QuantDense(nnx.Module):
         self.bias = param(bias, lead + tuple(kernel_axes[-1:])) if bias is not None else None
 
     def _int_path(self, x2: jax.Array) -> jax.Array:
+        if self.rotate:
+            x2 = rotation.rotate(x2.astype(jnp.float32))
         w_q = self.kernel_q[...]
         w_scale = self.kernel_scale[...].reshape(1, -1)
         act_scale = self.act_scale[...] if self.act_scale is not None else None

@@ -1,20 +1,98 @@
-"""The int8 modes by name and the one quantisation error: no JAX here, so a launcher can check
-its flags (and refuse them) before JAX starts."""
+"""The int8 modes by name, the quantisation config and the one quantisation error: no JAX here,
+so a launcher can check its flags (and refuse them) before JAX starts."""
 
 from __future__ import annotations
 
-# mode -> (activation quantisation, SmoothQuant folding, LLM.int8() outliers, auto precision)
-MODES: dict[str, tuple[str, bool, bool, bool]] = {
-    "w8": ("none", False, False, False),
-    "w8a8-tensor": ("tensor", False, False, False),
-    "w8a8": ("token", False, False, False),
-    "w8a8-static": ("static", False, False, False),
-    "smoothquant": ("token", True, False, False),
-    "w8a8-outlier": ("token", False, True, False),
-    "auto": ("token", True, False, True),
+import dataclasses
+
+# mode -> (activation quantisation, SmoothQuant folding, LLM.int8() outliers, auto precision,
+#          rotated inputs)
+MODES: dict[str, tuple[str, bool, bool, bool, bool]] = {
+    "w8": ("none", False, False, False, False),
+    "w8a8-tensor": ("tensor", False, False, False, False),
+    "w8a8": ("token", False, False, False, False),
+    "w8a8-static": ("static", False, False, False, False),
+    "smoothquant": ("token", True, False, False, False),
+    "w8a8-outlier": ("token", False, True, False, False),
+    "auto": ("token", True, False, True, False),
+    "w8a8-rotated": ("token", False, False, False, True),
 }
 ALL_MODES = ("none",) + tuple(MODES)
 
 
 class QuantError(ValueError):
     """Bad input for quantisation: launchers print it on one line and exit 2."""
+
+
+DEFAULT_RULES = ("blocks/*",)
+
+
+def _field(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How a float model becomes int8; each field's `help` is also its command-line help."""
+    mode: str = _field("w8a8", f"one of {', '.join(MODES)}")
+    weights: str = _field("channel", "weight scales: channel | tensor")
+    clip_search: bool = _field(False, "search the weight clipping ratio that minimises the "
+                                      "squared error")
+    alpha: float = _field(0.5, "SmoothQuant migration strength")
+    outlier_threshold: float = _field(6.0, "w8a8-outlier: |x| at or above which an input "
+                                           "column is multiplied in float")
+    outlier_capacity: float = _field(0.0625, "w8a8-outlier: largest share of a layer's input "
+                                             "columns that may take the float path (static "
+                                             "shapes need a cap)")
+    error_budget: float = _field(0.02, "auto: relative RMS output error above which a layer "
+                                       "stays float")
+    rules: tuple[str, ...] = _field(DEFAULT_RULES, "comma-separated path rules of the modules to "
+                                                   "quantise, e.g. 'blocks/*,head,embed'")
+    calib_batches: int = _field(8, "calibration batches")
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise QuantError(f"mode={self.mode!r}: allowed {', '.join(ALL_MODES)}")
+        if self.weights not in ("channel", "tensor"):
+            raise QuantError(f"weights={self.weights!r}: allowed channel, tensor")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise QuantError(f"alpha={self.alpha}: must be in [0, 1]")
+        if not self.outlier_threshold > 0:
+            raise QuantError(f"outlier_threshold={self.outlier_threshold}: must be positive")
+        if not 0.0 < self.outlier_capacity <= 1.0:
+            raise QuantError(f"outlier_capacity={self.outlier_capacity}: must be in (0, 1]")
+        if not self.error_budget > 0:
+            raise QuantError(f"error_budget={self.error_budget}: must be positive")
+        if self.calib_batches < 1:
+            raise QuantError(f"calib_batches={self.calib_batches}: must be a positive integer")
+
+    @property
+    def act(self) -> str:
+        return MODES[self.mode][0]
+
+    @property
+    def smooth(self) -> bool:
+        return MODES[self.mode][1]
+
+    @property
+    def outliers(self) -> bool:
+        return MODES[self.mode][2]
+
+    @property
+    def auto(self) -> bool:
+        return MODES[self.mode][3]
+
+    @property
+    def rotate(self) -> bool:
+        return MODES[self.mode][4]
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "rules": list(self.rules)}
+
+    @staticmethod
+    def from_json(d: dict) -> QuantConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(QuantConfig)})
+        if unknown:
+            raise QuantError(f"quant_config: unknown field(s) {', '.join(unknown)}; written by a "
+                             f"newer version of shardq?")
+        return QuantConfig(**{**d, "rules": tuple(d.get("rules", DEFAULT_RULES))})

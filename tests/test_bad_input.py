@@ -218,6 +218,11 @@ EARLY_REFUSALS = [
     ("chat", ["--prompt", " "]),
     ("chat_replies", ["--modes", "w4", "--out", "{out}"]),
     ("llm_quant_table", ["--layers", "0", "--out", "{out}"]),
+    ("bench_decode", ["--repeats", "0", "--out", "{out}"]),
+    ("quantize", ["--workdir", "{fresh}", "--mode", "w4"]),
+    ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8"]),  # no config.json there
+    ("embed", ["--quant", "w4", "--text", "a"]),
+    ("embed", ["--text", " "]),
 ]
 
 

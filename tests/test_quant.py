@@ -31,6 +31,7 @@ from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quanti
 from quant.dense import QuantDense, int8_matmul, quantized_product
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import dense_bytes, quantize
+from quant.rotation import rotate_kernel
 from quant.smoothquant import fold
 from tests.helpers import TINY, run_steps, synthetic_batches
 
@@ -291,7 +292,7 @@ def test_smoothquant_folding_leaves_the_float_function_unchanged(float_model, ba
 
 
 @pytest.mark.parametrize("mode", ["w8", "w8a8-tensor", "w8a8", "w8a8-static", "smoothquant",
-                                  "w8a8-outlier", "auto"])
+                                  "w8a8-outlier", "auto", "w8a8-rotated"])
 def test_every_mode_tracks_the_float_model(float_model, batches, mode):
     graphdef, params = float_model
     g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode), batches[:2])
@@ -462,9 +463,10 @@ def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
     assert float_disk / qckpt.disk_bytes(tmp_path / "q" / "ckpt") > 2.0
 
 
-@pytest.mark.parametrize("mode,extra", [("w8a8-outlier", {}), ("auto", {"error_budget": 0.006})])
-def test_checkpoint_round_trip_keeps_outlier_capacity_and_kept_layers(tmp_path, float_model,
-                                                                      batches, mode, extra):
+@pytest.mark.parametrize("mode,extra", [("w8a8-outlier", {}), ("auto", {"error_budget": 0.006}),
+                                        ("w8a8-rotated", {})])
+def test_checkpoint_round_trip_keeps_capacity_kept_layers_and_rotation(tmp_path, float_model,
+                                                                       batches, mode, extra):
     graphdef, params = float_model
     qcfg = QuantConfig(mode=mode, **extra)
     g, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
@@ -472,10 +474,17 @@ def test_checkpoint_round_trip_keeps_outlier_capacity_and_kept_layers(tmp_path, 
     g2, q2, meta = qckpt.load(tmp_path / "q", CFG)
     assert meta["plan"] == plan and QuantConfig.from_json(meta["quant_config"]) == qcfg
     assert_identical(q, q2)
+    down = nnx.merge(g2, q2).blocks.mlp.down
+    assert down.rotate == (mode == "w8a8-rotated")
     if mode == "auto":
         assert any(e["float_layers"] for e in plan.values())
-    else:
-        assert nnx.merge(g2, q2).blocks.mlp.down.outlier_capacity == -(-CFG.d_ff // 16)
+    elif mode == "w8a8-outlier":
+        assert down.outlier_capacity == -(-CFG.d_ff // 16)
+    else:  # the stored kernel is the rotated one, Rᵀ W, and the model reads it back as such
+        w = params["blocks"]["mlp"]["down"]["kernel"]
+        np.testing.assert_array_equal(q2["blocks"]["mlp"]["down"]["kernel_q"],
+                                      qz.quantize(rotate_kernel(w), qz.weight_scale(
+                                          rotate_kernel(w))))
     tokens = batches[-1][:, :-1]
     np.testing.assert_allclose(logits(g2, q2, tokens), logits(g, q, tokens), rtol=1e-6)
 
@@ -485,11 +494,12 @@ def test_format_1_checkpoint_loads_uncapped_and_unknown_fields_are_refused(tmp_p
     graphdef, params = float_model
     qcfg = QuantConfig(mode="w8a8-outlier")
     _, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
-    drop = lambda d: {k: v for k, v in d.items() if k != "outlier_capacity"}
+    drop = lambda d: {k: v for k, v in d.items() if k not in ("outlier_capacity", "rotate")}
     save_plan(tmp_path / "v1", q, {p: drop(e) for p, e in plan.items()}, drop(qcfg.to_json()),
               fmt="shardq-int8/1")
     g1, q1, _ = qckpt.load(tmp_path / "v1", CFG)
-    assert nnx.merge(g1, q1).blocks.mlp.down.outlier_capacity == CFG.d_ff  # as written
+    down = nnx.merge(g1, q1).blocks.mlp.down
+    assert down.outlier_capacity == CFG.d_ff and not down.rotate  # as written
     save_plan(tmp_path / "new", q, plan, {**qcfg.to_json(), "group_size": 128})
     with pytest.raises(QuantError, match="quant_config: unknown field.*group_size"):
         qckpt.load(tmp_path / "new", CFG)

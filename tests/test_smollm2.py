@@ -122,6 +122,21 @@ def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
     assert abs(got["mean_nll"] - ref["mean_nll"]) < 0.02 * ref["mean_nll"]
 
 
+def test_rotated_inputs_cut_the_int8_error_on_the_real_model(truncated):
+    """On SmolLM2's own weights and activations (the truncated model, every fixture text of more
+    than one token), rotating the int8 products' inputs cuts plain per-token w8a8's change of
+    the mean NLL several-fold (measured: 0.117 -> 0.027 nats on average)."""
+    ids = [t for t in FIXTURE["tokens"] if len(t) > 1]
+    ref = np.array([r["mean_nll"] for r in pretrained_lm.score_ids(truncated, ids)])
+    change = {}
+    for mode in ("w8a8", "w8a8-rotated"):
+        q = pretrained_lm.quantize(truncated, mode, QuantConfig(mode=mode))
+        got = np.array([r["mean_nll"] for r in pretrained_lm.score_ids(q, ids)])
+        change[mode] = float(np.mean(np.abs(got - ref)))
+    assert change["w8a8-rotated"] < 0.4 * change["w8a8"], change
+    assert change["w8a8-rotated"] < 0.05, change
+
+
 def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch):
     """chat / score / perplexity --quant w8a8 read no calibration rows: quantising runs no
     eager pass (about half a minute on the full model) unless the error report is asked for,

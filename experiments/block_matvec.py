@@ -1,0 +1,61 @@
+"""One token through every block kernel of a decoder, per product form: what batch-1 decoding's
+matrix-vector products cost on this host, apart from the rest of the model
+(`experiments.bench_decode` records it beside the decoding speeds)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from quant.dense import MIN_INT8_ROWS, int8_matmul
+
+
+def matvec_check(cfg, repeats: int) -> dict:
+    """One token through every block kernel of the model (random weights of its shapes: speed
+    does not depend on the values), interleaved: the float32 dot; the int8 dot on the single
+    row and with the row padded to `MIN_INT8_ROWS` (what `quant.dense.int8_matmul` does); and
+    two weight-only forms, a float row times the int8 kernel converted first (what `w8` runs)
+    or as a multiply-and-sum (which XLA fuses with the conversion). Median ms of `repeats`
+    calls each."""
+    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * cfg.n_layers
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    w_q = [jax.random.randint(k, s, -127, 128, jnp.int32).astype(jnp.int8)
+           for k, s in zip(keys, shapes, strict=True)]
+    w_f = [w.astype(jnp.float32) for w in w_q]
+
+    def chain(product):
+        @jax.jit
+        def fn(ws, x):  # each product's input depends on the last: nothing runs ahead
+            total = jnp.zeros((), jnp.float32)
+            for w in ws:
+                y = product(x[:, :w.shape[0]] + total.astype(x.dtype), w)
+                total = total + y[0, 0].astype(jnp.float32) * 1e-9
+            return total
+        return fn
+
+    x_f = jnp.ones((1, f), jnp.float32)
+    x_q = jnp.ones((1, f), jnp.int8)
+    cases = {"float32_dot": (chain(jnp.dot), w_f, x_f),
+             "int8_dot_1_row": (chain(lambda a, w: int8_matmul(a, w, min_rows=1)), w_q, x_q),
+             f"int8_dot_{MIN_INT8_ROWS}_rows": (chain(int8_matmul), w_q, x_q),
+             # weight-only (w8) candidates: float row times the int8 kernel
+             "w8_convert_then_dot": (chain(lambda a, w: jnp.dot(a, w.astype(jnp.float32))),
+                                     w_q, x_f),
+             "w8_multiply_sum": (chain(lambda a, w: jnp.sum(
+                 a.reshape(-1, 1) * w.astype(jnp.float32), axis=0, keepdims=True)), w_q, x_f)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn, ws, x in cases.values():
+        jax.block_until_ready(fn(ws, x))
+    for _ in range(repeats):
+        for name, (fn, ws, x) in cases.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(ws, x))
+            times[name].append(time.perf_counter() - t0)
+    out = {"kernels": len(shapes), "int8_bytes": int(sum(w.size for w in w_q)),
+           "ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()}}
+    del w_f, w_q
+    return out
