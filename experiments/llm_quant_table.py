@@ -38,11 +38,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=64, help="decoding benchmark length")
     p.add_argument("--no-sensitivity", action="store_true",
                    help="skip w8a8 with each group of layers left float (4 more evaluations)")
+    p.add_argument("--rotation-seeds", type=int, default=8,
+                   help="w8a8-rotated again with the random-sign rotations of seeds 1..N (how "
+                        "much its figure owes to the one rotation; 0 skips)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
         model_flags.check_model_flags(args)
         modes = model_flags.parse_modes(args.modes)
+        if args.rotation_seeds < 0:
+            raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
         from experiments.machine import describe
@@ -69,6 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
             for r in out["rows"]:
                 r["vs_float_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
             write_result(args.out, out)  # after every mode: a long run keeps what it measured
+        if args.rotation_seeds and "w8a8-rotated" in modes:
+            out["rotation_seeds"] = []
+            for seed in tqdm(range(1, args.rotation_seeds + 1), desc="w8a8-rotated seeds",
+                             unit="seed"):
+                pre = pretrained_lm.quantize(float_model, "w8a8-rotated", QuantConfig(
+                    mode="w8a8-rotated", rotation_seed=seed))
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                out["rotation_seeds"].append(
+                    {"seed": seed, **row, "vs_float_pct": 100.0 * (row["perplexity"] / base - 1.0)})
+                write_result(args.out, out)
         if not args.no_sensitivity and "w8a8" in modes:
             out["w8a8_sensitivity"] = []
             groups = pretrained_lm.SENSITIVITY_GROUPS

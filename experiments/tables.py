@@ -204,6 +204,14 @@ def smollm2_quant(d: dict) -> str:
             removed = 1 - r["vs_float_pct"] / w8a8["vs_float_pct"]
             rows.append(f"| {r['float_group']} | {r['perplexity']:.3f} | "
                         f"{r['vs_float_pct']:+.2f}% | {removed:.0%} |")
+    if d.get("rotation_seeds"):
+        seeds = d["rotation_seeds"]
+        h = next(r for r in d["rows"] if r["quant"] == "w8a8-rotated")
+        pct = sorted(r["vs_float_pct"] for r in seeds)
+        rows += ["", f"w8a8-rotated with the plain Hadamard rotation: {h['vs_float_pct']:+.2f}%; "
+                 f"with random signs before it (seeds {seeds[0]['seed']}–{seeds[-1]['seed']}): "
+                 f"{pct[0]:+.2f}% to {pct[-1]:+.2f}%, median "
+                 f"{statistics.median(pct):+.2f}%."]
     rows += ["", *_head("decoding, batch 1 (greedy, 64 new tokens)", "KV cache", "tokens/s")]
     for r in d["decoding"]:
         rows.append(f"| {r['quant']} | {'int8' if r['kv_int8'] else 'float'} | "
@@ -708,9 +716,12 @@ def headline(results: Path) -> str:
                 "float; QuaRot's: rotated ≈ float")
 
     def crosscheck(d):
-        r = {x["variant"]: x for x in d["rows"]}["w8a8"]
-        return (f"{r['ours']['vs_float_pct']:+.2f}%",
-                f"{r['transformers']['vs_float_pct']:+.2f}% (W8A8 in transformers, same windows)")
+        rows = {x["variant"]: x for x in d["rows"]}
+        shown = [v for v in ("w8a8", "w8a8-rotated") if v in rows]
+        ours = " / ".join(f"{rows[v]['ours']['vs_float_pct']:+.2f}%" for v in shown)
+        theirs = " / ".join(f"{rows[v]['transformers']['vs_float_pct']:+.2f}%" for v in shown)
+        return (f"{ours} ({' / '.join(shown)})",
+                f"{theirs} (the same in transformers, same windows)")
 
     def encoder(d):
         r = {x["mode"]: x["mean_cosine"] for x in d["results"]}
@@ -753,8 +764,8 @@ def headline(results: Path) -> str:
         lambda d: (f"max Δ mean NLL {d['max_abs_nll_diff']:.1e} nats, next tokens "
                    f"{d['next_identical']}/{d['texts']}", "transformers on the same GGUF"))
     row("smollm2_quant.json", "SmolLM2 perplexity, float and int8", quant)
-    row("smollm2_w8a8_crosscheck.json", "SmolLM2 plain per-token w8a8, perplexity vs float",
-        crosscheck)
+    row("smollm2_w8a8_crosscheck.json", "SmolLM2 per-token w8a8, plain and rotated, perplexity "
+        "vs float", crosscheck)
     row("embed_fidelity.json", "MiniLM int8 embeddings, mean cosine to float", encoder)
     row("finetune_smollm2.json", "SmolLM2 fine-tuned under zero3, held-out perplexity",
         lambda d: (f"{d['perplexity_before']:.2f} → {d['perplexity_after']:.2f}",

@@ -13,7 +13,12 @@ Every other Linear of the blocks is replaced by a W8A8 one written here from the
 not from `quant/`: weights rounded to integers per output channel (absmax / 127), activations
 per token (or per tensor) at run time, the integer product computed exactly (float64 holds
 every int8 x int8 sum of these widths exactly), then scaled back. The head (tied to the
-embedding) stays float, as under the project's default rules.
+embedding) stays float, as under the project's default rules. A variant with "rotate" first
+multiplies each Linear's input by an orthogonal Hadamard matrix H and its weight by H (x W^T =
+(x H)(W H)^T): H is built here, Paley's construction Kronecker Sylvester's power-of-two part,
+the matrix quant/rotation.py builds with its own code (so the two sides quantise the same
+rotated values; how much the figure owes to that one matrix, experiments.llm_quant_table
+measures with random-sign rotations).
 """
 
 from __future__ import annotations
@@ -45,6 +50,37 @@ def _round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x / scale), -QMAX, QMAX)  # round half to even
 
 
+def _legendre(a: int, q: int) -> int:
+    a %= q
+    return 0 if a == 0 else (1 if pow(a, (q - 1) // 2, q) == 1 else -1)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """An orthonormal float64 Hadamard matrix of order n = 2^k * m, m = 1 or m - 1 a prime
+    = 3 (mod 4) (Sylvester times Paley's first construction); refuses other orders."""
+    two = n & -n
+    m = n // two
+    while m > 1 and (m % 4 or any((m - 1) % d == 0 for d in range(2, int((m - 1) ** 0.5) + 1))
+                     or (m - 1) % 4 != 3):
+        if two == 1:
+            raise ValueError(f"no Hadamard construction here for order {n}")
+        two, m = two // 2, m * 2
+    h = torch.ones(1, 1, dtype=torch.float64)
+    if m > 1:
+        q = m - 1
+        core = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)],
+                            dtype=torch.float64)
+        h = torch.eye(m, dtype=torch.float64)
+        h[0, 1:], h[1:, 0] = 1.0, -1.0
+        h[1:, 1:] += core
+    while h.shape[0] < n:  # Sylvester: H -> [[H, H], [H, -H]] on the right of the Kronecker
+        h = torch.kron(h, torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64))
+    h = h / n ** 0.5
+    if not torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-9):
+        raise AssertionError(f"the order-{n} construction is not orthogonal")
+    return h
+
+
 class W8A8Linear(nn.Module):
     """y = (round(x / s_x) @ round(W / s_w)^T) * s_x * s_w^T. The integer-valued operands are
     multiplied in float64, which holds every sum exactly (|sum| <= 127 * 127 * 1536 < 2**53): the
@@ -52,7 +88,8 @@ class W8A8Linear(nn.Module):
     or float32 as the project computes them (which values land on which side of a rounding
     boundary differs between the two: the spread says how much that alone moves a figure)."""
 
-    def __init__(self, linear: nn.Linear, act: str, quotient: str = "float64"):
+    def __init__(self, linear: nn.Linear, act: str, quotient: str = "float64",
+                 rotate: bool = False):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("the Llama block Linear layers have no bias")
@@ -60,12 +97,15 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"act={act!r}: allowed token, tensor")
         self.dtype = {"float64": torch.float64, "float32": torch.float32}[quotient]
         w = linear.weight.detach().to(self.dtype)  # [out, in]
+        self.h = hadamard(w.shape[1]) if rotate else None
+        if self.h is not None:
+            w = (w.double() @ self.h).to(self.dtype)
         self.s_w = _scale(w.abs().amax(dim=1, keepdim=True))  # per output channel [out, 1]
         self.w_q = _round(w, self.s_w).double()
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xd = x.to(self.dtype)
+        xd = x.to(self.dtype) if self.h is None else (x.double() @ self.h).to(self.dtype)
         absmax = xd.abs().amax(dim=-1, keepdim=True) if self.act == "token" else xd.abs().amax()
         s_x = _scale(absmax)
         acc = (_round(xd, s_x).double() @ self.w_q.T).to(self.dtype)
@@ -87,7 +127,8 @@ def load_model(layers: int | None):
                                                 torch_dtype=torch.float32, **extra).eval()
 
 
-def quantize(model, act: str | None, float_groups: list[str], quotient: str = "float64") -> int:
+def quantize(model, act: str | None, float_groups: list[str], quotient: str = "float64",
+             rotate: bool = False) -> int:
     """Swap the block Linear layers (all but `float_groups`) for W8A8 ones; returns how many."""
     if act is None:
         return 0
@@ -98,7 +139,7 @@ def quantize(model, act: str | None, float_groups: list[str], quotient: str = "f
                 continue
             parent_name, attr = path.split(".")
             parent = getattr(block, parent_name)
-            setattr(parent, attr, W8A8Linear(getattr(parent, attr), act, quotient))
+            setattr(parent, attr, W8A8Linear(getattr(parent, attr), act, quotient, rotate))
             swapped += 1
     return swapped
 
@@ -127,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         for quotient in req["quotients"] if v["act"] else ["float64"]:
             t0 = time.perf_counter()
             model = load_model(req["layers"])
-            swapped = quantize(model, v["act"], v["float_groups"], quotient)
+            swapped = quantize(model, v["act"], v["float_groups"], quotient,
+                               v.get("rotate", False))
             value, count = nll(model, req["ids"], req["window"])
             rows.append({"variant": v["name"], "quotient": quotient, "nll": value,
                          "scored": count, "int8_linears": swapped})

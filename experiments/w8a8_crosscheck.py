@@ -8,12 +8,13 @@ results/smollm2_quant.json). This experiment checks that the shortfall belongs t
 not to our implementation. The same validation windows go through our int8 model and
 through `experiments/torch_w8a8_reference.py`, which runs under --torch-python (the separate
 PyTorch environment: transformers loads the same GGUF, and W8A8 Linear layers written there
-from the definition replace the block Linear layers). Four variants are compared: float,
-per-token w8a8, per-tensor w8a8, and per-token w8a8 with q/k/v left float (the group the
-sensitivity rows of the table single out). Each row gives both perplexities and their changes
-against the implementation's own float model; the reference runs each int8 variant twice, with
-the quantisation quotient x / s in float64 and in float32, to show how far last-bit differences
-alone move per-token int8 on this model.
+from the definition replace the block Linear layers). Five variants are compared: float,
+per-token w8a8, per-tensor w8a8, per-token w8a8 with q/k/v left float (the group the
+sensitivity rows of the table single out), and per-token w8a8 on rotated inputs (each side
+builds the same Hadamard matrix with its own code). Each row gives both perplexities and their
+changes against the implementation's own float model; the reference runs each int8 variant
+twice, with the quantisation quotient x / s in float64 and in float32, to show how far last-bit
+differences alone move per-token int8 on this model.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ REFERENCE = Path(__file__).with_name("torch_w8a8_reference.py")
 QUOTIENTS = ["float64", "float32"]
 
 # name -> (our mode, the block Dense groups our rules leave float; the reference's activation
-# granularity, the Linear layers it leaves float)
+# granularity, the Linear layers it leaves float, whether it rotates the Linear inputs)
 VARIANTS = {
-    "none": ("none", None, None, []),
-    "w8a8": ("w8a8", None, "token", []),
-    "w8a8-tensor": ("w8a8-tensor", None, "tensor", []),
-    "w8a8, q/k/v float": ("w8a8", "q/k/v", "token", ["q", "k", "v"]),
+    "none": ("none", None, None, [], False),
+    "w8a8": ("w8a8", None, "token", [], False),
+    "w8a8-tensor": ("w8a8-tensor", None, "tensor", [], False),
+    "w8a8, q/k/v float": ("w8a8", "q/k/v", "token", ["q", "k", "v"], False),
+    "w8a8-rotated": ("w8a8-rotated", None, "token", [], True),
 }
 
 
@@ -95,7 +97,7 @@ def run(args) -> dict:
     ids = pretrained_lm.validation_ids(pre, args.tokens, args.window)  # refuses bad sizes first
     theirs = reference(args.torch_python, ids.tolist(), args.window, args.layers)
     ours = {}
-    for name, (mode, float_group, _, _) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
+    for name, (mode, float_group, *_) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
         qcfg = (QuantConfig(mode=mode, rules=pretrained_lm.rules_without(float_group))
                 if float_group else None)  # None: the mode's defaults
         model = pretrained_lm.quantize(pre, mode, qcfg)
@@ -127,8 +129,8 @@ def _figures(nll: float, float_nll: float) -> dict:
 def reference(python: str, ids: list[int], window: int, layers: int | None) -> dict:
     """The reference's NLL per variant, from one run of torch_w8a8_reference.py."""
     request = {"ids": ids, "window": window, "layers": layers, "quotients": QUOTIENTS,
-               "variants": [{"name": name, "act": act, "float_groups": floats}
-                            for name, (_, _, act, floats) in VARIANTS.items()]}
+               "variants": [{"name": name, "act": act, "float_groups": floats, "rotate": rotate}
+                            for name, (_, _, act, floats, rotate) in VARIANTS.items()]}
     with tempfile.TemporaryDirectory(prefix="shardq-w8a8-ref-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(request))

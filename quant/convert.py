@@ -50,9 +50,9 @@ def set_module(model: nnx.Module, path: str, new: nnx.Module) -> None:
 
 
 def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
-    """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers", "rotate"}}
-    for the selected modules (capacity: how many input columns may take the float path; rotate:
-    the int8 product takes rotated inputs, `quant/rotation.py`)."""
+    """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers", "rotate"
+    [, "rotation_seed"]}} for the selected modules (capacity: how many input columns may take
+    the float path; rotate: the int8 product takes rotated inputs, `quant/rotation.py`)."""
     qcfg.validate()
     candidates = linear_modules(model)
     selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
@@ -70,6 +70,8 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
                       "outlier_capacity": (max(1, math.ceil(qcfg.outlier_capacity * in_features))
                                            if qcfg.outliers else None),
                       "rotate": qcfg.rotate}
+        if qcfg.rotate:
+            plan[path]["rotation_seed"] = qcfg.rotation_seed
     return plan
 
 
@@ -101,7 +103,8 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
     rotate = bool(entry.get("rotate", False))  # plans written before rotation have no key
     # The int8 kernel is Rᵀ W; the bf16 copy kept for `auto`'s float layers stays W (the float
     # path multiplies the unrotated input).
-    w_int = rotate_kernel(w) if rotate else w
+    seed = int(entry.get("rotation_seed", 0))
+    w_int = rotate_kernel(w, seed) if rotate else w
     scale = _weight_scale(w_int, qcfg)
     act_scale = None
     if entry["act"] == "static":
@@ -120,7 +123,7 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                       compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
                       outlier_threshold=entry["outlier_threshold"],
                       outlier_capacity=entry.get("outlier_capacity"), kernel_float=kernel_float,
-                      keep_float=keep_float, bias=bias, rotate=rotate)
+                      keep_float=keep_float, bias=bias, rotate=rotate, rotation_seed=seed)
 
 
 def quantize_embed(embed: Embed, act: str = "token") -> QuantEmbed:

@@ -89,7 +89,7 @@ class QuantDense(nnx.Module):
                  outlier_threshold: float | None = None, outlier_capacity: int | None = None,
                  kernel_float: jax.Array | None = None,
                  keep_float: jax.Array | None = None, bias: jax.Array | None = None,
-                 rotate: bool = False):
+                 rotate: bool = False, rotation_seed: int = 0):
         if act not in ACT_MODES:
             raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
         if kernel_q.dtype != jnp.int8:
@@ -99,6 +99,7 @@ class QuantDense(nnx.Module):
         self.compute_dtype = compute_dtype
         self.act = act
         self.rotate = rotate
+        self.rotation_seed = rotation_seed
         self.outlier_threshold = outlier_threshold
         # None means every column may be an outlier (exact LLM.int8(), a full float product).
         self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
@@ -115,7 +116,7 @@ class QuantDense(nnx.Module):
 
     def _int_path(self, x2: jax.Array) -> jax.Array:
         if self.rotate:
-            x2 = rotation.rotate(x2.astype(jnp.float32))
+            x2 = rotation.rotate(x2.astype(jnp.float32), self.rotation_seed)
         w_q = self.kernel_q[...]
         w_scale = self.kernel_scale[...].reshape(1, -1)
         act_scale = self.act_scale[...] if self.act_scale is not None else None

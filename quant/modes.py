@@ -25,6 +25,7 @@ class QuantError(ValueError):
 
 
 DEFAULT_RULES = ("blocks/*",)
+ROTATION_SEED_LIMIT = 2**32  # numpy's seed range, as the training seed's
 
 
 def _field(default, help_text: str):
@@ -49,6 +50,8 @@ class QuantConfig:
     rules: tuple[str, ...] = _field(DEFAULT_RULES, "comma-separated path rules of the modules to "
                                                    "quantise, e.g. 'blocks/*,head,embed'")
     calib_batches: int = _field(8, "calibration batches")
+    rotation_seed: int = _field(0, "w8a8-rotated: seed of the random signs applied before the "
+                                   "Hadamard rotation (0: none, the plain Hadamard matrix)")
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +66,9 @@ class QuantConfig:
             raise QuantError(f"outlier_capacity={self.outlier_capacity}: must be in (0, 1]")
         if not self.error_budget > 0:
             raise QuantError(f"error_budget={self.error_budget}: must be positive")
+        if not 0 <= self.rotation_seed < ROTATION_SEED_LIMIT:
+            raise QuantError(f"rotation_seed={self.rotation_seed}: must be in [0, "
+                             f"{ROTATION_SEED_LIMIT})")
         if self.calib_batches < 1:
             raise QuantError(f"calib_batches={self.calib_batches}: must be a positive integer")
 

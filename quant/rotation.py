@@ -14,6 +14,10 @@ token for n = a·b·…, not n²: a Sylvester Hadamard matrix for the power-of-t
 the rest m, a Paley Hadamard matrix when m − 1 is a prime ≡ 3 (mod 4) (m = 12, 20, 24, 72, …).
 Where no such m divides n by a power of two, the odd part of n gets a fixed orthogonal matrix
 (QR of a Gaussian matrix from a fixed seed): orthogonal all the same, just less even.
+
+A nonzero `seed` makes R = D H with D a diagonal of random signs drawn from that seed (QuaRot's
+randomised Hadamard transform): another rotation as even as H, so a seed sweep measures how
+much an int8 figure owes to the particular rotation. Seed 0 is H itself.
 """
 
 from __future__ import annotations
@@ -85,10 +89,21 @@ def rotation_factors(n: int) -> tuple[np.ndarray, ...]:
     return out
 
 
-def rotate(x: jax.Array, n: int | None = None) -> jax.Array:
-    """x R over the last axis (size n): [..., n] -> [..., n], in x's dtype."""
-    n = x.shape[-1] if n is None else n
+@functools.cache
+def rotation_signs(n: int, seed: int) -> np.ndarray | None:
+    """The diagonal of D (±1, float64), or None for seed 0 (R = H)."""
+    if seed == 0:
+        return None
+    return np.where(np.random.default_rng(seed).random(n) < 0.5, -1.0, 1.0)
+
+
+def rotate(x: jax.Array, seed: int = 0) -> jax.Array:
+    """x R over the last axis: [..., n] -> [..., n], in x's dtype."""
+    n = x.shape[-1]
     factors = rotation_factors(n)
+    signs = rotation_signs(n, seed)
+    if signs is not None:
+        x = x * jnp.asarray(signs, x.dtype).reshape((1,) * (x.ndim - 1) + (n,))
     lead = x.shape[:-1]
     y = x.reshape(lead + tuple(f.shape[0] for f in factors))
     for i, f in enumerate(factors):  # contract one Kronecker axis at a time
@@ -97,8 +112,8 @@ def rotate(x: jax.Array, n: int | None = None) -> jax.Array:
     return y.reshape(lead + (n,))
 
 
-def rotate_kernel(w: jax.Array) -> jax.Array:
+def rotate_kernel(w: jax.Array, seed: int = 0) -> jax.Array:
     """Rᵀ W for a kernel [..., in, out] (R acts on `in`), computed in float32, so that
-    rotate(x) @ rotate_kernel(w) == x @ w up to rounding."""
+    rotate(x, seed) @ rotate_kernel(w, seed) == x @ w up to rounding."""
     wt = jnp.swapaxes(w.astype(jnp.float32), -1, -2)  # [..., out, in]: rows times R = (Rᵀ W)ᵀ
-    return jnp.swapaxes(rotate(wt), -1, -2).astype(w.dtype)
+    return jnp.swapaxes(rotate(wt, seed), -1, -2).astype(w.dtype)

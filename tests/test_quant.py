@@ -464,7 +464,7 @@ def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
 
 
 @pytest.mark.parametrize("mode,extra", [("w8a8-outlier", {}), ("auto", {"error_budget": 0.006}),
-                                        ("w8a8-rotated", {})])
+                                        ("w8a8-rotated", {"rotation_seed": 7})])
 def test_checkpoint_round_trip_keeps_capacity_kept_layers_and_rotation(tmp_path, float_model,
                                                                        batches, mode, extra):
     graphdef, params = float_model
@@ -481,10 +481,10 @@ def test_checkpoint_round_trip_keeps_capacity_kept_layers_and_rotation(tmp_path,
     elif mode == "w8a8-outlier":
         assert down.outlier_capacity == -(-CFG.d_ff // 16)
     else:  # the stored kernel is the rotated one, Rᵀ W, and the model reads it back as such
-        w = params["blocks"]["mlp"]["down"]["kernel"]
+        assert plan["blocks/mlp/down"]["rotation_seed"] == 7 and down.rotation_seed == 7
+        rw = rotate_kernel(params["blocks"]["mlp"]["down"]["kernel"], 7)
         np.testing.assert_array_equal(q2["blocks"]["mlp"]["down"]["kernel_q"],
-                                      qz.quantize(rotate_kernel(w), qz.weight_scale(
-                                          rotate_kernel(w))))
+                                      qz.quantize(rw, qz.weight_scale(rw)))
     tokens = batches[-1][:, :-1]
     np.testing.assert_allclose(logits(g2, q2, tokens), logits(g, q, tokens), rtol=1e-6)
 

@@ -11,6 +11,7 @@ from flax import nnx
 from model.layers import Dense
 from quant import quantizers as qz
 from quant.dense import QuantDense
+from quant.modes import QuantConfig, QuantError
 from quant.rotation import rotate, rotate_kernel, rotation_factors
 from tests.test_quant import int8_dots
 
@@ -47,6 +48,21 @@ def test_rotated_kernel_gives_the_same_float_product():
     got = jnp.einsum("ti,lio->lto", rotate(x), rotate_kernel(w))
     want = jnp.einsum("ti,lio->lto", x, w)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_seed_gives_another_rotation_with_the_same_product():
+    """R = D H with random signs D: orthogonal, as even as H, different from H, and the float
+    product is unchanged."""
+    x = jax.random.normal(jax.random.key(4), (3, 576))
+    w = jax.random.normal(jax.random.key(5), (576, 8))
+    eye = jnp.eye(576)
+    r0, r7 = rotate(eye), rotate(eye, 7)  # the rows of I R are R's rows
+    np.testing.assert_allclose(r7 @ r7.T, eye, atol=1e-5)
+    np.testing.assert_allclose(jnp.abs(r7), 1 / np.sqrt(576), rtol=1e-5)
+    assert float(jnp.max(jnp.abs(r7 - r0))) > 0.05
+    np.testing.assert_allclose(rotate(x, 7) @ rotate_kernel(w, 7), x @ w, rtol=1e-4, atol=1e-4)
+    with pytest.raises(QuantError, match=r"^rotation_seed=-1: must be in \[0, 4294967296\)"):
+        QuantConfig(mode="w8a8-rotated", rotation_seed=-1).validate()
 
 
 def quant_dense(w: jax.Array, rotated: bool) -> QuantDense:

@@ -298,6 +298,7 @@ def test_score_cli(tmp_path):
     (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
     (["--layers", "0"], "layers=0"),
     (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
+    (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
 ])
 def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "table.json"
