@@ -2,17 +2,23 @@
 float product; an int8 product that really is int8 and beats unrotated per-token int8 where
 channels are uneven."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from model import DecoderLM
 from model.layers import Dense
 from quant import quantizers as qz
 from quant.dense import QuantDense
 from quant.modes import QuantConfig, QuantError
+from quant.pipeline import quantize
 from quant.rotation import rotate, rotate_kernel, rotation_factors
+from tests.helpers import TINY
 from tests.test_quant import int8_dots
 
 
@@ -98,3 +104,19 @@ def test_rotation_rescues_uneven_and_massive_channels_and_stays_int8():
     assert rot_ordinary < 0.5 * plain_ordinary, err
     # The spiked tokens keep an error in both: the spike times the kernel's own rounding.
     assert rot_spiked < 0.6 * plain_spiked, err
+
+
+def test_inputs_shared_by_q_k_v_are_rotated_once_in_the_compiled_model():
+    """q, k and v quantise the same input; each QuantDense asks for its rotation, and XLA
+    computes it once. The tiny model's widths (32, 128) are single Sylvester factors, one float
+    product each: rotated inputs add 4 products per layer (q/k/v's, o's, up's, down's), not 6."""
+    cfg = dataclasses.replace(TINY.model, scan_unroll=1)
+    graphdef, state = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    count = {}
+    for mode in ("w8a8", "w8a8-rotated"):
+        g, q, _, _ = quantize(graphdef, params, QuantConfig(mode=mode), [tokens])
+        hlo = jax.jit(lambda p, t, g=g: nnx.merge(g, p)(t)).lower(q, tokens).compile().as_text()
+        count[mode] = len(re.findall(r"= f32\[[\d,]*\]\S* dot\(", hlo))
+    assert count["w8a8-rotated"] - count["w8a8"] == 4, count
