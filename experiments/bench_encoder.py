@@ -33,12 +33,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments import runtime
 from experiments.config import fail
-from experiments.encoder_bench import ablations, bench_sentences, run
-from experiments.minilm import MAX_DEVICES, default_devices
+from experiments.encoder_devices import MAX_DEVICES, default_devices
 from experiments.results_io import results_path, write_result
-from quant.convert import MODES
+from quant.modes import MODES
 
 PROG = "experiments.bench_encoder"
 OUT = results_path("bench_encoder.json")
@@ -87,6 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
+    # JAX starts here, after the flags are checked: a refused flag never waits for it.
+    from experiments import runtime
+    from experiments.encoder_bench import ablations, bench_sentences, run
+
     runtime.start(max(8, devices) if args.ablations else devices)  # 8: the dp ablation's mesh
 
     try:

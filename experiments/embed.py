@@ -24,6 +24,7 @@ import json
 import sys
 
 from experiments.config import fail
+from experiments.encoder_devices import default_devices
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.embed"
@@ -61,7 +62,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     from experiments import runtime
     from experiments.minilm import (
         convert,
-        default_devices,
         encode,
         load_encoder,
         make_encode_fn,

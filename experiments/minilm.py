@@ -20,7 +20,6 @@ from flax import nnx
 
 from model.bert import BertConfig, BertEncoder, sentence_embeddings
 from model.hf_bert import CheckpointError, Tokenizer, load_pretrained, package_model_dir
-from parallel.devices import usable_cpu_cores, xla_flags_device_count
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
 from parallel.state import place_model_params
@@ -180,17 +179,6 @@ def throughput(encode_fn, params, tokenizer, texts, repeats: int = 2) -> float:
 
 
 BATCH = 64
-# Encoding is data parallel over CPU devices; each device executes on its own thread, so one
-# device per core keeps both busy (one device leaves a core idle between the ops that XLA:CPU
-# runs single-threaded, 8 on 2 cores split each batch into slivers): measured in
-# docs/inference_speed.md.
-MAX_DEVICES = 8
-
-
-def default_devices() -> int:
-    """CPU devices for encoding when none are asked for: XLA_FLAGS's count if it sets one, else
-    one per usable core, at most 8."""
-    return xla_flags_device_count() or max(1, min(MAX_DEVICES, usable_cpu_cores()))
 
 
 def load_encoder(checkpoint: str | None = None):

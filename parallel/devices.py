@@ -11,9 +11,6 @@ from __future__ import annotations
 import os
 import re
 
-import jax
-from jax._src import xla_bridge  # only to detect a started backend
-
 _XLA_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
@@ -42,6 +39,11 @@ def request_cpu_devices(n: int | None, default: int = 8) -> None:
         raise ValueError(f"devices={n}: must be a positive integer")
     if n is None and xla_flags_device_count() is not None:
         return
+    # JAX is imported here, not at the top: launchers read the host's core count and XLA_FLAGS
+    # through this module before JAX starts.
+    import jax
+    from jax._src import xla_bridge  # only to detect a started backend
+
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("request_cpu_devices() called after JAX started its backends")
     jax.config.update("jax_num_cpu_devices", n or default)

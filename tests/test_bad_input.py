@@ -223,6 +223,7 @@ EARLY_REFUSALS = [
     ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8"]),  # no config.json there
     ("embed", ["--quant", "w4", "--text", "a"]),
     ("embed", ["--text", " "]),
+    ("bench_encoder", ["--rounds", "0", "--out", "{out}"]),
 ]
 
 
