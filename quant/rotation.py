@@ -45,7 +45,7 @@ def _sylvester(n: int) -> np.ndarray:
 
 def _sylvester_factors(n: int) -> list[np.ndarray]:
     """Sylvester's H_n as a Kronecker product of factors of at most _MAX_FACTOR (exactly equal:
-    H_a ⊗ H_b = H_ab), so its product costs n·log-ish, not n², per token."""
+    H_a ⊗ H_b = H_ab), so x H costs n·(the factors' sizes summed), not n², per token."""
     out = []
     while n > 1:
         out.append(_sylvester(min(n, _MAX_FACTOR)))
@@ -85,7 +85,9 @@ def rotation_factors(n: int) -> tuple[np.ndarray, ...]:
     factors = factors or [np.ones((1, 1))]
     out = tuple(f / np.sqrt(f.shape[0]) for f in factors)
     for f in out:  # a wrong construction must not pass silently: R must be orthogonal
-        assert np.allclose(f @ f.T, np.eye(f.shape[0]), atol=1e-9), f.shape
+        if not np.allclose(f @ f.T, np.eye(f.shape[0]), atol=1e-9):
+            raise RuntimeError(f"rotation factor of order {f.shape[0]} (width {n}) is not "
+                               f"orthogonal")
     return out
 
 
@@ -113,7 +115,8 @@ def rotate(x: jax.Array, seed: int = 0) -> jax.Array:
 
 
 def rotate_kernel(w: jax.Array, seed: int = 0) -> jax.Array:
-    """Rᵀ W for a kernel [..., in, out] (R acts on `in`), computed in float32, so that
-    rotate(x, seed) @ rotate_kernel(w, seed) == x @ w up to rounding."""
+    """Rᵀ W (float32) for a kernel [..., in, out] (R acts on `in`), so that
+    rotate(x, seed) @ rotate_kernel(w, seed) == x @ w up to rounding. It stays float32 for the
+    int8 quantiser: a bf16 kernel is not rounded to bf16 a second time after the rotation."""
     wt = jnp.swapaxes(w.astype(jnp.float32), -1, -2)  # [..., out, in]: rows times R = (Rᵀ W)ᵀ
-    return jnp.swapaxes(rotate(wt, seed), -1, -2).astype(w.dtype)
+    return jnp.swapaxes(rotate(wt, seed), -1, -2)
