@@ -42,7 +42,7 @@ PROG = "experiments.bench_encoder"
 OUT = results_path("bench_encoder.json")
 ABLATIONS = results_path("encoder_ablations.json")
 TORCH_ENV = "SHARDQ_TORCH_PYTHON"
-DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto")
+DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto", "w8a8-rotated")
 
 
 def build_parser() -> argparse.ArgumentParser:
