@@ -28,6 +28,11 @@ OUT = results_path("smollm2_quant.json")
 SPEED_MODES = ("none", "w8", "w8a8", "w8a8-rotated")
 
 
+def vs_float_pct(row: dict, float_perplexity: float) -> float:
+    """A row's perplexity change against the float model's, in percent."""
+    return 100.0 * (row["perplexity"] / float_perplexity - 1.0)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
                         pre, prompt, args.new_tokens, kv_int8))
             base = out["rows"][0]["perplexity"]
             for r in out["rows"]:
-                r["vs_float_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
+                r["vs_float_pct"] = vs_float_pct(r, base)
             write_result(args.out, out)  # after every mode: a long run keeps what it measured
         if args.rotation_seeds and "w8a8-rotated" in modes:
             out["rotation_seeds"] = []
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
                     mode="w8a8-rotated", rotation_seed=seed))
                 row = pretrained_lm.perplexity(pre, args.tokens, args.window)
                 out["rotation_seeds"].append(
-                    {"seed": seed, **row, "vs_float_pct": 100.0 * (row["perplexity"] / base - 1.0)})
+                    {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
                 write_result(args.out, out)
         if not args.no_sensitivity and "w8a8" in modes:
             out["w8a8_sensitivity"] = []
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = pretrained_lm.perplexity(pre, args.tokens, args.window)
                 out["w8a8_sensitivity"].append(
                     {"float_group": name, "float_paths": list(paths), **row,
-                     "vs_float_pct": 100.0 * (row["perplexity"] / base - 1.0)})
+                     "vs_float_pct": vs_float_pct(row, base)})
                 write_result(args.out, out)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])

@@ -35,9 +35,9 @@ from parallel.state import logical_shardings, logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
 # /2 added the outlier capacity to the plan and made kept layers' kernels bf16. A /1 plan has no
-# capacity, so its outlier split runs uncapped, as it was written. /3 added `rotate` to the plan
-# (its kernels hold Rᵀ W: a reader that ignored the key would compute garbage, so /2 readers
-# must refuse it); a plan without the key is unrotated.
+# capacity, so its outlier split runs uncapped, as it was written. /3 added `rotate` and
+# `rotation_seed` to the plan (its kernels hold Rᵀ W: a reader that ignored them would compute
+# garbage, so /2 readers must refuse it); a plan without them is unrotated.
 FORMAT = "shardq-int8/3"
 READABLE = ("shardq-int8/1", "shardq-int8/2", FORMAT)
 

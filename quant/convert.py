@@ -100,9 +100,9 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                          f"quantised")
     axes = tuple(dense.kernel.get_metadata()["out_sharding"])
     lead = w.shape[:-2]
-    rotate = bool(entry.get("rotate", False))  # plans written before rotation have no key
-    # The int8 kernel is Rᵀ W; the bf16 copy kept for `auto`'s float layers stays W (the float
-    # path multiplies the unrotated input).
+    # Plans written before rotation have neither key. The int8 kernel is Rᵀ W; the bf16 copy
+    # kept for `auto`'s float layers stays W (the float path multiplies the unrotated input).
+    rotate = bool(entry.get("rotate", False))
     seed = int(entry.get("rotation_seed", 0))
     w_int = rotate_kernel(w, seed) if rotate else w
     scale = _weight_scale(w_int, qcfg)
