@@ -19,7 +19,7 @@ import sys
 import time
 
 from experiments import model_flags
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -28,8 +28,7 @@ PROG = "experiments.chat"
 
 def check(args) -> None:
     model_flags.check_model_flags(args)
-    if not args.prompt.strip():
-        raise ConfigError("prompt: empty; give at least one non-blank character")
+    check_text("prompt", args.prompt)
     if args.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):

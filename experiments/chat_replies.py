@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from experiments import model_flags
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_text, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, QuantError
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"seeds={args.seeds}: must be >= 0")
         if not (math.isfinite(args.rel) and 0 < args.rel < 1):
             raise ConfigError(f"rel={args.rel}: must be in (0, 1)")
-        if not args.spread_prompt.strip():
-            raise ConfigError("spread_prompt: empty; give at least one non-blank character")
+        check_text("spread_prompt", args.spread_prompt)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, reply_stability, runtime
         from experiments.machine import describe

@@ -57,6 +57,21 @@ def check_floats(obj) -> None:
             raise ConfigError(f"{f.name}={value}: must be a finite number {allowed}".rstrip())
 
 
+def check_text(field: str, text: str, *, blank_ok: bool = False) -> None:
+    """A text from the command line for a tokenizer: not empty (nor blank, unless `blank_ok`)
+    and valid UTF-8. Python hands undecodable argv bytes over as lone surrogates, which no
+    tokenizer takes; the error names the first such byte."""
+    if not (text if blank_ok else text.strip()):
+        raise ConfigError(f"{field}: empty; give at least one "
+                          f"{'character' if blank_ok else 'non-blank character'}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = text[e.start].encode("utf-8", "surrogateescape")[0]
+        raise ConfigError(f"{field}: not valid UTF-8 (byte 0x{byte:02x} at character "
+                          f"{e.start}); give UTF-8 text") from None
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < SEED_LIMIT:
         raise ConfigError(f"seed={seed}: must be an integer in 0..{SEED_LIMIT - 1}")

@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from experiments.config import fail
+from experiments.config import ConfigError, check_text, fail
 from experiments.encoder_devices import default_devices
 from quant.modes import ALL_MODES, QuantError
 
@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not args.convert and not args.text:
         fail(PROG, "give at least one --text (or --convert DIR)")
     for i, t in enumerate(args.text):
-        if not t.strip():
-            fail(PROG, f"text {i}: empty; give at least one non-blank character")
+        try:
+            check_text(f"text {i}", t)
+        except ConfigError as e:
+            fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
     from experiments import runtime
     from experiments.minilm import (

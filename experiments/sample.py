@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> str:
     args = build_parser().parse_args(argv)
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
-    prompt = np.frombuffer(args.prompt.encode(), np.uint8).astype(np.int32)[None]
+    # A byte model takes any bytes: undecodable argv bytes come back as they were typed.
+    raw = args.prompt.encode("utf-8", "surrogateescape")
+    prompt = np.frombuffer(raw, np.uint8).astype(np.int32)[None]
     try:
         # Only config.json is read before the settings are checked against the model.
         cfg = load_config(args.workdir)

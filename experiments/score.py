@@ -15,7 +15,7 @@ import argparse
 import json
 
 from experiments import model_flags
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.text:
             raise ConfigError("text: give at least one --text")
         for i, t in enumerate(args.text):
-            if not t:
-                raise ConfigError(f"text {i}: empty; give at least one character")
+            check_text(f"text {i}", t, blank_ok=True)  # a blank text is a text to score
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 

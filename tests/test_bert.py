@@ -292,6 +292,7 @@ def test_embed_cli_json(encoder):
 
 def test_embed_cli_bad_input():
     one_line_error(cli("embed", "--text", " "), "text 0: empty")
+    one_line_error(cli("embed", "--text", "caf\udcc3"), "text 0: not valid UTF-8 (byte 0xc3")
     one_line_error(cli("embed", "--quant", "w4", "--text", "a"), "quant='w4'")
 
 

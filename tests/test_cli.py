@@ -98,6 +98,11 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
     assert text.startswith("def ")
+    # A byte model takes bytes that are not UTF-8 (argv hands them over as lone surrogates).
+    proc = cli("sample", "--workdir", str(workdir), "--prompt", "d\udcffe", "--max-new-tokens",
+               "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["text"].startswith("d\ufffde")
     one_line_error(cli("sample", "--workdir", str(workdir), "--max-new-tokens", "500"),
                    "max_new_tokens=500", "context of 32")
     one_line_error(cli("evaluate", "--workdir", str(tmp_path / "nothing")), "no config.json")

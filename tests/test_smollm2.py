@@ -294,6 +294,8 @@ def test_score_cli(tmp_path):
     assert results[0]["mean_nll"] > 0 and results[1]["mean_nll"] is None
     assert all(isinstance(r["next_token"], int) for r in results)
     one_line_error(cli("score", "--quant", "w4", "--text", "a"), "quant='w4'")
+    one_line_error(cli("score", "--text", "a", "--text", "\udcff"),
+                   "text 1: not valid UTF-8 (byte 0xff at character 0)")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 16)
     one_line_error(cli("score", "--gguf", str(bad), "--text", "a"), "bad.gguf")
