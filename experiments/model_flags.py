@@ -35,7 +35,8 @@ def check_model_flags(args) -> None:
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     if args.gguf is not None and not os.path.isfile(args.gguf):
-        raise ConfigError(f"gguf={args.gguf!r}: no such file")
+        what = "a folder, not a file" if os.path.isdir(args.gguf) else "no such file"
+        raise ConfigError(f"gguf={args.gguf!r}: {what}")
 
 
 def parse_modes(text: str) -> list[str]:

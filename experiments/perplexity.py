@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         model_flags.check_model_flags(args)
-        if args.tokens < 2:
-            raise ConfigError(f"tokens={args.tokens}: must be at least 2")
+        if args.window < 2:
+            raise ConfigError(f"window={args.window}: must be at least 2")
+        if args.tokens < args.window:  # the upper bounds need the model: checked after loading
+            raise ConfigError(f"tokens={args.tokens}: must be at least the window "
+                              f"({args.window})")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 

@@ -215,6 +215,8 @@ EARLY_REFUSALS = [
     ("sample", ["--workdir", "{fresh}"]),
     ("score", ["--quant", "w4", "--text", "a"]),
     ("perplexity", ["--tokens", "1"]),
+    ("perplexity", ["--window", "64", "--tokens", "63"]),
+    ("perplexity", ["--window", "1"]),
     ("chat", ["--prompt", " "]),
     ("chat_replies", ["--modes", "w4", "--out", "{out}"]),
     ("llm_quant_table", ["--layers", "0", "--out", "{out}"]),

@@ -301,6 +301,16 @@ def test_score_cli(tmp_path):
     one_line_error(cli("score", "--gguf", str(bad), "--text", "a"), "bad.gguf")
 
 
+@pytest.mark.parametrize("module,args,fragment", [
+    ("perplexity", ["--tokens", "100"], "tokens=100: must be at least the window (512)"),
+    ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
+    ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
+    ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
+])
+def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
+    one_line_error(cli(module, *args), fragment)
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
     (["--layers", "0"], "layers=0"),
