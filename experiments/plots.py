@@ -35,3 +35,39 @@ def loss_curve(metrics_path: Path, out_path: Path, title: str = "",
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def activation_profile(outliers: dict, out_path: Path, title: str = "") -> Path:
+    """Per layer, the largest input channel of each Dense (left) and its ratio to the median
+    channel (right), log scale, from `pretrained_lm.activation_outliers`. Layers that share an
+    input (q/k/v, gate/up) are one line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = ("q", "k", "v", "o", "gate", "up", "down")  # a block's order, for the labels
+    lines: dict[tuple, list[str]] = {}  # one line per distinct input
+    by_name = sorted(outliers["per_module"].items(), key=lambda kv: (
+        order.index(kv[0].split("/")[-1]) if kv[0].split("/")[-1] in order else len(order),
+        kv[0]))
+    for path, m in by_name:
+        key = (tuple(m["per_layer"]["max"]), tuple(m["per_layer"]["ratio_to_median"]))
+        lines.setdefault(key, []).append(path.split("/")[-1])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    for (peak, ratio), names in lines.items():
+        label = "/".join(names) + " input"
+        axes[0].plot(range(len(peak)), peak, "o-", ms=3, lw=1, label=label)
+        axes[1].plot(range(len(ratio)), ratio, "o-", ms=3, lw=1, label=label)
+    for ax, ylabel in zip(axes, ("largest |activation| in a channel",
+                                 "largest channel / median channel"), strict=True):
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path

@@ -266,20 +266,24 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
     return rows
 
 
-def decode_speed(pre: Pretrained, prompt: list[int], new_tokens: int, kv_int8: bool,
-                 repeats: int = 3) -> dict:
-    """Batch-1 greedy decoding speed of one model (`decode_benchmark` of one variant)."""
-    row = decode_benchmark([DecodeVariant(pre.quant, pre, kv_int8)], prompt, new_tokens,
-                           repeats)[0]
-    return {"quant": pre.quant, "kv_int8": kv_int8, "prompt_tokens": len(prompt),
-            "new_tokens": new_tokens, "seconds": row["ms_per_token"] * new_tokens / 1e3,
-            "tokens_per_s": row["tokens_per_s"]}
+def decode_speeds(models: list[Pretrained], prompt: list[int], new_tokens: int,
+                  repeats: int = 5) -> list[dict]:
+    """Batch-1 greedy decoding speed of each model with a float and an int8 KV cache, all in
+    one interleaved `decode_benchmark` (timed one after another, separate runs moved with the
+    machine's load: float's speed changed by a quarter between two modes' turns)."""
+    variants = [DecodeVariant(f"{m.quant}{'+kv8' if kv else ''}", m, kv)
+                for m in models for kv in (False, True)]
+    return [{"quant": r["quant"], "kv_int8": r["kv_int8"], "prompt_tokens": r["prompt_tokens"],
+             "new_tokens": new_tokens, "seconds": r["ms_per_token"] * new_tokens / 1e3,
+             "tokens_per_s": r["tokens_per_s"], "runs_s": r["runs_s"]}
+            for r in decode_benchmark(variants, prompt, new_tokens, repeats)]
 
 
 def activation_outliers(pre: Pretrained, rows: list, top: int = 10) -> dict:
     """Where the float model's Dense inputs have outlier channels, on calibration rows: per
     module the largest channel absmax and its ratio to the median channel's (per layer), and
-    the `top` (module, layer, channel) entries overall."""
+    the `top` (module, layer, channel) entries overall; `per_layer` keeps each layer's largest
+    channel and that ratio for the plot."""
     absmax = calibrate(pre.graphdef, jax.device_get(pre.params), rows)["absmax"]
     per_module, entries = {}, []
     for path, a in sorted(absmax.items()):
@@ -288,7 +292,9 @@ def activation_outliers(pre: Pretrained, rows: list, top: int = 10) -> dict:
         worst = int(np.argmax(a.max(-1) / med))
         per_module[path] = {"max": float(a.max()), "worst_layer": worst,
                             "worst_ratio_to_median": float(a[worst].max() / med[worst]),
-                            "median_ratio": float(np.median(a.max(-1) / med))}
+                            "median_ratio": float(np.median(a.max(-1) / med)),
+                            "per_layer": {"max": a.max(-1).tolist(),
+                                          "ratio_to_median": (a.max(-1) / med).tolist()}}
         for layer in range(a.shape[0]):
             ch = int(np.argmax(a[layer]))
             entries.append({"module": path, "layer": layer, "channel": ch,

@@ -212,8 +212,12 @@ def smollm2_quant(d: dict) -> str:
                  f"with random signs before it (seeds {seeds[0]['seed']}–{seeds[-1]['seed']}): "
                  f"{pct[0]:+.2f}% to {pct[-1]:+.2f}%, median "
                  f"{statistics.median(pct):+.2f}%."]
-    rows += ["", *_head("decoding, batch 1 (greedy, 64 new tokens)", "KV cache", "tokens/s")]
-    for r in d["decoding"]:
+    dec = d["decoding"]
+    how = (f"median of {len(dec[0]['runs_s'])} interleaved runs" if dec and "runs_s" in dec[0]
+           else "one run each")
+    rows += ["", *_head(f"decoding, batch 1 (greedy, {dec[0]['new_tokens'] if dec else 64} new "
+                        f"tokens, {how})", "KV cache", "tokens/s")]
+    for r in dec:
         rows.append(f"| {r['quant']} | {'int8' if r['kv_int8'] else 'float'} | "
                     f"{r['tokens_per_s']:.1f} |")
     rows += ["", f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "

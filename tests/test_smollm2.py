@@ -347,3 +347,27 @@ def test_a_text_near_the_whole_context_matches_transformers(truncated):
     row, = pretrained_lm.score_ids(truncated, [long["tokens"]])
     assert row["next_token"] == long["truncated"]["next_token"]
     assert abs(row["mean_nll"] - long["truncated"]["mean_nll"]) <= 1e-4
+
+
+def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
+    """The outlier report against the calibration statistics it summarises, and its plot: one
+    line per distinct Dense input (q/k/v share theirs, gate/up theirs)."""
+    from experiments.plots import activation_profile
+
+    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 32)
+    out = pretrained_lm.activation_outliers(truncated, rows, top=3)
+    absmax = calibrate(truncated.graphdef, jax.device_get(truncated.params), rows)["absmax"]
+    layers = truncated.cfg.n_layers
+    for path, m in out["per_module"].items():
+        a = np.asarray(absmax[path]).reshape(layers, -1)
+        np.testing.assert_allclose(m["per_layer"]["max"], a.max(-1), rtol=1e-6)
+        np.testing.assert_allclose(m["per_layer"]["ratio_to_median"],
+                                   a.max(-1) / np.median(a, -1), rtol=1e-6)
+        assert m["max"] == max(m["per_layer"]["max"])
+        assert m["worst_ratio_to_median"] == max(m["per_layer"]["ratio_to_median"])
+    assert out["per_module"]["blocks/attn/q"]["per_layer"] == \
+        out["per_module"]["blocks/attn/v"]["per_layer"]  # one input, one line
+    assert [e["absmax"] for e in out["top"]] == sorted(
+        (e["absmax"] for e in out["top"]), reverse=True)
+    png = activation_profile(out, tmp_path / "profile.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
