@@ -774,9 +774,12 @@ def headline(results: Path) -> str:
         lambda d: (f"max error {d['max_abs_error']:.1%}", "goal ≤ 10%"))
     row("equivalence.json", "every strategy against one device (fp32 loss)",
         lambda d: (f"max difference {d['fp32_max_loss_diff']:.1e}", "tolerance 1e-5"))
-    row("smollm2_parity.json", "SmolLM2 float against transformers (36 texts)",
+    row("smollm2_parity.json", "SmolLM2 float against transformers (36 texts and a long one)",
         lambda d: (f"max Δ mean NLL {d['max_abs_nll_diff']:.1e} nats, next tokens "
-                   f"{d['next_identical']}/{d['texts']}", "transformers on the same GGUF"))
+                   f"{d['next_identical']}/{d['texts']}" + (
+                       f"; {d['long_text']['tokens']:,}-token text: Δ "
+                       f"{d['long_text']['abs_nll_diff']:.1e}" if "long_text" in d else ""),
+                   "transformers on the same GGUF"))
     row("smollm2_quant.json", "SmolLM2 perplexity, float and int8", quant)
     row("smollm2_w8a8_crosscheck.json", "SmolLM2 per-token w8a8, plain and rotated, perplexity "
         "vs float", crosscheck)
