@@ -72,6 +72,21 @@ def check_text(field: str, text: str, *, blank_ok: bool = False) -> None:
                           f"{e.start}); give UTF-8 text") from None
 
 
+def check_replaceable_folder(field: str, path: str | Path, what: str, owned) -> None:
+    """An output folder a command replaces whole: it may be missing, empty, or hold what
+    `owned(path)` recognises as this command's own earlier output. Anything else (a file, a
+    folder of other things) is refused, so that a mistyped path never deletes a user's
+    files."""
+    p = Path(path)
+    if not p.exists():
+        return
+    if not p.is_dir():
+        raise ConfigError(f"{field}={str(path)!r}: is a file; give a folder for {what}")
+    if any(p.iterdir()) and not owned(p):
+        raise ConfigError(f"{field}={str(path)!r}: holds other files; give a new or empty "
+                          f"folder, or one that holds {what} (it is replaced)")
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < SEED_LIMIT:
         raise ConfigError(f"seed={seed}: must be an integer in 0..{SEED_LIMIT - 1}")

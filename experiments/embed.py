@@ -25,6 +25,7 @@ import sys
 
 from experiments.config import ConfigError, check_text, fail
 from experiments.encoder_devices import default_devices
+from experiments.minilm_layout import check_out
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.embed"
@@ -55,11 +56,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         fail(PROG, f"strategy={args.strategy!r}: allowed dp, zero3")
     if not args.convert and not args.text:
         fail(PROG, "give at least one --text (or --convert DIR)")
-    for i, t in enumerate(args.text):
-        try:
+    try:
+        for i, t in enumerate(args.text):
             check_text(f"text {i}", t)
-        except ConfigError as e:
-            fail(PROG, str(e))
+        if args.convert:
+            check_out(args.convert)
+    except ConfigError as e:
+        fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
     from experiments import runtime
     from experiments.minilm import (

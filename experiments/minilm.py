@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from experiments.minilm_layout import CKPT, TOKENIZER, check_out, is_converted
 from model.bert import BertConfig, BertEncoder, sentence_embeddings
 from model.hf_bert import CheckpointError, Tokenizer, load_pretrained, package_model_dir
 from parallel.mesh import make_mesh
@@ -32,18 +33,19 @@ FORMAT = "shardq-bert/1"
 
 
 def save(out: str | Path, cfg, params: dict, tokenizer: Path, source: Path) -> Path:
+    check_out(out)
     out = Path(out).absolute()
     stage = out.with_name(out.name + ".partial")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            ckptr.save(stage / "ckpt", args=ocp.args.Composite(
+            ckptr.save(stage / CKPT, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
                 meta=ocp.args.JsonSave({"format": FORMAT, "config": cfg.to_json(),
                                         "source": str(source),
                                         "source_bytes": source.stat().st_size})))
-        shutil.copyfile(tokenizer, stage / "tokenizer.json")
+        shutil.copyfile(tokenizer, stage / TOKENIZER)
         shutil.rmtree(out, ignore_errors=True)
         stage.rename(out)
     finally:
@@ -55,11 +57,11 @@ def load(path: str | Path):
     """(BertConfig, params, tokenizer.json path) of a converted checkpoint."""
 
     path = Path(path).absolute()
-    if not (path / "ckpt").is_dir() or not (path / "tokenizer.json").is_file():
+    if not is_converted(path):
         raise CheckpointError(f"{str(path)!r}: holds no converted encoder; run "
                               f"experiments.convert_minilm --out DIR")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        meta = ckptr.restore(path / "ckpt",
+        meta = ckptr.restore(path / CKPT,
                              args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{str(path)!r}: format {meta.get('format')!r}, expected "
@@ -68,9 +70,9 @@ def load(path: str | Path):
         abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
             lambda: BertEncoder(cfg, rngs=nnx.Rngs(0)))))
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract)
-        params = ckptr.restore(path / "ckpt", args=ocp.args.Composite(
+        params = ckptr.restore(path / CKPT, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target)))["params"]
-    return cfg, params, path / "tokenizer.json"
+    return cfg, params, path / TOKENIZER
 
 
 def convert(out: str | Path, model_dir: str | Path | None = None) -> Path:

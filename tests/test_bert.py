@@ -301,3 +301,30 @@ def test_tokenizer_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(CheckpointError, match="not a usable tokenizer.json"):
         Tokenizer(bad)
+
+
+@pytest.mark.parametrize("module,flag", [("convert_minilm", "--out"), ("embed", "--convert")])
+def test_conversion_never_replaces_a_folder_it_did_not_write(tmp_path, module, flag):
+    """The conversion replaces its output folder whole, so a folder of other files (a mistyped
+    path, a training run) or a file is refused before anything is read, and stays as it was."""
+    other = tmp_path / "run"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    one_line_error(cli(module, flag, str(other)), "holds other files")
+    assert [p.name for p in other.iterdir()] == ["config.json"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    one_line_error(cli(module, flag, str(a_file)), "is a file")
+    assert a_file.read_text() == "keep"
+
+
+def test_a_conversion_replaces_an_earlier_one(tmp_path):
+    from model.hf_bert import config_from_hf
+
+    folder = write_model(tmp_path / "tiny", hf_tensors(config_from_hf(TINY)))
+    out = convert(tmp_path / "out", folder)
+    (out / "stale").write_text("from the earlier conversion")
+    again = convert(out, folder)
+    assert again == out and not (out / "stale").exists() and load_converted(out)[0]
+    (tmp_path / "empty").mkdir()  # an empty folder is taken too
+    assert convert(tmp_path / "empty", folder) == (tmp_path / "empty").absolute()
