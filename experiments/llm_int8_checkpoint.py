@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from experiments import model_flags, pretrained_lm, runtime
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_replaceable_folder, fail
 from experiments.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
@@ -36,7 +36,7 @@ from parallel.state import place_model_params
 from parallel.strategies import get_strategy
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError
-from quant.stored import quantize_with_meta, save_atomic
+from quant.stored import is_stored, quantize_with_meta, save_atomic
 
 PROG = "experiments.llm_int8_checkpoint"
 OUT = results_path("smollm2_int8_checkpoint.json")
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--mode", default="w8a8", help=f"one of {', '.join(MODES)}")
     p.add_argument("--rules", default="blocks/*,embed", help="modules to quantise")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices for the reload")
-    p.add_argument("--out", default=None, help="keep the int8 checkpoint in this folder "
+    p.add_argument("--out", default=None, help="keep the int8 checkpoint in this folder: new, "
+                                               "empty or an earlier one, which is replaced "
                                                "(default: a temporary one)")
     p.add_argument("--json-out", default=str(OUT))
     args = p.parse_args(argv)
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"devices={args.devices}: must be a positive integer")
         qcfg = QuantConfig(mode=args.mode, rules=tuple(r for r in args.rules.split(",") if r))
         qcfg.validate()
+        if args.out is not None:  # the checkpoint replaces the folder whole
+            check_replaceable_folder("out", args.out, "an int8 checkpoint", is_stored)
         runtime.start(args.devices)
         result = run(args, qcfg)
     except (ConfigError, GGUFError, QuantError) as e:

@@ -36,6 +36,12 @@ def quantize_with_meta(graphdef, params: dict, qcfg: QuantConfig, batches: list,
     return graphdef, qparams, plan, report, meta
 
 
+def is_stored(path: str | Path) -> bool:
+    """Whether `path` holds what `save_atomic` writes (the only non-empty folder it should be
+    asked to replace: callers that take the folder from a user check this first)."""
+    return (Path(path) / "ckpt").is_dir() and (Path(path) / "report.json").is_file()
+
+
 def save_atomic(out: Path, qparams: dict, meta: dict, report: dict) -> Path:
     """Write checkpoint + report next to `out`, then move them in place in one rename."""
     tmp = out.with_name(out.name + ".writing")

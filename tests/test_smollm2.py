@@ -371,3 +371,15 @@ def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
         (e["absmax"] for e in out["top"]), reverse=True)
     png = activation_profile(out, tmp_path / "profile.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_int8_checkpoint_out_never_replaces_other_files(tmp_path):
+    """llm_int8_checkpoint --out replaces its folder whole: a folder of other files is refused
+    before anything is loaded, and left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    one_line_error(cli("llm_int8_checkpoint", "--out", str(run), "--json-out",
+                       str(tmp_path / "r.json")), "out=", "holds other files")
+    assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
+    assert not (tmp_path / "r.json").exists()
