@@ -29,6 +29,8 @@ PROG = "experiments.chat"
 def check(args) -> None:
     model_flags.check_model_flags(args)
     check_text("prompt", args.prompt)
+    if args.system is not None:
+        check_text("system", args.system)
     if args.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):

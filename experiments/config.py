@@ -67,9 +67,11 @@ def check_text(field: str, text: str, *, blank_ok: bool = False) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        byte = text[e.start].encode("utf-8", "surrogateescape")[0]
-        raise ConfigError(f"{field}: not valid UTF-8 (byte 0x{byte:02x} at character "
-                          f"{e.start}); give UTF-8 text") from None
+        code = ord(text[e.start])  # argv's undecodable byte b arrives as U+DC00 + b
+        what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF
+                else f"lone surrogate U+{code:04X}")
+        raise ConfigError(f"{field}: not valid UTF-8 ({what} at character {e.start}); give "
+                          f"UTF-8 text") from None
 
 
 def check_replaceable_folder(field: str, path: str | Path, what: str, owned) -> None:

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         model_flags.check_model_flags(args)
         modes = model_flags.parse_modes(args.modes)
+        model_flags.check_window_flags(args.tokens, args.window)
         if args.rotation_seeds < 0:
             raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
                "machine": describe(),
                "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
                "decoding": []}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the plot comes first
         activation_profile(out["outliers"], Path(args.out).with_suffix(".png"),
                            f"{args.model}: Dense inputs of the float model, "
                            f"{len(calib)} calibration rows")

@@ -90,6 +90,7 @@ TEXTS = [
 
 
 LONG_TOKENS = 8000  # the long text's length: near the 8192 context, below it
+LONG_TAIL = 512  # its last positions are also averaged on their own
 
 
 def long_text(tok, limit: int = LONG_TOKENS) -> str:
@@ -149,13 +150,14 @@ def main(argv: list[str] | None = None) -> None:
            "texts": TEXTS, "tokens": ids}
     text = long_text(tok)
     out["long"] = {"source": f"pydoc_data.topics of Python {sys.version.split()[0]}",
+                   "tail": LONG_TAIL,
                    "text": text, "tokens": tok(text, add_special_tokens=False)["input_ids"]}
     for key, layers in (("full", None), ("truncated", args.truncated_layers)):
         extra = {} if layers is None else {"num_hidden_layers": layers}
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME,
                                                      torch_dtype=torch.float32, **extra).eval()
         out[key] = score(model, ids)
-        out["long"][key] = score(model, [out["long"]["tokens"]])[0]
+        out["long"][key] = score(model, [out["long"]["tokens"]], tail=LONG_TAIL)[0]
         print(f"{key}: {len(ids)} texts and the long one scored", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")

@@ -39,6 +39,15 @@ def check_model_flags(args) -> None:
         raise ConfigError(f"gguf={args.gguf!r}: {what}")
 
 
+def check_window_flags(tokens: int, window: int) -> None:
+    """--tokens and --window of the perplexity launchers, as far as they can be judged before
+    the model loads (the upper bounds need the context and the corpus's token count)."""
+    if window < 2:
+        raise ConfigError(f"window={window}: must be at least 2")
+    if tokens < window:
+        raise ConfigError(f"tokens={tokens}: must be at least the window ({window})")
+
+
 def parse_modes(text: str) -> list[str]:
     """A --modes flag: a comma-separated, non-empty subset of quant/modes.py's int8 modes."""
     modes = [m for m in text.split(",") if m]

@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> dict:
            "max_abs_nll_diff": max(diffs), "mean_abs_nll_diff": sum(diffs) / len(diffs)}
     long = ref.get("long")  # near the whole context; export fixtures have none
     if long is not None and "full" in long and not args.no_long:
-        row, = pretrained_lm.score_ids(pre, [long["tokens"]])
-        out["long_text"] = {"tokens": len(long["tokens"]),
+        row, = pretrained_lm.score_ids(pre, [long["tokens"]], tail=long["tail"])
+        out["long_text"] = {"tokens": len(long["tokens"]), "context": pre.cfg.max_len,
+                            "tail": long["tail"],
+                            "tail_abs_nll_diff": abs(row["mean_nll_last"]
+                                                     - long["full"]["mean_nll_last"]),
                             "ids_identical": pre.tokenizer.encode(long["text"]) == long["tokens"],
                             "next_identical": row["next_token"] == long["full"]["next_token"],
                             "abs_nll_diff": abs(row["mean_nll"] - long["full"]["mean_nll"])}

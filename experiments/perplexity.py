@@ -37,11 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         model_flags.check_model_flags(args)
-        if args.window < 2:
-            raise ConfigError(f"window={args.window}: must be at least 2")
-        if args.tokens < args.window:  # the upper bounds need the model: checked after loading
-            raise ConfigError(f"tokens={args.tokens}: must be at least the window "
-                              f"({args.window})")
+        model_flags.check_window_flags(args.tokens, args.window)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 

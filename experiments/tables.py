@@ -378,9 +378,11 @@ def _long_parity(t: dict | None) -> str:
     if t is None:
         return ""
     word = {True: "identical", False: "different"}
-    return (f" One text of {t['tokens']:,} tokens (the context is 8,192): ids "
-            f"{word[t['ids_identical']]}, next token {word[t['next_identical']]}, |Δ mean NLL| "
-            f"{t['abs_nll_diff']:.1e} nats.")
+    tail = (f" ({t['tail_abs_nll_diff']:.1e} over its last {t['tail']} positions)"
+            if "tail" in t else "")
+    return (f" One text of {t['tokens']:,} tokens (the context is {t.get('context', 8192):,}): "
+            f"ids {word[t['ids_identical']]}, next token {word[t['next_identical']]}, "
+            f"|Δ mean NLL| {t['abs_nll_diff']:.1e} nats{tail}.")
 
 
 def finetune_smollm2(d: dict) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments import pretrained_lm, runtime
+from experiments import model_flags, pretrained_lm, runtime
 from experiments.config import ConfigError, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"torch_python={args.torch_python!r}: not an executable file")
         if args.layers is not None and args.layers < 1:
             raise ConfigError(f"layers={args.layers}: must be a positive integer")
+        model_flags.check_window_flags(args.tokens, args.window)
         runtime.start(1)
         result = run(args)
     except (ConfigError, GGUFError) as e:

@@ -8,6 +8,7 @@ do not import launchers); one subprocess per launcher proves that its ConfigErro
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -249,3 +250,15 @@ def test_flag_refusals_come_before_jax_is_imported(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count(": error: ") == len(EARLY_REFUSALS), proc.stderr
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "o.json").exists()
+
+
+def test_check_text_names_the_bad_byte_or_code_point():
+    from experiments.config import check_text
+
+    check_text("t", "caf\u00e9")
+    check_text("t", " ", blank_ok=True)
+    for text, fragment in (("", "t: empty; give at least one non-blank character"),
+                           (" \n", "t: empty"), ("ab\udcc3", "byte 0xc3 at character 2"),
+                           ("a\ud800", "lone surrogate U+D800 at character 1")):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_text("t", text)

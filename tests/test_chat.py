@@ -46,6 +46,7 @@ def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
 @pytest.mark.parametrize("args,fragment", [
     (["--prompt", "  "], "prompt: empty"),
     (["--prompt", "ab\udcfecd"], "prompt: not valid UTF-8 (byte 0xfe at character 2)"),
+    (["--prompt", "hi", "--system", "\udcff"], "system: not valid UTF-8 (byte 0xff"),
     (["--prompt", "hi", "--quant", "w4"], "quant='w4'"),
     (["--prompt", "hi", "--layers", str(LAYERS), "--max-new-tokens", "9000"],
      "max_new_tokens=9000"),

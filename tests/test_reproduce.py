@@ -127,15 +127,17 @@ def test_unknown_name_is_one_line_exit_2():
     assert len(lines) == 1 and lines[0].startswith("experiments.reproduce: error: only=nope")
 
 
-def test_parity_claim_covers_the_long_text_where_it_ran(tmp_path):
+def test_parity_claim_needs_the_long_text_on_a_full_run(tmp_path):
     committed = json.loads((ROOT / "experiments" / "results" / "smollm2_parity.json").read_text())
     assert committed["long_text"]["tokens"] > 7000  # the committed run has it
     claim = next(e.claim for e in reproduction.EXPERIMENTS if e.name == "parity_smollm2")
-    for long_text, holds in ((None, True), (committed["long_text"], True),
-                             ({**committed["long_text"], "abs_nll_diff": 2e-4}, False),
-                             ({**committed["long_text"], "next_identical": False}, False)):
+    long = committed["long_text"]
+    for long_text, full_holds in ((None, False), (long, True),
+                                  ({**long, "abs_nll_diff": 2e-4}, False),
+                                  ({**long, "next_identical": False}, False)):
         d = {k: v for k, v in committed.items() if k != "long_text"}
         if long_text is not None:
             d["long_text"] = long_text
         (tmp_path / "smollm2_parity.json").write_text(json.dumps(d))
-        assert (claim(tmp_path, False) is None) == holds, long_text
+        assert (claim(tmp_path, False) is None) == full_holds, long_text
+        assert claim(tmp_path, True) is None  # a quick run (--no-long) is not asked for it

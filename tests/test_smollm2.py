@@ -316,6 +316,7 @@ def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
     (["--layers", "0"], "layers=0"),
     (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
     (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
+    (["--tokens", "100"], "tokens=100: must be at least the window (512)"),
 ])
 def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "table.json"
@@ -344,9 +345,11 @@ def test_a_text_near_the_whole_context_matches_transformers(truncated):
     long = FIXTURE["long"]
     assert len(long["tokens"]) > 7000 and truncated.cfg.max_len == 8192
     assert truncated.tokenizer.encode(long["text"]) == long["tokens"]
-    row, = pretrained_lm.score_ids(truncated, [long["tokens"]])
+    row, = pretrained_lm.score_ids(truncated, [long["tokens"]], tail=long["tail"])
     assert row["next_token"] == long["truncated"]["next_token"]
     assert abs(row["mean_nll"] - long["truncated"]["mean_nll"]) <= 1e-4
+    # The last positions on their own: an error there is not averaged away over 7,969.
+    assert abs(row["mean_nll_last"] - long["truncated"]["mean_nll_last"]) <= 1e-4
 
 
 def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
