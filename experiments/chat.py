@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         from experiments import pretrained_lm, runtime
         from model.generate import stream
+        from model.tokenizer import StreamDecoder
         from quant.kv_cache import init_int8_cache
 
         runtime.start(1)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: the prompt "
                               f"({prompt.shape[1]} tokens) + new tokens must fit the context "
                               f"of {pre.cfg.max_len}")
-        tokens, first = [], None
+        tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
         for tok in stream(pre.graphdef, pre.params, prompt, args.max_new_tokens,
                           jax.random.key(args.seed), args.temperature, args.top_k,
                           stop_ids=(pre.tokenizer.eos_id,),
@@ -82,9 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
             if first is None:
                 first = time.perf_counter()  # prefill (and its compile) done
             tokens.append(tok)
-            if not args.json and tok != pre.tokenizer.eos_id:
-                sys.stdout.write(pre.tokenizer.decode([tok]))
+            if not args.json:
+                sys.stdout.write(text.push(tok))  # whole characters only, never half of one
                 sys.stdout.flush()
+        if not args.json:
+            sys.stdout.write(text.flush())
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     seconds = time.perf_counter() - first

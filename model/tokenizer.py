@@ -69,6 +69,33 @@ class BPETokenizer:
         return i
 
 
+class StreamDecoder:
+    """The text of tokens arriving one at a time, as soon as it is whole. A byte-level token
+    can end inside a UTF-8 character (most CJK characters and emoji take two or three tokens),
+    and decoding it alone gives U+FFFD; its bytes are held back until the character completes.
+    Decoding restarts after the last piece handed out, so each token costs the few tokens held
+    back, not the whole reply."""
+
+    def __init__(self, tokenizer: BPETokenizer, skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        """The new whole characters after `token` ("" while a character is incomplete)."""
+        self.pending.append(int(token))
+        text = self.tokenizer.decode(self.pending, skip_special=self.skip_special)
+        if text.endswith("\ufffd"):
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """Whatever is held back, as is (an incomplete character stays U+FFFD)."""
+        text = self.tokenizer.decode(self.pending, skip_special=self.skip_special)
+        self.pending = []
+        return text
+
+
 def tokenizer_from_gguf(g: GGUFFile) -> BPETokenizer:
     """The tokenizer a GGUF file describes (only byte-level BPE: tokenizer.ggml.model gpt2)."""
     kind = g.get_str("tokenizer.ggml.model")

@@ -6,6 +6,7 @@ writes a results file the docs table renders, and both launchers refuse bad inpu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,3 +120,24 @@ def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, f
     out = tmp_path / "r.json"
     one_line_error(cli("chat_replies", *args, "--out", str(out)), fragment)
     assert not out.exists()
+
+
+def test_streamed_text_is_whole_characters_and_adds_up_to_the_reply(truncated):
+    """chat prints each token as it comes; a byte-level token can end inside a character (CJK,
+    emoji, accents), so the stream holds bytes back until the character is whole: no piece
+    shows U+FFFD, and the pieces add up to the reply. Per-token decoding, as before, did not."""
+    from model.tokenizer import StreamDecoder
+
+    tok = truncated.tokenizer
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "smollm2_reference.json")
+                         .read_text())
+    split = 0
+    for ids in fixture["tokens"]:
+        stream = StreamDecoder(tok)
+        pieces = [stream.push(i) for i in ids] + [stream.flush()]
+        assert "".join(pieces) == tok.decode(ids, skip_special=True)
+        assert not any("\ufffd" in p for p in pieces)
+        split += any("\ufffd" in tok.decode([i]) for i in ids)
+    assert split >= 5  # the fixture has texts whose characters span tokens
+    stream = StreamDecoder(tok)
+    assert stream.push(tok.encode("🙂")[0]) == "" and stream.flush() == "\ufffd"
