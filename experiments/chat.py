@@ -3,11 +3,16 @@
   python -m experiments.chat --model smollm2 --prompt "What is the capital of France?"
   python -m experiments.chat --model smollm2 --quant w8a8 --kv-int8 --prompt "Name a prime."
   python -m experiments.chat --prompt "Tell a story." --temperature 0.7 --top-k 40 --seed 1
+  python -m experiments.chat --model smollm2 --interactive      # a conversation, one line a turn
 
 The prompt goes through the model's ChatML template (a default system message, then the user
 turn, then `<|im_start|>assistant\\n`); decoding stops at `<|im_end|>` or after
 --max-new-tokens. Greedy unless --temperature > 0. With --json the last line is {"reply",
 "tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after the prompt's prefill).
+--interactive reads one user turn per line from stdin (after --prompt, if given) and keeps the
+conversation: each turn is the whole ChatML history so far plus the new message. An empty line,
+`/exit` or the end of input stops it; a conversation that outgrows the context ends in one
+line. Ctrl-C stops a reply (exit 130).
 """
 
 from __future__ import annotations
@@ -28,9 +33,14 @@ PROG = "experiments.chat"
 
 def check(args) -> None:
     model_flags.check_model_flags(args)
-    check_text("prompt", args.prompt)
+    if args.prompt is None and not args.interactive:
+        raise ConfigError("prompt: not given; pass --prompt TEXT (or --interactive)")
+    if args.prompt is not None:
+        check_text("prompt", args.prompt)
     if args.system is not None:
         check_text("system", args.system)
+    if args.interactive and args.json:
+        raise ConfigError("json: not with --interactive (one reply per run)")
     if args.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -41,13 +51,32 @@ def check(args) -> None:
         raise ConfigError(f"seed={args.seed}: must be in 0..{2**32 - 1}")
 
 
+def user_turns(first: str | None):
+    """The user's messages: `first`, then one per stdin line until an empty line, `/exit` or
+    the end of input (ConfigError, one line, on a line that is not UTF-8)."""
+    if first is not None:
+        yield first
+    while True:
+        if sys.stdin.isatty():
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        text = line.rstrip("\r\n")
+        if not line or not text.strip() or text.strip() == "/exit":
+            return
+        check_text("prompt", text)
+        yield text
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
-    p.add_argument("--prompt", required=True, help="the user's message")
+    p.add_argument("--prompt", default=None, help="the user's message")
+    p.add_argument("--interactive", action="store_true",
+                   help="then read more user turns from stdin, one per line")
     p.add_argument("--system", default=None, help="a system message (default: the model's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per reply")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -58,47 +87,65 @@ def main(argv: list[str] | None = None) -> dict:
         check(args)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         import jax
-        import numpy as np
 
         from experiments import pretrained_lm, runtime
-        from model.generate import stream
-        from model.tokenizer import StreamDecoder
-        from quant.kv_cache import init_int8_cache
 
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
         if args.top_k > pre.cfg.vocab_size:
             raise ConfigError(f"top_k={args.top_k}: must be at most the vocabulary "
                               f"({pre.cfg.vocab_size})")
-        prompt = np.asarray([pretrained_lm.chat_ids(pre, args.prompt, args.system)], np.int32)
-        if prompt.shape[1] + args.max_new_tokens > pre.cfg.max_len:
-            raise ConfigError(f"max_new_tokens={args.max_new_tokens}: the prompt "
-                              f"({prompt.shape[1]} tokens) + new tokens must fit the context "
-                              f"of {pre.cfg.max_len}")
-        tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
-        for tok in stream(pre.graphdef, pre.params, prompt, args.max_new_tokens,
-                          jax.random.key(args.seed), args.temperature, args.top_k,
-                          stop_ids=(pre.tokenizer.eos_id,),
-                          make_cache=init_int8_cache if args.kv_int8 else None):
-            if first is None:
-                first = time.perf_counter()  # prefill (and its compile) done
-            tokens.append(tok)
-            if not args.json:
-                sys.stdout.write(text.push(tok))  # whole characters only, never half of one
-                sys.stdout.flush()
-        if not args.json:
-            sys.stdout.write(text.flush())
+        history: list[dict[str, str]] = []
+        key = jax.random.key(args.seed)
+        row = None
+        turns = user_turns(args.prompt) if args.interactive else [args.prompt]
+        for i, message in enumerate(turns):
+            turn_key = jax.random.fold_in(key, i) if i else key  # turn 0: as a one-shot run
+            row = reply(pre, args, history + [{"role": "user", "content": message}], turn_key)
+            history += [{"role": "user", "content": message},
+                        {"role": "assistant", "content": row["reply"]}]
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
-    seconds = time.perf_counter() - first
-    reply = pre.tokenizer.decode(tokens, skip_special=True)
-    row = {"reply": reply, "tokens": tokens, "new_tokens": len(tokens), "seconds": seconds,
-           "tokens_per_s": (len(tokens) - 1) / seconds if len(tokens) > 1 else None}
+    except KeyboardInterrupt:  # Ctrl-C stops the reply: end the line, no traceback
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        sys.exit(130)  # the shell's code for a process stopped by SIGINT
     if args.json:
         print(json.dumps(row))
-    else:
-        print()
     return row
+
+
+def reply(pre, args, messages: list[dict[str, str]], key) -> dict:
+    """Stream the assistant's reply to `messages` (printed unless --json) and return its row."""
+    import numpy as np
+
+    from experiments import pretrained_lm
+    from model.generate import stream
+    from model.tokenizer import StreamDecoder
+    from quant.kv_cache import init_int8_cache
+
+    ids = pretrained_lm.conversation_ids(pre, messages, args.system)
+    if len(ids) + args.max_new_tokens > pre.cfg.max_len:
+        what = "the prompt" if len(messages) == 1 else "the conversation"
+        raise ConfigError(f"max_new_tokens={args.max_new_tokens}: {what} ({len(ids)} tokens) "
+                          f"+ new tokens must fit the context of {pre.cfg.max_len}")
+    tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
+    for tok in stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), args.max_new_tokens,
+                      key, args.temperature, args.top_k, stop_ids=(pre.tokenizer.eos_id,),
+                      make_cache=init_int8_cache if args.kv_int8 else None):
+        if first is None:
+            first = time.perf_counter()  # prefill (and its compile) done
+        tokens.append(tok)
+        if not args.json:
+            sys.stdout.write(text.push(tok))  # whole characters only, never half of one
+            sys.stdout.flush()
+    if not args.json:
+        sys.stdout.write(text.flush() + "\n")
+        sys.stdout.flush()
+    seconds = time.perf_counter() - first
+    return {"reply": pre.tokenizer.decode(tokens, skip_special=True), "tokens": tokens,
+            "new_tokens": len(tokens), "seconds": seconds,
+            "tokens_per_s": (len(tokens) - 1) / seconds if len(tokens) > 1 else None}
 
 
 if __name__ == "__main__":

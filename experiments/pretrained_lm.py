@@ -67,9 +67,16 @@ def load(name: str = "smollm2", n_layers: int | None = None,
 def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:
     """The token ids of one user turn in the model's ChatML template (a system message first:
     `system`, or the model's default), ending where the assistant's reply begins."""
-    messages = ([{"role": "system", "content": system}] if system else [])
-    messages.append({"role": "user", "content": prompt})
-    return pre.tokenizer.encode(chat_prompt(messages))
+    return conversation_ids(pre, [{"role": "user", "content": prompt}], system)
+
+
+def conversation_ids(pre: Pretrained, messages: list[dict[str, str]],
+                     system: str | None = None) -> list[int]:
+    """The token ids of a conversation (user and assistant turns, the last one the user's) in
+    the ChatML template, after `system` or the model's default system message, ending where
+    the next assistant reply begins."""
+    head = [{"role": "system", "content": system}] if system else []
+    return pre.tokenizer.encode(chat_prompt(head + list(messages)))
 
 
 def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:

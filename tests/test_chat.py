@@ -141,3 +141,74 @@ def test_streamed_text_is_whole_characters_and_adds_up_to_the_reply(truncated):
     assert split >= 5  # the fixture has texts whose characters span tokens
     stream = StreamDecoder(tok)
     assert stream.push(tok.encode("🙂")[0]) == "" and stream.flush() == "\ufffd"
+
+
+def test_ctrl_c_stops_the_stream_without_a_traceback():
+    """SIGINT while the reply streams: the line is ended, exit status 130, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--prompt", PROMPT,
+         "--max-new-tokens", "4000"],
+        cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1)  # the reply has started streaming
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err and out.endswith(b"\n")
+
+
+def test_interactive_chat_keeps_the_conversation(truncated):
+    """Two turns on stdin: the second reply is the greedy reply to the whole ChatML history
+    (the first turn and its reply included), and each reply is one printed line."""
+    import jax
+
+    from model.generate import stream
+
+    second = "And what is 3 + 3?"
+    proc = cli("chat", "--layers", str(LAYERS), "--interactive", "--max-new-tokens", "5",
+               input=f"{PROMPT}\n{second}\n/exit\nnever read\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    tok = truncated.tokenizer
+    first = reply_stability.greedy_reply(truncated, PROMPT, 5)
+    history = [{"role": "user", "content": PROMPT},
+               {"role": "assistant", "content": tok.decode(first, skip_special=True)},
+               {"role": "user", "content": second}]
+    ids = pretrained_lm.conversation_ids(truncated, history)
+    assert tok.decode(ids).count("<|im_start|>user\n") == 2
+    again = list(stream(truncated.graphdef, truncated.params, np.asarray([ids], np.int32), 5,
+                        jax.random.fold_in(jax.random.key(0), 1), stop_ids=(tok.eos_id,)))
+    assert lines == [tok.decode(first, skip_special=True), tok.decode(again, skip_special=True)]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    ([], "prompt: not given"),
+    (["--interactive", "--json"], "json: not with --interactive"),
+])
+def test_chat_needs_a_prompt_or_interactive(args, fragment):
+    one_line_error(cli("chat", *args), fragment)
+
+
+def test_a_multi_turn_conversation_is_the_models_chatml():
+    """--interactive sends the whole history; the expected text is what transformers'
+    apply_chat_template writes for these messages from the GGUF's template (run once in the
+    reference environment)."""
+    from model.tokenizer import chat_prompt
+
+    messages = [{"role": "user", "content": "Hi, I am Tom."},
+                {"role": "assistant", "content": "Hello, Tom!"},
+                {"role": "user", "content": "What is my name?"}]
+    assert chat_prompt(messages) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nHi, I am Tom.<|im_end|>\n<|im_start|>assistant\n"
+        "Hello, Tom!<|im_end|>\n<|im_start|>user\nWhat is my name?<|im_end|>\n"
+        "<|im_start|>assistant\n")

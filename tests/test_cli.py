@@ -13,10 +13,10 @@ from experiments.restore import restore_params
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cli(module, *args, timeout=300):
+def cli(module, *args, timeout=300, input=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout, input=input)
 
 
 def one_line_error(proc, *fragments):
