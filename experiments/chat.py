@@ -60,7 +60,11 @@ def user_turns(first: str | None):
         if sys.stdin.isatty():
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:  # a strict stdin (PYTHONIOENCODING=utf-8:strict)
+            raise ConfigError(f"prompt: not valid UTF-8 (byte 0x{e.object[e.start]:02x} on "
+                              f"stdin); give UTF-8 text") from None
         text = line.rstrip("\r\n")
         if not line or not text.strip() or text.strip() == "/exit":
             return

@@ -212,3 +212,22 @@ def test_a_multi_turn_conversation_is_the_models_chatml():
         "Face<|im_end|>\n<|im_start|>user\nHi, I am Tom.<|im_end|>\n<|im_start|>assistant\n"
         "Hello, Tom!<|im_end|>\n<|im_start|>user\nWhat is my name?<|im_end|>\n"
         "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("io_encoding", [None, "utf-8:strict"])
+def test_interactive_stdin_that_is_not_utf8_is_one_line(io_encoding):
+    """A turn read from stdin that is not UTF-8 is refused in one line, exit 2: whether Python
+    hands the byte over as a surrogate (its default for stdin here) or raises on it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONIOENCODING")}
+    if io_encoding:
+        env["PYTHONIOENCODING"] = io_encoding
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--interactive"],
+        cwd=Path(__file__).parent.parent, env=env, input=b"ab\xffcd\n", capture_output=True,
+        timeout=300)
+    proc.stderr = proc.stderr.decode()
+    one_line_error(proc, "prompt: not valid UTF-8 (byte 0xff")
