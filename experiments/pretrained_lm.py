@@ -207,12 +207,11 @@ def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
     non-overlapping windows of `window` tokens (each window's first token has no context and is
     not scored, so `tokens - windows` positions are)."""
     ids = validation_ids(pre, tokens, window)
-    fn = make_logprob_fn(pre.graphdef, mesh_of(pre.params))
+    fn = make_score_fn(pre.graphdef, mesh_of(pre.params))
     total, count, windows = 0.0, 0, len(ids) // window
     for start in range(0, len(ids), window):
-        chunk = ids[start:start + window]
-        logp = np.asarray(fn(pre.params, chunk[None]), np.float64)
-        total -= float(np.sum(logp[np.arange(window - 1), chunk[1:]]))
+        picked, _ = fn(pre.params, ids[None, start:start + window])
+        total -= float(np.sum(np.asarray(picked, np.float64)))
         count += window - 1
     nll = total / count
     return {"model": pre.name, "quant": pre.quant, "tokens": windows * window, "scored": count,
