@@ -190,11 +190,34 @@ def smollm2_quant(d: dict) -> str:
         rows.append(f"| {r['quant']} | {r['perplexity']:.3f} | {r['vs_float_pct']:+.2f}% | "
                     f"{r['param_bytes']:,} | {r['quantized_fraction']:.3f} |")
     out = d["outliers"]
-    top = ", ".join(f"`{e['module'].split('/')[-1]}` input in layer {e['layer']} (channel "
-                    f"{e['channel']}: {e['absmax']:.0f}, {e['ratio_to_median']:.0f}× the median "
-                    f"channel)" for e in out["top"][:3])
-    rows += ["", f"Largest activations (float model, {out['calibration']['rows']} calibration "
-             f"rows of {out['calibration']['tokens_per_row']} tokens): {top}."]
+    cal = out["calibration"]
+    rows += ["", f"Largest activations (float model, {cal['rows']} calibration rows of "
+             f"{cal['tokens_per_row']} tokens): the three largest, then the largest of each other "
+             f"distinct Dense input (q/k/v read one, gate/up another). A carrier is a token "
+             f"whose largest input is in that channel, at a tenth of its peak or more:", "",
+             *_head("Dense input", "layer", "channel", "peak", "× median channel",
+                    "carriers", "carriers first in their row", "carriers' text",
+                    "median token's largest input")]
+    shown = out["top"][:3]  # the largest overall, then each other distinct input's largest
+    for module in sorted(out["per_module"].values(), key=lambda v: -v["max"]):
+        if all(module["per_layer"] != out["per_module"][e["module"]]["per_layer"]
+               for e in shown):
+            shown.append(module["peak"])
+    order = ("q", "k", "v", "o", "gate", "up", "down")  # a block's order, for the labels
+
+    def label(module: str) -> str:  # every Dense that reads the same input
+        same = [p.split("/")[-1] for p, v in out["per_module"].items()
+                if v["per_layer"] == out["per_module"][module]["per_layer"]]
+        return "/".join(sorted(same, key=lambda n: (order.index(n) if n in order else 99, n)))
+
+    for e in shown:
+        c = e["carriers"]
+        texts = ", ".join("`" + json.dumps(t["text"], ensure_ascii=False).replace("|", "\\|")
+                          + f"` ×{t['count']}" for t in c["texts"][:3])
+        rows.append(f"| {label(e['module'])} | {e['layer']} | {e['channel']} | "
+                    f"{e['absmax']:.0f} | {e['ratio_to_median']:.0f}× | {c['tokens']:,} of "
+                    f"{c['of']:,} | {c['first_of_row']} | {texts} | "
+                    f"{e['median_token_absmax']:.2f} |")
     if d.get("w8a8_sensitivity"):
         w8a8 = next(r for r in d["rows"] if r["quant"] == "w8a8")
         rows += ["", f"Plain w8a8 ({w8a8['vs_float_pct']:+.2f}%) with one group of layers left "

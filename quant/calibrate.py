@@ -47,6 +47,8 @@ class Sink:
     outlier_cols: dict = dataclasses.field(default_factory=dict)
     sq_err: dict = dataclasses.field(default_factory=dict)
     sq_ref: dict = dataclasses.field(default_factory=dict)
+    token_absmax: dict = dataclasses.field(default_factory=dict)  # per batch: [tokens]
+    token_argmax: dict = dataclasses.field(default_factory=dict)  # its channel, per token
     _twin_cache: dict = dataclasses.field(default_factory=dict)
 
     def _twin(self, name: str, layer: int | None):
@@ -69,6 +71,8 @@ class Sink:
         key = (name, self.layer)
         x2 = jnp.abs(x.reshape(-1, x.shape[-1]).astype(jnp.float32))
         col = np.asarray(jnp.max(x2, axis=0))
+        self.token_absmax.setdefault(key, []).append(np.asarray(jnp.max(x2, axis=1)))
+        self.token_argmax.setdefault(key, []).append(np.asarray(jnp.argmax(x2, axis=1)))
         self.absmax[key] = np.maximum(self.absmax.get(key, col), col)
         n_out = int(np.sum(col >= self.outlier_threshold))  # columns over it in this batch
         self.outlier_cols[key] = self.outlier_cols.get(key, []) + [n_out]
@@ -138,7 +142,9 @@ def calibrate(graphdef, params, batches, twins: nnx.Module | None = None,
     mean_cols = _stack(sink.outlier_cols, paths, lambda v: float(np.mean(v)))
     stats = {"absmax": absmax,
              "outlier_cols": {p: v / absmax[p].shape[-1] for p, v in mean_cols.items()},
-             "outlier_cols_max": _stack(sink.outlier_cols, paths, lambda v: int(np.max(v)))}
+             "outlier_cols_max": _stack(sink.outlier_cols, paths, lambda v: int(np.max(v))),
+             "token_absmax": _stack(sink.token_absmax, paths, np.concatenate),
+             "token_argmax": _stack(sink.token_argmax, paths, np.concatenate)}
     if twins is not None:
         rel = {k: float(np.sqrt(sink.sq_err[k] / max(sink.sq_ref[k], 1e-30))) for k in sink.sq_err}
         stats["rel_err"] = _stack(rel, paths, lambda v: v)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -352,6 +353,35 @@ def test_a_text_near_the_whole_context_matches_transformers(truncated):
     assert abs(row["mean_nll_last"] - long["truncated"]["mean_nll_last"]) <= 1e-4
 
 
+def dense_inputs(pre, rows) -> dict:
+    """{(Dense path, layer): its input [tokens, in]} over the rows, the float model run block by
+    block with each Dense wrapped to keep what it reads (on its own: not calibrate()'s taps)."""
+    seen: dict = {}
+
+    class Keep(nnx.Module):
+        def __init__(self, inner, key):
+            self.inner, self.key = inner, key
+
+        def __call__(self, x):
+            seen.setdefault(self.key, []).append(np.asarray(x).reshape(-1, x.shape[-1]))
+            return self.inner(x)
+
+    model = nnx.merge(pre.graphdef, jax.device_get(pre.params))
+    block_def, stacked = nnx.split(model.blocks)
+    paths = ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down")
+    for row in rows:
+        tokens = jnp.asarray(row[:, :-1])
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = model.embed(tokens)
+        for layer in range(pre.cfg.n_layers):
+            block = nnx.merge(block_def, jax.tree.map(lambda a, i=layer: a[i], stacked))
+            for path in paths:
+                parent, name = getattr(block, path.split("/")[0]), path.split("/")[1]
+                setattr(parent, name, Keep(getattr(parent, name), ("blocks/" + path, layer)))
+            x = block(x, positions)[0]
+    return {k: np.concatenate(v) for k, v in seen.items()}
+
+
 def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
     """The outlier report against the calibration statistics it summarises, and its plot: one
     line per distinct Dense input (q/k/v share theirs, gate/up theirs)."""
@@ -372,6 +402,25 @@ def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
         out["per_module"]["blocks/attn/v"]["per_layer"]  # one input, one line
     assert [e["absmax"] for e in out["top"]] == sorted(
         (e["absmax"] for e in out["top"]), reverse=True)
+    # Which tokens carry each peak, recounted from the layer's inputs themselves: every
+    # token's input to that Dense, taken apart from the model (not from calibrate()).
+    ids = np.concatenate([r[0, :-1] for r in rows])
+    inputs = dense_inputs(truncated, rows)
+    for e in out["top"] + [m["peak"] for m in out["per_module"].values()]:
+        x = np.abs(inputs[e["module"], e["layer"]])  # [tokens, in]
+        assert x[:, e["channel"]].max() == pytest.approx(e["absmax"], rel=1e-5)
+        hit = (x.argmax(-1) == e["channel"]) & (x.max(-1) >= e["absmax"] / 10)
+        c = e["carriers"]
+        assert (c["tokens"], c["of"]) == (int(hit.sum()), len(ids))
+        assert c["first_of_row"] == int(hit[::rows[0].shape[1] - 1].sum())
+        texts = Counter(truncated.tokenizer.decode([int(i)]) for i in ids[hit])
+        assert [(t["text"], t["count"]) for t in c["texts"]] == texts.most_common(5)
+        assert e["median_token_absmax"] == pytest.approx(float(np.median(x.max(-1))), rel=1e-5)
+    # The 4-block model has the family's outlier pattern already: `down`'s largest input is
+    # carried by a few tokens among them a row's first, q/k/v's by most tokens.
+    down, q = out["per_module"]["blocks/mlp/down"]["peak"], out["per_module"]["blocks/attn/q"]
+    assert down["carriers"]["tokens"] <= 8 and down["carriers"]["first_of_row"] >= 1
+    assert q["peak"]["carriers"]["tokens"] >= len(ids) // 2
     png = activation_profile(out, tmp_path / "profile.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
