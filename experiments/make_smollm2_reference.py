@@ -16,7 +16,9 @@ a truncated one (the first `--truncated-layers` blocks; the tests use it for spe
 text, cut to just under the model's 8192-token context from the standard library's
 `pydoc_data` topics, holds the positions past a few thousand (rotary angles, long attention
 rows) to the same tolerance: the tests score it on the truncated model, parity_smollm2 on the
-full one.
+full one. The chat prompts of experiments/chat_prompts.py, put in the GGUF's own chat template
+by transformers, get greedy replies from the KV cache (with each step's gap between the two
+largest logits): our template and our cached decoding are held to them.
 
 One deliberate correction: transformers' GGUF tokenizer converter does not know llama.cpp's
 `smollm` pre-tokenizer and falls back to GPT-2's split, which keeps digit runs together; the
@@ -34,9 +36,11 @@ import json
 import sys
 from pathlib import Path
 
-from reference_scoring import score  # beside this script (run by path)
+from chat_prompts import PROMPTS  # beside this script (run by path): data only, no JAX
+from reference_scoring import greedy_replies, score
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT_NEW_TOKENS = 32  # greedy reply length per chat prompt
 
 CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" \
        "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -148,6 +152,12 @@ def main(argv: list[str] | None = None) -> None:
                         for k in ("torch", "transformers", "tokenizers", "gguf", "numpy")},
            "dtype": "float32", "truncated_layers": args.truncated_layers,
            "texts": TEXTS, "tokens": ids}
+    chat_ids = [tok.apply_chat_template([{"role": "user", "content": p.text}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False) for p in PROMPTS]
+    out["chat"] = {"prompts": [p.text for p in PROMPTS], "max_new_tokens": CHAT_NEW_TOKENS,
+                   "template": "the GGUF's tokenizer.chat_template, applied by transformers",
+                   "tokens": chat_ids}
     text = long_text(tok)
     out["long"] = {"source": f"pydoc_data.topics of Python {sys.version.split()[0]}",
                    "tail": LONG_TAIL,
@@ -158,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                                                      torch_dtype=torch.float32, **extra).eval()
         out[key] = score(model, ids)
         out["long"][key] = score(model, [out["long"]["tokens"]], tail=LONG_TAIL)[0]
-        print(f"{key}: {len(ids)} texts and the long one scored", file=sys.stderr)
+        out["chat"][key] = greedy_replies(model, chat_ids, CHAT_NEW_TOKENS, tok.eos_token_id)
+        print(f"{key}: {len(ids)} texts and the long one scored, {len(chat_ids)} chat "
+              f"replies written", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")

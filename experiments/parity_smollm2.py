@@ -11,7 +11,8 @@ Reads the fixture experiments/make_smollm2_reference.py wrote (tests/fixtures/
 smollm2_reference.json: token ids, mean NLL and greedy next token per text from transformers),
 tokenizes and scores the same texts with the project's tokenizer and float32 model, and
 records how far apart they are; then the same for the fixture's long text (nearly the whole
-8192-token context).
+8192-token context), and the greedy chat replies to the fixture's prompts (our ChatML template
+and KV-cache decoding against transformers' template and generation).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments import pretrained_lm, runtime
+from experiments import pretrained_lm, reply_stability, runtime
 from experiments.config import fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 
 PROG = "experiments.parity_smollm2"
+# Two correct float32 implementations may pick different greedy tokens only where the two
+# largest logits are this close (their logits differ by about 1e-5 here).
+NEAR_TIE = 1e-3
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_reference.json"
 
 
@@ -68,9 +72,25 @@ def main(argv: list[str] | None = None) -> dict:
                             "ids_identical": pre.tokenizer.encode(long["text"]) == long["tokens"],
                             "next_identical": row["next_token"] == long["full"]["next_token"],
                             "abs_nll_diff": abs(row["mean_nll"] - long["full"]["mean_nll"])}
+    chat = ref.get("chat")  # greedy chat replies; export fixtures have none
+    if chat is not None and "full" in chat:
+        out["chat"] = chat_parity(pre, chat, "full")
     write_result(args.out, out)
     print(json.dumps(out))
     return out
+
+
+def chat_parity(pre, chat: dict, key: str) -> dict:
+    """Our chat template and greedy KV-cache decoding against the fixture's: per prompt, the
+    prompt ids and the reply compared (reply_stability.against_reference)."""
+    prompts = []
+    for text, ids, ref in zip(chat["prompts"], chat["tokens"], chat[key], strict=True):
+        ours = reply_stability.greedy_reply(pre, text, chat["max_new_tokens"])
+        prompts.append({"prompt": text, "template_identical": pretrained_lm.chat_ids(pre, text)
+                        == ids, "reply": pre.tokenizer.decode(ours, skip_special=True),
+                        **reply_stability.against_reference(ours, ref, NEAR_TIE)})
+    return {"max_new_tokens": chat["max_new_tokens"], "near_tie": NEAR_TIE,
+            "prompts": prompts}
 
 
 if __name__ == "__main__":

@@ -30,9 +30,13 @@ from model.generate import stream
 def greedy_reply(pre: Pretrained, prompt: str, max_new_tokens: int) -> list[int]:
     """The tokens `python -m experiments.chat --prompt PROMPT` writes (greedy), end-of-turn
     token included when it comes."""
-    ids = np.asarray([chat_ids(pre, prompt)], np.int32)
-    return list(stream(pre.graphdef, pre.params, ids, max_new_tokens, jax.random.key(0),
-                       stop_ids=(pre.tokenizer.eos_id,)))
+    return greedy_reply_ids(pre, chat_ids(pre, prompt), max_new_tokens)
+
+
+def greedy_reply_ids(pre: Pretrained, ids: list[int], max_new_tokens: int) -> list[int]:
+    """greedy_reply after prompt token ids that are already in the chat template."""
+    return list(stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), max_new_tokens,
+                       jax.random.key(0), stop_ids=(pre.tokenizer.eos_id,)))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -43,6 +47,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def against_reference(ours: list[int], ref: dict, near_tie: float) -> dict:
+    """Our greedy reply against another implementation's ({"tokens", "margins"}: its reply and,
+    per step, the gap between its two largest logits). Two correct implementations can part
+    only where that gap is within their rounding (`near_tie`, in logits); elsewhere a parting
+    is a disagreement."""
+    n = common_prefix(ours, ref["tokens"])
+    identical = ours == ref["tokens"]
+    gap = ref["margins"][n] if not identical and n < len(ref["margins"]) else None
+    return {"identical": identical, "common_prefix": n, "reference_tokens": len(ref["tokens"]),
+            "margin_where_parted": gap,
+            "parted_at_near_tie": gap is not None and gap < near_tie}
 
 
 def greedy_replies(pre: Pretrained, prompts: tuple[Prompt, ...], lengths: tuple[int, ...],

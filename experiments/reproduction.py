@@ -260,9 +260,12 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
         "quant_eval.json", "every int8 mode is within 1% of float",
         lambda d: all(abs(r["rel_to_float"]) <= 0.01 for r in d["rows"])),
     "parity_smollm2": holds(
-        "smollm2_parity.json", "token ids and next tokens are identical and mean NLLs within "
-        "1e-4 nats", lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
-        and d["max_abs_nll_diff"] <= 1e-4,
+        "smollm2_parity.json", "token ids and next tokens are identical, mean NLLs within "
+        "1e-4 nats, chat prompt ids identical and greedy replies identical but at near ties",
+        lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
+        and d["max_abs_nll_diff"] <= 1e-4
+        and all(p["template_identical"] and (p["identical"] or p["parted_at_near_tie"])
+                for p in d["chat"]["prompts"]),
         full_only=("the same holds for the long text (the quick run skips it)",
                    lambda d: d["long_text"]["ids_identical"] and d["long_text"]["next_identical"]
                    and d["long_text"]["abs_nll_diff"] <= 1e-4

@@ -258,10 +258,56 @@ def w8a8_crosscheck(d: dict) -> str:
         f32_cell = f"{f32['vs_float_pct']:+.2f}%" if f32 else "—"
         rows.append(f"| {r['variant']} | {o['perplexity']:.3f} | {o['vs_float_pct']:+.2f}% | "
                     f"{t['perplexity']:.3f} | {t['vs_float_pct']:+.2f}% | {f32_cell} |")
+    if "prompts" in d:
+        rows += ["", *_crosscheck_replies(d)]
     versions = ", ".join(f"{k} {v}" for k, v in ref["versions"].items())
     rows += ["", f"Reference: {versions} ({ref['threads']} threads). Host: "
              f"{m['host_cpu']['model']} ({m['cpus']} cores)."]
     return "\n".join(rows)
+
+
+def _crosscheck_replies(d: dict) -> list[str]:
+    """The greedy-reply tables of w8a8_crosscheck: answers per implementation, agreement, and
+    the first prompt's reply with its first step's top two."""
+    n, first = len(d["prompts"]), d["prompts"][0]["text"]
+    f32 = "transformers_float32_quotient"
+    rows = [f"Greedy chat replies ({d['new_tokens']} new tokens) to the {n} prompts of "
+            "`experiments/chat_prompts.py`, each implementation from its own KV cache, after the "
+            "same ChatML token ids:", "",
+            *_head("variant", "mentions the answer: ours", "transformers",
+                   "transformers, float32 quotient", "reply identical to transformers'",
+                   "same first token as transformers")]
+
+    def count(rep: dict, key: str) -> str:
+        return f"{sum(x['correct'] for x in rep[key])}/{n}" if key in rep else "—"
+
+    for r in d["rows"]:
+        rep = r["replies"]
+        pairs = list(zip(rep["ours"], rep["transformers"], strict=True))
+        same = sum(a["tokens"] == b["tokens"] for a, b in pairs)
+        first_same = sum(a["tokens"][:1] == b["tokens"][:1] for a, b in pairs)
+        rows.append(f"| {r['variant']} | {count(rep, 'ours')} | {count(rep, 'transformers')} | "
+                    f"{count(rep, f32)} | {same}/{n} | {first_same}/{n} |")
+
+    def top2(x: dict, key: str = "first_top2") -> str:
+        t = x[key]
+        return " / ".join(f"`{json.dumps(s, ensure_ascii=False)}` {p:.3f}"
+                          for s, p in zip(t["texts"], t["p"], strict=True))
+
+    rows += ["", f"The reply to {json.dumps(first)}, and the first step's two most likely "
+             "tokens (ours from the prefill the reply starts from, and from `score`'s "
+             "whole-prompt pass):", "",
+             *_head("variant", "first step: ours", "ours, whole-prompt pass",
+                    "first step: transformers", "reply: ours", "reply: transformers",
+                    "reply: transformers, float32 quotient")]
+    for r in d["rows"]:
+        rep = r["replies"]
+        f32_reply = _cell(rep[f32][0]["reply"], 48) if f32 in rep else "—"
+        rows.append(f"| {r['variant']} | {top2(rep['ours'][0])} | "
+                    f"{top2(rep['ours'][0], 'first_top2_forward')} | "
+                    f"{top2(rep['transformers'][0])} | {_cell(rep['ours'][0]['reply'], 48)} | "
+                    f"{_cell(rep['transformers'][0]['reply'], 48)} | {f32_reply} |")
+    return rows
 
 
 def _cell(text: str, width: int = 70) -> str:
@@ -392,7 +438,27 @@ def smollm2_parity(d: dict) -> str:
     return (f"{d['texts']} texts: token ids identical for {d['ids_identical']}, greedy next "
             f"token identical for {d['next_identical']}, max |Δ mean NLL| "
             f"**{d['max_abs_nll_diff']:.1e}** nats (full {d['layers']}-layer model, float32)."
-            + _long_parity(d.get("long_text")))
+            + _long_parity(d.get("long_text")) + _chat_parity(d.get("chat")))
+
+
+def _chat_parity(c: dict | None) -> str:
+    if c is None:
+        return ""
+    p = c["prompts"]
+    same = sum(x["identical"] for x in p)
+    tied = [x for x in p if x["parted_at_near_tie"]]
+    other = len(p) - same - len(tied)
+    text = (f" Greedy chat replies ({c['max_new_tokens']} new tokens, KV cache) to {len(p)} "
+            f"prompts: ChatML prompt ids identical to transformers' chat template for "
+            f"{sum(x['template_identical'] for x in p)}, replies identical token for token for "
+            f"{same}")
+    if tied:
+        text += (f"; {len(tied)} part where transformers' two best logits are "
+                 f"{max(x['margin_where_parted'] for x in tied):.0e} apart or less (after "
+                 f"{min(x['common_prefix'] for x in tied)}+ equal tokens)")
+    if other:
+        text += f"; {other} part elsewhere"
+    return text + "."
 
 
 def _long_parity(t: dict | None) -> str:
@@ -796,11 +862,15 @@ def headline(results: Path) -> str:
         lambda d: (f"max error {d['max_abs_error']:.1%}", "goal ≤ 10%"))
     row("equivalence.json", "every strategy against one device (fp32 loss)",
         lambda d: (f"max difference {d['fp32_max_loss_diff']:.1e}", "tolerance 1e-5"))
-    row("smollm2_parity.json", "SmolLM2 float against transformers (36 texts and a long one)",
+    row("smollm2_parity.json", "SmolLM2 float against transformers (36 texts, a long one, "
+        "chat replies)",
         lambda d: (f"max Δ mean NLL {d['max_abs_nll_diff']:.1e} nats, next tokens "
                    f"{d['next_identical']}/{d['texts']}" + (
                        f"; {d['long_text']['tokens']:,}-token text: Δ "
-                       f"{d['long_text']['abs_nll_diff']:.1e}" if "long_text" in d else ""),
+                       f"{d['long_text']['abs_nll_diff']:.1e}" if "long_text" in d else "") + (
+                       f"; greedy chat replies identical "
+                       f"{sum(p['identical'] for p in d['chat']['prompts'])}/"
+                       f"{len(d['chat']['prompts'])}" if "chat" in d else ""),
                    "transformers on the same GGUF"))
     row("smollm2_quant.json", "SmolLM2 perplexity, float and int8", quant)
     row("smollm2_w8a8_crosscheck.json", "SmolLM2 per-token w8a8, plain and rotated, perplexity "

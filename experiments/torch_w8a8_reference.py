@@ -8,7 +8,8 @@ never in the project's dependencies); it imports neither JAX nor the project. tr
 loads the same GGUF file with its own dequantisation and rotary un-permutation. The request,
 written by the launcher, holds the token ids of the validation slice, the window length, the
 layer count, the variants (each names an activation granularity and which block Linear layers
-stay float) and the precisions of the quantisation quotient to run each int8 variant with.
+stay float) and the precisions of the quantisation quotient to run each int8 variant with;
+with chat prompts (ChatML token ids), each variant also writes its greedy reply to each.
 Every other Linear of the blocks is replaced by a W8A8 one written here from the definition,
 not from `quant/`: weights rounded to integers per output channel (absmax / 127), activations
 per token (or per tensor) at run time, the integer product computed exactly (float64 holds
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from reference_scoring import greedy_replies  # beside this script (run by path)
 from torch import nn
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -171,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
             swapped = quantize(model, v["act"], v["float_groups"], quotient,
                                v.get("rotate", False))
             value, count = nll(model, req["ids"], req["window"])
+            replies = greedy_replies(model, req.get("prompts", []),
+                                     req.get("max_new_tokens", 0), req.get("eos_id", -1))
             rows.append({"variant": v["name"], "quotient": quotient, "nll": value,
-                         "scored": count, "int8_linears": swapped})
+                         "scored": count, "int8_linears": swapped, "replies": replies})
             print(f"{v['name']} ({quotient} quotient): nll {value:.5f} "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     out = {"versions": {k: importlib.metadata.version(k)

