@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import QuantError
@@ -80,6 +80,7 @@ def check(args) -> list[str]:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
+    check_output_file("out", args.out)
     return names
 
 

@@ -56,7 +56,7 @@ def user_turns(first: str | None):
     the end of input (ConfigError, one line, on a line that is not UTF-8)."""
     if first is not None:
         yield first
-    while True:
+    while sys.stdin is not None:  # None: started with stdin closed, which is the end of input
         if sys.stdin.isatty():
             sys.stderr.write("> ")
             sys.stderr.flush()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from experiments import model_flags
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, check_text, fail
+from experiments.config import ConfigError, check_output_file, check_text, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, QuantError
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not (math.isfinite(args.rel) and 0 < args.rel < 1):
             raise ConfigError(f"rel={args.rel}: must be in (0, 1)")
         check_text("spread_prompt", args.spread_prompt)
+        check_output_file("out", args.out)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, reply_stability, runtime
         from experiments.machine import describe

@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -79,14 +81,63 @@ def check_replaceable_folder(field: str, path: str | Path, what: str, owned) -> 
     `owned(path)` recognises as this command's own earlier output. Anything else (a file, a
     folder of other things) is refused, so that a mistyped path never deletes a user's
     files."""
+    check_output_folder(field, path, what)
     p = Path(path)
-    if not p.exists():
-        return
-    if not p.is_dir():
-        raise ConfigError(f"{field}={str(path)!r}: is a file; give a folder for {what}")
-    if any(p.iterdir()) and not owned(p):
+    if p.exists() and any(p.iterdir()) and not owned(p):
         raise ConfigError(f"{field}={str(path)!r}: holds other files; give a new or empty "
                           f"folder, or one that holds {what} (it is replaced)")
+
+
+def _check_creatable(field: str, p: Path, what: str) -> None:
+    """The nearest existing folder above `p` must be a folder this process may write in."""
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{field}={str(p)!r}: {str(parent)!r} is a file; give a path for "
+                          f"{what} under a folder")
+    try:  # a real write: permission bits do not stop root, and /proc refuses files anyway
+        fd, probe = tempfile.mkstemp(prefix=".shardq-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{field}={str(p)!r}: cannot write in {str(parent)!r} "
+                          f"({e.strerror}); give a path for {what} in a writable folder") from None
+
+
+def check_output_file(field: str, path: str | Path, what: str = "the results file") -> None:
+    """A file a command writes (JSON results, a plot): a non-empty path that is not a folder,
+    under a folder that exists or can be made and is writable. Checked before the work starts,
+    so a mistyped path costs nothing and leaves nothing half-written."""
+    if not str(path).strip():
+        raise ConfigError(f"{field}: empty; give a file path for {what}")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{field}={str(path)!r}: is a folder; give a file path for {what}")
+    _check_creatable(field, p, what)
+
+
+def check_output_folder(field: str, path: str | Path, what: str) -> None:
+    """A folder a command writes into: a non-empty path (\"\" would be the current folder)
+    that is not a file, and can be made under a writable folder."""
+    if not str(path).strip():
+        raise ConfigError(f"{field}: empty; give a folder path for {what}")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{field}={str(path)!r}: is a file; give a folder for {what}")
+    if not p.exists():
+        _check_creatable(field, p, what)
+
+
+# Fake CPU devices are threads of one process; XLA's CPU client takes the count as a C int and
+# a run with thousands of them spends its time in start-up. Real clusters use jax.distributed.
+MAX_CPU_DEVICES = 1024
+
+
+def check_devices(n: int) -> None:
+    if not 1 <= n <= MAX_CPU_DEVICES:
+        raise ConfigError(f"devices={n}: must be in 1..{MAX_CPU_DEVICES} (fake CPU devices of "
+                          f"one process; more machines join with jax.distributed)")
 
 
 def check_seed(seed: int) -> None:
@@ -142,8 +193,8 @@ class TrainConfig:
             raise ConfigError(f"strategy={self.strategy!r}: allowed {', '.join(STRATEGIES)}")
         if self.prefetch and self.strategy != "zero3":
             raise ConfigError(f"prefetch=True: only for strategy zero3, not {self.strategy!r}")
-        if self.devices is not None and self.devices < 1:
-            raise ConfigError(f"devices={self.devices}: must be a positive integer")
+        if self.devices is not None:
+            check_devices(self.devices)
         if self.data is not None and not self.data.strip():
             raise ConfigError("data='': must be a file or folder (leave --data out for the "
                               "default corpus)")
@@ -180,7 +231,19 @@ class Config:
 
     @staticmethod
     def from_json(d: dict) -> Config:
-        return Config(d["preset"], ModelConfig(**d["model"]), TrainConfig(**d["train"]))
+        """The config a run wrote (config.json); TypeError or KeyError if it is not one, a
+        field of the wrong type included (validate() compares numbers)."""
+        cfg = Config(d["preset"], ModelConfig(**d["model"]), TrainConfig(**d["train"]))
+        for part in (cfg.model, cfg.train):
+            for f in dataclasses.fields(part):
+                value, kind = getattr(part, f.name), _field_type(type(part), f)
+                ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+                      if kind in (int, str, bool) else
+                      isinstance(value, (int, float)) and not isinstance(value, bool)
+                      if kind is float else True)
+                if not (ok or (value is None and f.default is None)):
+                    raise TypeError(f"{f.name}={value!r} is not a {kind.__name__}")
+        return cfg
 
 
 # The runnable presets (the large model shapes in MODEL_PRESETS are only compiled abstractly).
@@ -302,8 +365,8 @@ def load_config(workdir: str | Path) -> Config:
     if not path.is_file():
         raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there first")
     try:
-        return Config.from_json(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return Config.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"workdir={str(workdir)!r}: config.json is not a shardq config ({e})") \
             from None
 

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
         model = restore_params(args.workdir, cfg, step=args.step, devices=args.devices,
                                strategy=args.strategy)
         val = validation_rows(model.cfg, args.eval_batches)
+        if val[0].shape[0] % model.mesh.size:
+            raise ConfigError(f"devices={model.mesh.size}: the evaluation batch "
+                              f"({val[0].shape[0]} sequences, the run's batch_size) must divide "
+                              f"over the devices")
         graphdef, params = model.graphdef, model.params
         quantized_fraction, source = 0.0, None
         if args.quant != "none":

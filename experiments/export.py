@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
         from experiments import exporter, runtime
 
         exporter.check_out(args.out, args.force)
+        if args.record is not None:
+            check_output_file("record", args.record, "the export summary")
         runtime.start(1)
         source = (exporter.run_source(args.workdir, args.layers, args.step)
                   if args.workdir is not None else

@@ -30,7 +30,7 @@ import numpy as np
 
 from experiments import checkpoint as ckpt
 from experiments import integrity
-from experiments.config import ConfigError, load_config
+from experiments.config import ConfigError, check_output_folder, load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.llama_export import (
@@ -151,9 +151,8 @@ def run_source(workdir: str | Path, layers: int | None = None,
 
 
 def check_out(out: str | Path, force: bool) -> Path:
+    check_output_folder("out", out, "the export")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"out={str(out)!r}: is a file; give a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConfigError(f"out={str(out)!r}: exists and is not empty; pass --force to "
                           f"replace it")

@@ -27,7 +27,14 @@ from pathlib import Path
 import jax
 
 from experiments import plots, runtime
-from experiments.config import ConfigError, add_override_flags, config_from_args, fail
+from experiments.config import (
+    ConfigError,
+    add_override_flags,
+    check_output_file,
+    check_output_folder,
+    config_from_args,
+    fail,
+)
 from experiments.guards import RunStopped
 from experiments.machine import describe
 from experiments.results_io import project_relative, results_path, write_result
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.train.init is None:
             raise ConfigError(f"preset={args.preset!r}: fine-tuning needs pretrained weights "
                               f"(--init smollm2)")
+        check_output_file("out", args.out)
+        check_output_folder("workdir", args.workdir, "the fine-tuning run")
         if Path(args.workdir).exists() and any(Path(args.workdir).iterdir()):
             raise ConfigError(f"workdir={args.workdir!r}: not empty; give a new folder")
     except ConfigError as e:

@@ -27,7 +27,13 @@ import jax
 import numpy as np
 
 from experiments import model_flags, pretrained_lm, runtime
-from experiments.config import ConfigError, check_replaceable_folder, fail
+from experiments.config import (
+    ConfigError,
+    check_devices,
+    check_output_file,
+    check_replaceable_folder,
+    fail,
+)
 from experiments.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
@@ -61,8 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if args.model not in model_flags.MODELS:
             raise ConfigError(f"model={args.model!r}: allowed {', '.join(model_flags.MODELS)}")
-        if args.devices < 1:
-            raise ConfigError(f"devices={args.devices}: must be a positive integer")
+        check_devices(args.devices)
+        check_output_file("json_out", args.json_out)
         qcfg = QuantConfig(mode=args.mode, rules=tuple(r for r in args.rules.split(",") if r))
         qcfg.validate()
         if args.out is not None:  # the checkpoint replaces the folder whole

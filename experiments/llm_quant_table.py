@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments import model_flags
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.plots import activation_profile
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
         model_flags.check_window_flags(args.tokens, args.window)
         if args.rotation_seeds < 0:
             raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
+        if args.new_tokens < 1:
+            raise ConfigError(f"new_tokens={args.new_tokens}: must be a positive integer")
+        check_output_file("out", args.out)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
         from experiments.machine import describe
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
+        pretrained_lm.validation_ids(float_model, args.tokens, args.window)  # refuses a
+        # --tokens beyond the validation text before anything is written
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
         out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
                "machine": describe(),

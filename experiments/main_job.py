@@ -18,7 +18,14 @@ from pathlib import Path
 import jax
 
 from experiments import runtime
-from experiments.config import ConfigError, add_override_flags, config_from_args, fail
+from experiments.config import (
+    ConfigError,
+    add_override_flags,
+    check_output_file,
+    check_output_folder,
+    config_from_args,
+    fail,
+)
 from experiments.guards import RunStopped
 from experiments.plots import loss_curve
 from experiments.restore import restore_params, validation_rows
@@ -44,6 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         cfg = config_from_args(args)
+        if args.workdir is not None:
+            check_output_folder("workdir", args.workdir, "the run")
+        if args.record is not None:
+            check_output_file("record", args.record)
     except ValueError as e:
         fail(PROG, str(e))
     workdir = Path(args.workdir or f"runs/main-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from experiments import pretrained_lm, reply_stability, runtime
-from experiments.config import fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 
@@ -44,9 +44,16 @@ def main(argv: list[str] | None = None) -> dict:
                    help="score this Llama GGUF instead of the packaged SmolLM2")
     args = p.parse_args(argv)
     try:
-        ref = json.loads(Path(args.fixture).read_text())
+        ref = json.loads(Path(args.fixture).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         fail(PROG, f"fixture={args.fixture!r}: cannot be read ({str(e).splitlines()[0]})")
+    if not (isinstance(ref, dict) and all(k in ref for k in ("texts", "tokens", "full"))):
+        fail(PROG, f"fixture={args.fixture!r}: not a reference fixture (an object with texts, "
+                   f"tokens and full, as make_smollm2_reference.py writes)")
+    try:
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
     runtime.start(1)
     try:
         pre = pretrained_lm.load("smollm2", gguf_path=args.gguf)

@@ -27,7 +27,13 @@ import dataclasses
 import json
 import sys
 
-from experiments.config import ConfigError, fail
+from experiments.config import (
+    ConfigError,
+    check_devices,
+    check_output_file,
+    check_output_folder,
+    fail,
+)
 from experiments.results_io import write_result
 
 PROG = "experiments.plan"
@@ -98,6 +104,8 @@ def request_from_args(args):
                           f"got {', '.join(chosen) or 'none'}")
     if args.dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"dtype={args.dtype!r}: allowed bfloat16, float32")
+    if args.seq is not None and args.seq < 1:
+        raise ConfigError(f"seq={args.seq}: must be a positive integer")
     seq = args.seq
     note = ""
     if args.preset is not None:
@@ -140,8 +148,13 @@ def request_from_args(args):
         micro_batches=_ints(args.micro_batches, "micro-batches"),
         data_sizes=_ints(args.data_sizes, "data-sizes"), shape_note=note, **extra)
     req.validate()
+    check_devices(req.devices)  # the plan compiles on this many fake CPU devices
     if args.budget_s is not None and not args.budget_s >= 0:
         raise ConfigError(f"budget-s={args.budget_s}: must be >= 0")
+    if args.out is not None:
+        check_output_file("out", args.out, "the plan")
+    if not args.no_cache:
+        check_output_folder("cache", args.cache, "the compile cache")
     return req
 
 

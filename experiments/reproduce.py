@@ -27,7 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.config import fail
+from experiments.config import ConfigError, check_output_file, check_output_folder, fail
 
 PROG = "experiments.reproduce"
 
@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = Path(args.runs) if args.runs else base / "runs"
     readme_out = Path(args.readme_out) if args.readme_out else (
         base / "README.md" if args.quick else PROJECT_ROOT / "README.md")
+    try:
+        check_output_folder("results", results, "the results files")
+        check_output_folder("runs", runs, "the training runs")
+        check_output_file("readme_out", readme_out, "the regenerated README")
+    except ConfigError as e:
+        fail(PROG, str(e))
 
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     summary = reproduction.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)

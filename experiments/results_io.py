@@ -37,6 +37,9 @@ def write_result(path: str | Path, data: dict, indent: int = 1) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:  # a failed write (a folder at `path`, a full disk) leaves no stray .tmp behind
+        tmp.unlink(missing_ok=True)
     return path

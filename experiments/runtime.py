@@ -10,15 +10,24 @@ present, `jax.distributed.initialize` joins the job, with gloo for CPU collectiv
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
+from experiments.config import ConfigError, check_devices, fail
 from parallel.devices import request_cpu_devices
 
 DEFAULT_CPU_DEVICES = 8
 
 
 def start(devices: int | None) -> None:
+    if devices is not None:
+        try:
+            check_devices(devices)
+        except ConfigError as e:  # every launcher's --devices ends here: one line, exit 2
+            main = sys.modules.get("__main__")
+            spec = getattr(main, "__spec__", None)
+            fail(spec.name if spec is not None else os.path.basename(sys.argv[0]), str(e))
     request_cpu_devices(devices, DEFAULT_CPU_DEVICES)
     coordinator = os.environ.get("SHARDQ_COORDINATOR")
     if coordinator or os.environ.get("SHARDQ_DISTRIBUTED") == "1":

@@ -11,7 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.config import PRESETS, ConfigError, add_override_flags, config_from_args, fail
+from experiments.config import (
+    PRESETS,
+    ConfigError,
+    add_override_flags,
+    check_output_folder,
+    config_from_args,
+    fail,
+)
 
 PROG = "experiments.train"
 
@@ -31,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        check_output_folder("workdir", args.workdir, "the run")
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import integrity, pretrained_init
-from experiments.config import Config, ConfigError, dumps
+from experiments.config import Config, ConfigError, dumps, load_config
 from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.optim import learning_rate, make_optimizer
@@ -103,7 +103,7 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
         raise ConfigError(f"workdir={str(workdir)!r}: already holds a run; pass --resume to "
                           f"continue it or choose an empty folder")
     if resume and cfg_file.exists():
-        old = Config.from_json(json.loads(cfg_file.read_text()))
+        old = load_config(workdir)  # one line on a config.json that is not a run's
         if old.model != cfg.model:
             diff = [f.name for f in dataclasses.fields(ModelConfig)
                     if getattr(old.model, f.name) != getattr(cfg.model, f.name)]

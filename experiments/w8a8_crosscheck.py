@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from experiments import model_flags, pretrained_lm, reply_stability, runtime
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_flags.check_window_flags(args.tokens, args.window)
         if args.new_tokens < 0:
             raise ConfigError(f"new_tokens={args.new_tokens}: must be 0 or more")
+        check_output_file("json_out", args.json_out)
         runtime.start(1)
         result = run(args)
     except (ConfigError, GGUFError) as e:

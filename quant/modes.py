@@ -26,6 +26,9 @@ class QuantError(ValueError):
 
 DEFAULT_RULES = ("blocks/*",)
 ROTATION_SEED_LIMIT = 2**32  # numpy's seed range, as the training seed's
+# Calibration runs the model eagerly, a batch at a time: beyond this it runs for hours and the
+# absmax statistics have long stopped moving.
+MAX_CALIB_BATCHES = 1024
 
 
 def _field(default, help_text: str):
@@ -69,8 +72,9 @@ class QuantConfig:
         if not 0 <= self.rotation_seed < ROTATION_SEED_LIMIT:
             raise QuantError(f"rotation_seed={self.rotation_seed}: must be in [0, "
                              f"{ROTATION_SEED_LIMIT})")
-        if self.calib_batches < 1:
-            raise QuantError(f"calib_batches={self.calib_batches}: must be a positive integer")
+        if not 1 <= self.calib_batches <= MAX_CALIB_BATCHES:
+            raise QuantError(f"calib_batches={self.calib_batches}: must be in "
+                             f"1..{MAX_CALIB_BATCHES}")
 
     @property
     def act(self) -> str:

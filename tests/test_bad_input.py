@@ -210,6 +210,10 @@ def test_zero_release_needs_two_different_values(field, value):
 # A flag that can be judged on its own is refused before JAX is imported (0.2 s, not 2.5).
 EARLY_REFUSALS = [
     ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--steps", "0"]),
+    ("train", ["--workdir", "", "--preset", "tiny"]),  # "" would be the current folder
+    ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--devices", "1000000000000"]),
+    ("bench_decode", ["--out", "/tmp"]),  # a folder
+    ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8", "--calib-batches", "1000000000000"]),
     ("evaluate", ["--workdir", "{fresh}", "--eval-batches", "0"]),
     ("evaluate", ["--workdir", "{fresh}"]),  # no config.json there
     ("sample", ["--workdir", "{fresh}", "--quant", "w4"]),
@@ -262,3 +266,54 @@ def test_check_text_names_the_bad_byte_or_code_point():
                            ("a\ud800", "lone surrogate U+D800 at character 1")):
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_text("t", text)
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    """Where a command will write is checked up front: an empty path, a folder where a file
+    goes (and the reverse), a path under a file or where nothing can be written are one line,
+    and a good path passes without anything being made."""
+    from experiments.config import check_output_file, check_output_folder
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for check, path, fragment in (
+            (check_output_file, "", "out: empty; give a file path"),
+            (check_output_file, tmp_path, "is a folder; give a file path"),
+            (check_output_file, a_file / "r.json", "is a file; give a path"),
+            (check_output_file, "/proc/shardq-test/r.json", "cannot write in '/proc'"),
+            (check_output_folder, "", "out: empty; give a folder path"),
+            (check_output_folder, a_file, "is a file; give a folder"),
+            (check_output_folder, a_file / "run", "is a file; give a path"),
+            (check_output_folder, "/proc/shardq-test", "cannot write in '/proc'")):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check(*(("out", path, "it") if check is check_output_folder else ("out", path)))
+    before = sorted(os.listdir(tmp_path))
+    check_output_file("out", tmp_path / "new" / "deeper" / "r.json")
+    check_output_file("out", a_file)  # an existing file is replaced
+    check_output_folder("out", tmp_path / "new" / "run", "a run")
+    assert sorted(os.listdir(tmp_path)) == before  # nothing made, no probe left behind
+
+
+def test_a_failed_results_write_leaves_no_stray_file(tmp_path):
+    from experiments.results_io import write_result
+
+    (tmp_path / "r.json").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_result(tmp_path / "r.json", {"a": 1})
+    assert os.listdir(tmp_path) == ["r.json"] and not os.listdir(tmp_path / "r.json")
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"\xff\xfe", "codec can't decode"),
+    (b"[1]", "list indices"),
+    (dumps(PRESETS["tiny"]).replace('"d_model": 32', '"d_model": "big"').encode(),
+     "d_model='big' is not a int"),
+    (dumps(PRESETS["tiny"]).replace('"steps": 20', '"steps": true').encode(),
+     "steps=True is not a int"),
+])
+def test_a_run_config_that_is_not_one_is_refused(tmp_path, content, fragment):
+    from experiments.config import load_config
+
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(tmp_path)

@@ -231,3 +231,20 @@ def test_interactive_stdin_that_is_not_utf8_is_one_line(io_encoding):
         timeout=300)
     proc.stderr = proc.stderr.decode()
     one_line_error(proc, "prompt: not valid UTF-8 (byte 0xff")
+
+
+def test_a_closed_stdin_ends_the_conversation():
+    """Started with stdin closed (`<&-`: Python's sys.stdin is None), --interactive answers the
+    --prompt turn and ends as at the end of input, with no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--interactive",
+         "--prompt", "Hi", "--max-new-tokens", "3"], cwd=Path(__file__).parent.parent, env=env,
+        stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0), capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout.strip()

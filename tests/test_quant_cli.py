@@ -67,7 +67,8 @@ def test_outliers_beyond_the_capacity_are_warned_about(trained):
 
 @pytest.mark.parametrize("args,fragments", [
     (["--mode", "w4a4"], ["mode='w4a4'", "w8a8"]),
-    (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "positive"]),
+    (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "1..1024"]),
+    (["--mode", "w8a8", "--calib-batches", "1025"], ["calib_batches=1025", "1..1024"]),
     (["--mode", "smoothquant", "--alpha", "1.5"], ["alpha=1.5", "[0, 1]"]),
     (["--mode", "w8a8", "--include", "nothing/*"], ["select no module"]),
 ])
