@@ -882,6 +882,16 @@ def headline(results: Path) -> str:
     row("bench_train.json", "training speed (`small`)", speed)
     row("bench_encoder.json", "MiniLM encoding speed", enc_speed)
     row("bench_decode.json", "SmolLM2 batch-1 decoding", decode)
+
+    def gpu(d):
+        mfu = {r["strategy"]: r["mfu"] for r in d["training"]}
+        big = max(d["matmuls"], key=lambda r: r["n"])
+        peak = d["training"][0]["peak_flops_per_device"]
+        return (f"MFU {mfu['dp']:.1%} / {mfu['zero3']:.1%} (dp / zero3)",
+                f"the same run's bf16 matmul at {big['n']}³: {big['bf16_tflops']:.0f} TFLOP/s "
+                f"= {1e12 * big['bf16_tflops'] / peak:.0%} of the chip's peak")
+
+    row("bench_gpu.json", "training a 1.3B decoder on one GPU (H200, bf16, full remat)", gpu)
     return "\n".join(rows)
 
 
