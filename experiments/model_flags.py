@@ -34,9 +34,15 @@ def check_model_flags(args) -> None:
         raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
-    if args.gguf is not None and not os.path.isfile(args.gguf):
-        what = "a folder, not a file" if os.path.isdir(args.gguf) else "no such file"
-        raise ConfigError(f"gguf={args.gguf!r}: {what}")
+    if args.gguf is not None:
+        check_gguf_path(args.gguf)
+
+
+def check_gguf_path(path: str) -> None:
+    """--gguf names a file (its contents are checked when it is read)."""
+    if not os.path.isfile(path):
+        what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+        raise ConfigError(f"gguf={path!r}: {what}")
 
 
 def check_window_flags(tokens: int, window: int) -> None:

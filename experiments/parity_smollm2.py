@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments import pretrained_lm, reply_stability, runtime
+from experiments import model_flags, pretrained_lm, reply_stability, runtime
 from experiments.config import ConfigError, check_output_file, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
                    f"tokens and full, as make_smollm2_reference.py writes)")
     try:
         check_output_file("out", args.out)
+        if args.gguf is not None:
+            model_flags.check_gguf_path(args.gguf)
     except ConfigError as e:
         fail(PROG, str(e))
     runtime.start(1)

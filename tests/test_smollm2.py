@@ -279,6 +279,16 @@ def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(tmp_path, monk
     assert not out.exists()
 
 
+def test_parity_cli_refuses_a_bad_fixture_gguf_or_out(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    out = tmp_path / "p.json"
+    one_line_error(cli("parity_smollm2", "--fixture", str(tmp_path / "list.json"), "--out",
+                       str(out)), "fixture=", "not a reference fixture")
+    one_line_error(cli("parity_smollm2", "--gguf", str(tmp_path), "--out", str(out)),
+                   "gguf=", "a folder, not a file")
+    assert not out.exists()
+
+
 def test_library_refuses_bad_input(truncated):
     with pytest.raises(ConfigError, match="model='llama9'"):
         pretrained_lm.load("llama9")
