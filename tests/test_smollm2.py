@@ -167,16 +167,15 @@ def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch)
 
 
 def test_greedy_replies_agree_between_float_and_int8(truncated):
-    """The float model replies greedily to chat prompts; fed the same reply (teacher forcing, so
-    one early flip does not derail the rest), the int8 model's greedy choice must be the float
-    model's at most positions, in w8a8 and in smoothquant. The truncated model's reply is not
-    English, but it is a path both must follow. (One test for both modes: float's replies are
-    generated once.)"""
-    replies = []
-    for text in FIXTURE["texts"][-4:-1]:
-        prompt = jnp.asarray([truncated.tokenizer.encode(text)], jnp.int32)
-        replies.append((prompt.shape[1], generate(truncated.graphdef, truncated.params, prompt,
-                                                  16, jax.random.key(0))))
+    """Fed float's greedy reply to each chat prompt (teacher forcing, so one early flip does not
+    derail the rest), the int8 model's greedy choice must be the float model's at most
+    positions, in w8a8 and in smoothquant. Float's replies are the fixture's: transformers'
+    greedy replies, which our float chat path reproduces token for token
+    (test_chat_replies_match_transformers_greedy_decoding). The truncated model's reply is not
+    English, but it is a path both must follow."""
+    chat = FIXTURE["chat"]
+    replies = [(len(ids), jnp.asarray([ids + ref["tokens"]], jnp.int32))
+               for ids, ref in zip(chat["tokens"], chat["truncated"], strict=True)]
     for mode in ("w8a8", "smoothquant"):
         q = pretrained_lm.quantize(truncated, mode, QuantConfig(mode=mode, calib_batches=2))
         model = nnx.merge(q.graphdef, q.params)
