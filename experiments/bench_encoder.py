@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments.config import fail
+from experiments.config import ConfigError, check_devices, fail
 from experiments.encoder_devices import MAX_DEVICES, default_devices
 from experiments.results_io import results_path, write_result
 from quant.modes import MODES
@@ -79,8 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("sentences", "batch", "rounds"):
         if getattr(args, name) < 1:
             fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
-    if args.devices is not None and args.devices < 1:
-        fail(PROG, f"devices={args.devices}: must be a positive integer")
+    if args.devices is not None:  # runtime.start checks it too, after JAX is imported
+        try:
+            check_devices(args.devices)
+        except ConfigError as e:
+            fail(PROG, str(e))
     devices = args.devices if args.devices is not None else default_devices()
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):

@@ -237,11 +237,7 @@ class Config:
         for part in (cfg.model, cfg.train):
             for f in dataclasses.fields(part):
                 value, kind = getattr(part, f.name), _field_type(type(part), f)
-                ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-                      if kind in (int, str, bool) else
-                      isinstance(value, (int, float)) and not isinstance(value, bool)
-                      if kind is float else True)
-                if not (ok or (value is None and f.default is None)):
+                if not (_is_a(value, kind) or (value is None and f.default is None)):
                     raise TypeError(f"{f.name}={value!r} is not a {kind.__name__}")
         return cfg
 
@@ -275,6 +271,18 @@ def _field_type(cls, field: dataclasses.Field):
     hint = typing.get_type_hints(cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args and typing.get_origin(hint) is not tuple else hint
+
+
+def _is_a(value, kind) -> bool:
+    """JSON's value for a field of this type (bool is not an int; an int is a float); other
+    types (tuples) are left to validate()."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind in (str, bool):
+        return isinstance(value, kind)
+    return True
 
 
 def _parse_bool(text: str) -> bool:

@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from experiments.config import ConfigError, check_text, fail
+from experiments.config import ConfigError, check_devices, check_text, fail
 from experiments.encoder_devices import default_devices
 from experiments.minilm_layout import check_out
 from quant.modes import ALL_MODES, QuantError
@@ -48,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = build_parser().parse_args(argv)
-    if args.devices is not None and args.devices < 1:
-        fail(PROG, f"devices={args.devices}: must be a positive integer")
+    if args.devices is not None:  # runtime.start checks it too, after JAX is imported
+        try:
+            check_devices(args.devices)
+        except ConfigError as e:
+            fail(PROG, str(e))
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     if args.strategy not in ("dp", "zero3"):

@@ -20,7 +20,7 @@ import functools
 import json
 import math
 
-from experiments.config import ConfigError, fail, load_config
+from experiments.config import ConfigError, check_devices, fail, load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 
@@ -43,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.devices is not None and args.devices < 1:
-        fail(PROG, f"devices={args.devices}: must be a positive integer")
+    if args.devices is not None:  # runtime.start checks it too, after JAX is imported
+        try:
+            check_devices(args.devices)
+        except ConfigError as e:
+            fail(PROG, str(e))
     if args.eval_batches is not None and args.eval_batches < 1:
         fail(PROG, f"eval_batches={args.eval_batches}: must be a positive integer")
     if args.quant not in ALL_MODES:

@@ -16,7 +16,14 @@ import argparse
 import json
 import sys
 
-from experiments.config import ConfigError, add_field_flags, fail, field_overrides, load_config
+from experiments.config import (
+    ConfigError,
+    add_field_flags,
+    check_devices,
+    fail,
+    field_overrides,
+    load_config,
+)
 from quant.modes import MODES, QuantConfig, QuantError
 
 PROG = "experiments.quantize"
@@ -37,8 +44,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.override_mode is None:
         fail(PROG, f"mode: required; allowed {', '.join(MODES)}")
-    if args.devices is not None and args.devices < 1:
-        fail(PROG, f"devices={args.devices}: must be a positive integer")
+    if args.devices is not None:  # runtime.start checks it too, after JAX is imported
+        try:
+            check_devices(args.devices)
+        except ConfigError as e:
+            fail(PROG, str(e))
     try:
         qcfg = QuantConfig(**field_overrides(args, QuantConfig))
         qcfg.validate()
