@@ -11,6 +11,7 @@ matmul as int8 (no conversion of either operand to a wider type before it).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -20,11 +21,18 @@ import optax
 
 from model import ModelConfig
 from model.flops import param_count, train_flops_per_token
+from model.layers import causal_attention, fused_causal_attention
 from parallel.mesh import make_mesh
 from parallel.sharded_run import build
 from parallel.strategies import from_label
 from parallel.train_step import StepConfig
-from quant.dense import int8_matmul
+from quant.dense import int8_dot_general, int8_matmul
+
+# (strategy, remat, attention) per training variant the GPU benchmark times; the first two are
+# the baseline (full rematerialisation, XLA's attention).
+VARIANTS = (("dp", "full", "xla"), ("zero3", "full", "xla"), ("dp", "full", "cudnn"),
+            ("dp", "save_dots", "xla"), ("dp", "save_dots", "cudnn"),
+            ("zero3", "save_dots", "cudnn"), ("dp", "none", "cudnn"))
 
 # Dense bf16 tensor-core peak per chip, FLOP/s (vendor datasheets, SXM parts, no sparsity).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -67,7 +75,10 @@ def train_mfu(cfg: ModelConfig, strategy: str, global_batch: int, seq_len: int,
         box["state"], metrics = compiled(box["state"], batch)
         return metrics["loss"]
 
-    sec, times = _median_time(one, warmup, steps)
+    # The first step's loss (same seed, same batch for every variant): variants that change how
+    # the step is computed, not what, must agree on it to bf16 rounding.
+    first_loss = float(one())
+    sec, times = _median_time(one, max(warmup - 1, 0), steps)
     loss = float(one())
     tokens_per_s = global_batch * seq_len / sec
     flops = train_flops_per_token(cfg, seq_len)
@@ -77,13 +88,40 @@ def train_mfu(cfg: ModelConfig, strategy: str, global_batch: int, seq_len: int,
     return {"strategy": strategy, "params": param_count(cfg), "devices": n_devices,
             "global_batch": global_batch, "seq_len": seq_len, "tokens_per_step":
             global_batch * seq_len, "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
+            "attention": cfg.attention,
             "step_s": sec, "runs_s": [round(t, 5) for t in times], "compile_s": compile_s,
             "tokens_per_s": tokens_per_s, "model_flops_per_token": flops,
             "model_tflops_per_s": flops * tokens_per_s / 1e12,
             "peak_flops_per_device": peak,
             "mfu": flops * tokens_per_s / (n_devices * peak) if peak else None,
-            "loss_finite": bool(np.isfinite(loss)),
+            "first_loss": first_loss, "loss_finite": bool(np.isfinite(loss)),
             "compiled_temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0) or 0)}
+
+
+def attention_parity(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The fused cuDNN attention (`model.layers.fused_causal_attention`) against XLA's on the same
+    bf16 inputs: largest |difference| of the outputs and of the gradients of sum(out * g) with
+    respect to q, k and v, each over the XLA side's largest |value| (bf16 rounding is ~4e-3)."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.bfloat16)
+            for kk in keys[1:3])
+    g = jax.random.normal(keys[3], (batch, seq, heads, head_dim), jnp.bfloat16)
+
+    def forward_and_grads(attend):
+        def loss(q, k, v):
+            return jnp.sum(attend(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
+        out = jax.jit(attend)(q, k, v)
+        return (out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+
+    xla = forward_and_grads(causal_attention if heads == kv_heads else
+                            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    fused = forward_and_grads(fused_causal_attention)
+    rel = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                       / float(jnp.max(jnp.abs(a.astype(jnp.float32)))))
+           for name, a, b in zip(("out", "dq", "dk", "dv"), xla, fused, strict=True)}
+    return {"shape": {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads,
+                      "head_dim": head_dim}, "max_rel_diff": rel}
 
 
 def widened_operands(hlo: str) -> list[str]:
@@ -93,28 +131,62 @@ def widened_operands(hlo: str) -> list[str]:
     return [ln.strip()[:160] for ln in entry.splitlines() if "convert" in ln]
 
 
+def gemm_backends(hlo: str) -> list[str]:
+    """Which GEMM implementations a compiled GPU program calls: its custom-call targets (cuBLAS,
+    cuBLASLt) and the kinds of its custom fusions (Triton GEMMs), sorted; empty on a CPU."""
+    found = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+    found |= set(re.findall(r'"kind":"(__[A-Za-z0-9_$]+)"', hlo))
+    return sorted(found)
+
+
+def entry_instructions(hlo: str, limit: int = 40) -> list[str]:
+    """The compiled program's entry computation, one instruction per line (metadata cut, each at
+    most 240 characters): what surrounds the GEMM call (layout copies, fusions) at a glance."""
+    entry = hlo[hlo.index("ENTRY"):].splitlines()[1:]
+    lines = [re.sub(r", metadata=\{.*?\}", "", ln.strip())[:240] for ln in entry
+             if ln.strip() and ln.strip() != "}"]
+    return lines[:limit]
+
+
+def _int8_matmul_kmajor(x_q: jax.Array, w_q_out_in: jax.Array) -> jax.Array:
+    """The int8 product with the kernel stored [out, in] (both operands contract their last,
+    contiguous axis: the layout cuBLASLt's int8 GEMM reads, so no transpose is needed)."""
+    return int8_dot_general(x_q, w_q_out_in, (((1,), (1,)), ((), ())))
+
+
 def matmul_ratio(n: int, repeats: int = 10) -> dict:
-    """n x n x n: bf16 (f32 accumulation, bf16 result) against s8 x s8 -> s32, timed
-    interleaved; the compiled int8 program is checked to multiply int8 operands."""
+    """n x n x n: bf16 (f32 accumulation, bf16 result) against s8 x s8 -> s32 with the int8
+    kernel stored [in, out] (quant/'s layout) and [out, in] (K-major), timed interleaved; the
+    compiled int8 programs are checked to multiply int8 operands."""
     kx, kw = jax.random.split(jax.random.key(0))
     a = jax.random.normal(kx, (n, n), jnp.bfloat16)
     b = jax.random.normal(kw, (n, n), jnp.bfloat16)
     a8 = jax.random.randint(kx, (n, n), -127, 128, jnp.int32).astype(jnp.int8)
     b8 = jax.random.randint(kw, (n, n), -127, 128, jnp.int32).astype(jnp.int8)
-    bf16 = jax.jit(jnp.dot).lower(a, b).compile()
-    int8 = jax.jit(int8_matmul).lower(a8, b8).compile()
-    hlo = int8.as_text()
-    times: dict[str, list[float]] = {"bf16": [], "int8": []}
-    for fn, args in ((bf16, (a, b)), (int8, (a8, b8))):
+    b8_t = jnp.asarray(b8.T)  # the same kernel, stored [out, in]
+    programs = {"bf16": (jax.jit(jnp.dot).lower(a, b).compile(), (a, b)),
+                "int8": (jax.jit(int8_matmul).lower(a8, b8).compile(), (a8, b8)),
+                "int8_kmajor": (jax.jit(_int8_matmul_kmajor).lower(a8, b8_t).compile(),
+                                (a8, b8_t))}
+    hlo = {k: fn.as_text() for k, (fn, _) in programs.items()}
+    same = bool(jnp.array_equal(programs["int8"][0](a8, b8)[:64, :64],
+                                programs["int8_kmajor"][0](a8, b8_t)[:64, :64]))
+    times: dict[str, list[float]] = {k: [] for k in programs}
+    for fn, args in programs.values():
         jax.block_until_ready(fn(*args))
     for _ in range(repeats):
-        for name, fn, args in (("bf16", bf16, (a, b)), ("int8", int8, (a8, b8))):
+        for name, (fn, args) in programs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
     ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
-    widened = widened_operands(hlo)
+    widened = widened_operands(hlo["int8"]) + widened_operands(hlo["int8_kmajor"])
     return {"n": n, "bf16_ms": ms["bf16"], "int8_ms": ms["int8"],
             "bf16_tflops": 2 * n**3 / ms["bf16"] / 1e9, "int8_tops": 2 * n**3 / ms["int8"] / 1e9,
             "int8_speedup_vs_bf16": ms["bf16"] / ms["int8"],
-            "hlo_keeps_s8": not widened and f"s8[{n},{n}]" in hlo, "hlo_converts": widened}
+            "int8_kmajor_ms": ms["int8_kmajor"],
+            "int8_kmajor_speedup_vs_bf16": ms["bf16"] / ms["int8_kmajor"],
+            "int8_kmajor_equal": same,
+            "hlo_keeps_s8": not widened and f"s8[{n},{n}]" in hlo["int8"], "hlo_converts": widened,
+            "gemm_backends": {k: gemm_backends(h) for k, h in hlo.items()},
+            "entry": {k: entry_instructions(h) for k, h in hlo.items()}}

@@ -1,21 +1,31 @@
-"""Accelerator benchmark: training MFU of a ~1B-parameter decoder (dp and zero3) and the int8
-matmul rate against bf16.
+"""Accelerator benchmark: training MFU of a ~1B-parameter decoder under several step
+variants, and the int8 matmul rate against bf16.
 
   python -m experiments.bench_gpu --json     # on a GPU: writes experiments/results/bench_gpu.json
   python -m experiments.bench_gpu --tiny     # the same code paths on tiny shapes (CPU is fine)
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m experiments.bench_gpu \
+      --parts training,matmuls --variants dp/full/xla,dp/save_dots/cudnn \
+      --out experiments/results/bench_gpu_no_triton.json   # the same without Triton GEMMs
 
 Training: the `1.3b` preset (d_model 2048, 26 layers, d_ff 8192, byte vocabulary: 1.31B
-parameters), bf16 compute, full rematerialisation, AdamW with fp32 master weights, on one chip
-with a global batch of 16 sequences of 2048 tokens (32k tokens per step). On one H200 (141 GB)
-this fits with room to spare: parameters, gradients and both Adam moments are 16 bytes per
-parameter (21 GB), the remat-saved block inputs are 26 x 32k x 2048 bf16 (3.5 GB), and one
-block's recomputed activations (attention scores [16, 16, 2048, 2048] included) stay under
-10 GB. MFU counts model FLOPs only (6 per parameter per token plus causal attention,
+parameters), bf16 compute, AdamW with fp32 master weights, on one chip with a global batch of 16
+sequences of 2048 tokens (32k tokens per step). Each variant is a (strategy, remat policy,
+attention) triple (VARIANTS): full rematerialisation with XLA's attention is the baseline;
+`save_dots` keeps the matmul outputs instead of recomputing them; `cudnn` attention is the fused
+flash kernel (the [2048, 2048] scores per head never reach memory). On one H200 (141 GB) the
+baseline fits with room to spare: parameters, gradients and both Adam moments are 16 bytes per
+parameter (21 GB), the remat-saved block inputs 26 x 32k x 2048 bf16 (3.5 GB). `save_dots` adds
+the matmul outputs (about 1.5 GB per block); remat `none` keeps everything and may not fit: a
+variant that fails (out of memory, a kernel the chip lacks) is recorded with its error and the
+others still run. MFU counts model FLOPs only (6 per parameter per token plus causal attention,
 `model.flops`), against the chip's dense bf16 peak. Matmuls: s8 x s8 -> s32 against bf16 at
-4096^3 and 8192^3, interleaved, with a check of the compiled int8 program (no operand widened).
+4096^3 to 16384^3, interleaved, with a check of the compiled int8 program (no operand widened)
+and the GEMM implementation XLA picked for each.
 
-Without a GPU it prints one line saying the GPU parts are skipped, writes a JSON file that
-records why (never experiments/results/bench_gpu.json) and exits 0.
+The results file is rewritten after every variant (`complete` false until the end), so a run cut
+short keeps what it measured. Without a GPU it prints one line saying the GPU parts are
+skipped, writes a JSON file that records why (never experiments/results/bench_gpu.json) and
+exits 0.
 """
 
 from __future__ import annotations
@@ -30,17 +40,22 @@ import time
 import jax
 
 from experiments import accel_bench
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model import MODEL_PRESETS
+from model.config import ATTENTION_IMPLS, REMAT_NAMES
+from parallel.strategies import LABELS as STRATEGY_LABELS
 
 PROG = "experiments.bench_gpu"
 OUT = results_path("bench_gpu.json")  # GPU figures only
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
-STRATEGIES = ("dp", "zero3")
+PARTS = ("attention", "training", "matmuls")
+VARIANTS = accel_bench.VARIANTS
+# The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
+ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
-        "matmuls": (4096, 8192), "matmul_repeats": 10}
+        "matmuls": (4096, 8192, 16384), "matmul_repeats": 10}
 TINY = {"preset": "tiny", "global_batch": 2, "seq_len": 32, "steps": 2, "warmup": 1,
         "matmuls": (64, 128), "matmul_repeats": 2}
 
@@ -53,28 +68,115 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help=f"results file (default {OUT.name} on a GPU, {NOT_GPU_OUT.name} "
                         f"otherwise)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: all; the "
+                        f"attention check runs on a GPU only)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated training variants as strategy/remat/attention "
+                        "(default: the VARIANTS table, " + ", ".join("/".join(v) for v in VARIANTS)
+                        + ")")
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")
     return p
 
 
-def measure(shape: dict) -> dict:
+def parse_parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in PARTS]
+    if not parts or bad:
+        raise ConfigError(f"parts={text!r}: allowed a comma-separated subset of {', '.join(PARTS)}")
+    return parts
+
+
+def parse_variants(text: str | None) -> tuple[tuple[str, str, str], ...]:
+    if text is None:
+        return VARIANTS
+    allowed = (STRATEGY_LABELS, REMAT_NAMES, ATTENTION_IMPLS)
+    variants = tuple(tuple(v.strip().split("/")) for v in text.split(",") if v.strip())
+    for v in variants:
+        if len(v) != 3 or any(x not in ok for x, ok in zip(v, allowed, strict=True)):
+            raise ConfigError(f"variants={text!r}: each is strategy/remat/attention with strategy "
+                              f"in {', '.join(STRATEGY_LABELS)}, remat in "
+                              f"{', '.join(REMAT_NAMES)}, attention in "
+                              f"{', '.join(ATTENTION_IMPLS)}")
+    if not variants:
+        raise ConfigError(f"variants={text!r}: name at least one strategy/remat/attention")
+    return variants
+
+
+def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dict:
+    """One training row; a variant that cannot run here is a row with its reason, not a crash."""
+    label = {"strategy": strategy, "remat": remat, "attention": attention}
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        return {**label, "skipped": "the fused cuDNN attention needs an NVIDIA GPU"}
     cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16",
-                              remat="full")
-    training = [accel_bench.train_mfu(cfg, s, shape["global_batch"], shape["seq_len"],
-                                      shape["steps"], shape["warmup"]) for s in STRATEGIES]
-    for row in training:
-        print(json.dumps({k: row[k] for k in ("strategy", "step_s", "tokens_per_s", "mfu")}),
-              flush=True)
-    matmuls = [accel_bench.matmul_ratio(n, shape["matmul_repeats"]) for n in shape["matmuls"]]
-    return {"preset": shape["preset"], "training": training, "matmuls": matmuls}
+                              remat=remat, attention=attention)
+    try:
+        return accel_bench.train_mfu(cfg, strategy, shape["global_batch"], shape["seq_len"],
+                                     shape["steps"], shape["warmup"])
+    except Exception as e:  # noqa: BLE001 - out of memory or a missing kernel is a result here
+        return {**label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
+
+
+def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> None:
+    """Fill `out` part by part, rewriting `path` after every row."""
+    out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
+               complete=False)
+    if "attention" in parts and jax.default_backend() == "gpu":
+        for dims in ATTENTION_CHECKS:
+            out["attention_parity"].append(accel_bench.attention_parity(*dims))
+            write_result(path, out)
+            print(json.dumps(out["attention_parity"][-1]), flush=True)
+    if "training" in parts:
+        for variant in variants:
+            row = train_variant(shape, *variant)
+            out["training"].append(row)
+            write_result(path, out)
+            print(json.dumps({k: row[k] for k in ("strategy", "remat", "attention", "step_s",
+                                                   "tokens_per_s", "mfu", "error", "skipped")
+                              if k in row}), flush=True)
+    if "matmuls" in parts:
+        for n in shape["matmuls"]:
+            out["matmuls"].append(accel_bench.matmul_ratio(n, shape["matmul_repeats"]))
+            write_result(path, out)
+    out["complete"] = True
+
+
+def summarise(out: dict, path) -> dict:
+    ran = [r for r in out["training"] if "step_s" in r]
+    return {"mfu": {f"{r['strategy']}/{r['remat']}/{r['attention']}": r["mfu"] for r in ran},
+            "tokens_per_s": {f"{r['strategy']}/{r['remat']}/{r['attention']}":
+                             round(r["tokens_per_s"]) for r in ran},
+            "not_run": {f"{r['strategy']}/{r['remat']}/{r['attention']}":
+                        r.get("error") or r.get("skipped")
+                        for r in out["training"] if "step_s" not in r},
+            "int8_speedup_vs_bf16": {r["n"]: round(r["int8_speedup_vs_bf16"], 2)
+                                     for r in out["matmuls"]},
+            "hlo_keeps_s8": (all(r["hlo_keeps_s8"] for r in out["matmuls"])
+                             if out["matmuls"] else None),
+            "seconds": round(out["seconds"], 1), "written": str(path)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
+    # Read before the backend starts: the GPU runtime's flag parser moves XLA_FLAGS into argv.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
     backend = jax.default_backend()
-    out = {"machine": {**describe(), "load_1min": os.getloadavg()[0]},
-           "command": "python -m experiments.bench_gpu --json"}
+    out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
+           "command": " ".join([*([f"XLA_FLAGS={xla_flags}"] if xla_flags else []),
+                                "python -m experiments.bench_gpu", *argv])}
+    try:
+        parts = parse_parts(args.parts)
+        variants = parse_variants(args.variants)
+        if args.out and os.path.abspath(args.out) == str(OUT) and (
+                args.tiny or backend != "gpu" or parts != PARTS or variants != VARIANTS):
+            raise ConfigError(f"out={args.out}: {OUT.name} holds GPU figures of the full "
+                              f"shapes, every part and variant only; give another path")
+        if args.out:
+            check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e).splitlines()[0])
     if backend != "gpu" and not args.tiny:
         reason = f"no GPU (JAX backend {backend}): the GPU parts are skipped"
         out.update(skipped=True, reason=reason)
@@ -82,26 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
         write_result(path, out)
         print(f"{PROG}: {reason}; wrote {path}")
         return out
-    try:
-        if args.out and os.path.abspath(args.out) == str(OUT) and (args.tiny or
-                                                                   backend != "gpu"):
-            raise ConfigError(f"out={args.out}: {OUT.name} holds GPU figures of the full "
-                              f"shapes only; give another path")
-        shape = TINY if args.tiny else FULL
-        out.update(skipped=False, tiny=args.tiny, shape={k: list(v) if isinstance(v, tuple)
-                                                         else v for k, v in shape.items()},
-                   **measure(shape))
-    except ConfigError as e:
-        fail(PROG, str(e).splitlines()[0])
-    out["seconds"] = time.perf_counter() - t0
+    shape = TINY if args.tiny else FULL
     path = args.out or (OUT if backend == "gpu" and not args.tiny else NOT_GPU_OUT)
+    out.update(skipped=False, tiny=args.tiny, parts=list(parts),
+               shape={k: list(v) if isinstance(v, tuple) else v for k, v in shape.items()})
+    measure(shape, parts, variants, out, path)
+    out["seconds"] = time.perf_counter() - t0
     write_result(path, out)
-    summary = {"mfu": {r["strategy"]: r["mfu"] for r in out["training"]},
-               "tokens_per_s": {r["strategy"]: round(r["tokens_per_s"]) for r in out["training"]},
-               "int8_speedup_vs_bf16": {r["n"]: round(r["int8_speedup_vs_bf16"], 2)
-                                        for r in out["matmuls"]},
-               "hlo_keeps_s8": all(r["hlo_keeps_s8"] for r in out["matmuls"]),
-               "seconds": round(out["seconds"], 1), "written": str(path)}
+    summary = summarise(out, path)
     print(json.dumps(summary) if args.json else summary)
     sys.stdout.flush()
     return out

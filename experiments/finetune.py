@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"workdir={args.workdir!r}: not empty; give a new folder")
     except ConfigError as e:
         fail(PROG, str(e))
-    runtime.start(cfg.train.devices or 8)
+    runtime.start(cfg.train.devices or 8, cfg.model)
     try:
         summary = train_and_evaluate(cfg, args.workdir)
         memory = state_memory(cfg)

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         fail(PROG, str(e))
     workdir = Path(args.workdir or f"runs/main-{time.strftime('%Y%m%d-%H%M%S')}")
-    runtime.start(cfg.train.devices)
+    runtime.start(cfg.train.devices, cfg.model)
     t0 = time.perf_counter()
 
     try:

@@ -18,6 +18,7 @@ from experiments import checkpoint as ckpt
 from experiments.config import Config, ConfigError, load_config
 from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.pretrained_init import check_model
+from experiments.runtime import attention_here
 from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.state import abstract_model, check_divisible, logical_shardings
@@ -42,6 +43,7 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
     """The run's parameters (the newest intact checkpoint, or `step`) laid out for the given
     device count and strategy (default: the run's strategy, all devices on one fsdp axis)."""
     cfg = cfg or load_config(workdir)
+    cfg = dataclasses.replace(cfg, model=attention_here(cfg.model))
     try:
         device_mesh = make_mesh(devices * jax.process_count() if devices else None, mesh)
         strat = get_strategy(strategy or cfg.train.strategy)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.guards import RunStopped
     from experiments.trainer import train_and_evaluate
 
-    runtime.start(cfg.train.devices)
+    runtime.start(cfg.train.devices, cfg.model)
 
     try:
         summary = train_and_evaluate(cfg, args.workdir, resume=args.resume,

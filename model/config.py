@@ -13,6 +13,11 @@ MLP_KINDS = ("gelu", "swiglu")
 # policy; the names live here so that checking a config never imports JAX).
 REMAT_NAMES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16")
+# How causal self-attention is computed when there is no KV cache (training, scoring):
+#   xla:   scores, mask, softmax and weighted sum as XLA operations (any backend);
+#   cudnn: jax.nn.dot_product_attention's fused cuDNN kernel (flash attention: the [T, T] scores
+#          are never written to memory), NVIDIA GPUs and bf16 compute only.
+ATTENTION_IMPLS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots
+    attention: str = "xla"  # xla | cudnn (see ATTENTION_IMPLS)
     # Unrolling the short layer scan removes the loop overhead that dominates tiny models on CPU.
     scan_unroll: int = 1
 
@@ -65,6 +71,11 @@ class ModelConfig:
             raise ValueError(f"mlp={self.mlp!r}: allowed {', '.join(MLP_KINDS)}")
         if self.remat not in REMAT_NAMES:
             raise ValueError(f"remat={self.remat!r}: allowed {', '.join(REMAT_NAMES)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r}: allowed {', '.join(ATTENTION_IMPLS)}")
+        if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError(f"attention='cudnn': needs compute_dtype='bfloat16' (the fused "
+                             f"kernel takes no float32), got {self.compute_dtype!r}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed {', '.join(DTYPES)}")

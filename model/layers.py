@@ -131,6 +131,19 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxNxH: jax.Array,
     return jnp.swapaxes(jnp.einsum("bnts,bnsh->bnth", probs, v), 1, 2)
 
 
+def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
+                           v_BxSxKxH: jax.Array) -> jax.Array:
+    """Causal attention through cuDNN's fused kernel (flash attention; K divides N for
+    grouped-query attention): the [T, S] scores stay on chip instead of being written out, forward
+    and backward. Only an NVIDIA GPU backend has it; elsewhere this is refused in one line."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(f"attention='cudnn': needs an NVIDIA GPU, the JAX backend is {backend!r} "
+                         f"(use attention='xla')")
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True,
+                                        implementation="cudnn")
+
+
 def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
     """Rotary position embedding (rotate-half convention), computed in fp32."""
     half = x_BxTxNxH.shape[-1] // 2

@@ -20,7 +20,15 @@ from model.cached_attention import blocked_cached_attention, padded_length
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.layer_stack import Runner, default_runner
-from model.layers import Dense, Embed, RMSNorm, causal_attention, dtype_of, rotary
+from model.layers import (
+    Dense,
+    Embed,
+    RMSNorm,
+    causal_attention,
+    dtype_of,
+    fused_causal_attention,
+    rotary,
+)
 
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
 # experiments/step_profile.py). They change no computation.
@@ -50,8 +58,12 @@ class Attention(nnx.Module):
         # query head n attend with key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
             with jax.named_scope(ATTENTION_SCOPE):
-                out = (causal_attention(q, k, v) if cfg.kv_heads == cfg.n_heads else
-                       jax.nn.dot_product_attention(q, k, v, is_causal=True))
+                if cfg.attention == "cudnn":
+                    out = fused_causal_attention(q, k, v)
+                elif cfg.kv_heads == cfg.n_heads:
+                    out = causal_attention(q, k, v)
+                else:
+                    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far

@@ -1,5 +1,6 @@
 """The launchers as a user runs them: exit codes, one-line errors, nothing written on bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments.config import ConfigError
+from experiments.config import ConfigError, load_config
 from experiments.restore import restore_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +37,11 @@ def one_line_error(proc, *fragments):
     (["--batch-size", "12"], ["batch_size=12", "8 devices"]),
     (["--mesh", "data=3,fsdp=3"], ["mesh='data=3,fsdp=3'", "device count 8"]),
     (["--data", "/nonexistent/corpus"], ["data='/nonexistent/corpus'", "no such file"]),
+    (["--attention", "flash"], ["attention='flash'", "xla, cudnn"]),
+    (["--attention", "cudnn"], ["attention='cudnn'", "compute_dtype='bfloat16'"]),
+    # Checked when the backend has started, before the run writes anything.
+    (["--attention", "cudnn", "--compute-dtype", "bfloat16"], ["attention='cudnn'",
+                                                               "NVIDIA GPU", "backend is 'cpu'"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, fragments):
     workdir = tmp_path / "run"
@@ -92,6 +98,14 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     assert older["val_loss"] != pytest.approx(val_at[4], rel=1e-5)
     with pytest.raises(ConfigError, match=r"^step=3: no such checkpoint; available: \[2, 4\]$"):
         restore_params(workdir, step=3)
+
+    # A run trained with the fused cuDNN attention (on a GPU) restores here with XLA's.
+    cfg = load_config(workdir)
+    gpu_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, attention="cudnn", compute_dtype="bfloat16"))
+    restored = restore_params(workdir, gpu_cfg, devices=1)
+    assert restored.cfg.model.attention == "xla"
+    assert restored.cfg.model.compute_dtype == "bfloat16"
 
     proc = cli("sample", "--workdir", str(workdir), "--prompt", "def ", "--max-new-tokens",
                "10", "--json")

@@ -240,7 +240,24 @@ def test_every_parameter_has_logical_axes_and_no_mesh_axis():
     ("compute_dtype", "float16", "compute_dtype='float16'"),
     ("n_kv_heads", 3, "n_kv_heads=3: must be a positive divisor of n_heads=4"),
     ("mlp", "relu", "mlp='relu'"),
+    ("attention", "flash", "attention='flash': allowed xla, cudnn"),
+    ("attention", "cudnn", "attention='cudnn': needs compute_dtype='bfloat16'"),
 ])
 def test_bad_model_config_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(ModelConfig(), **{field: value}).validate()
+
+
+def test_fused_attention_is_refused_in_one_line_off_a_gpu():
+    # The cuDNN kernel exists on NVIDIA GPUs only (experiments.bench_gpu checks it against XLA's
+    # attention there); elsewhere the model says so instead of failing inside the kernel.
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks the behaviour off a GPU")
+    cfg = dataclasses.replace(TINY.model, attention="cudnn", compute_dtype="bfloat16")
+    cfg.validate()
+    graphdef, _, abstract = abstract_model(cfg)
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    model = nnx.merge(graphdef, params)
+    with pytest.raises(ValueError, match=r"^attention='cudnn': needs an NVIDIA GPU, the JAX "
+                                         r"backend is 'cpu' \(use attention='xla'\)"):
+        model(jnp.zeros((1, 8), jnp.int32))
