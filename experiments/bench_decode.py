@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import QuantError
@@ -56,7 +56,7 @@ CHANGES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")

@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments.config import ConfigError, check_devices, fail
+from experiments.config import ConfigError, Parser, check_devices, fail
 from experiments.encoder_devices import MAX_DEVICES, default_devices
 from experiments.results_io import results_path, write_result
 from quant.modes import MODES
@@ -46,7 +46,7 @@ DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto", "w8a8-rotat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=512, help="benchmark texts")
     p.add_argument("--batch", type=int, default=32)

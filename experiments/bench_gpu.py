@@ -40,7 +40,7 @@ import time
 import jax
 
 from experiments import accel_bench
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model import MODEL_PRESETS
@@ -61,7 +61,7 @@ TINY = {"preset": "tiny", "global_batch": 2, "seq_len": 32, "steps": 2, "warmup"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes through the same code paths (runs on CPU, for tests)")

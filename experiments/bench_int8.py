@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.config import fail
+from experiments.config import Parser, fail
 from experiments.machine import host_cpu
 from experiments.results_io import results_path, write_result
 from model import MODEL_PRESETS, DecoderLM
@@ -44,7 +44,7 @@ SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model shape for decoding: tiny, small, "
                                                      "medium")

@@ -20,7 +20,7 @@ import jax
 from tqdm import tqdm
 
 from experiments import runtime
-from experiments.config import PRESETS, fail
+from experiments.config import PRESETS, Parser, fail
 from experiments.results_io import results_path, write_result
 from experiments.trainer import global_batch, init_sharded_state, prepare
 from parallel.strategies import LABELS, from_label
@@ -29,7 +29,7 @@ PROG = "experiments.bench_strategies"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--devices", type=int, default=None, help="fake CPU devices (default 8)")

@@ -22,14 +22,14 @@ import os
 from pathlib import Path
 
 from experiments import runtime
-from experiments.config import PRESETS, ConfigError, fail
+from experiments.config import PRESETS, ConfigError, Parser, fail
 from experiments.results_io import results_path, write_result
 
 PROG = "experiments.bench_train"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--devices", type=int, default=1, help="fake CPU devices (default 1)")

@@ -24,7 +24,7 @@ import sys
 import time
 
 from experiments import model_flags
-from experiments.config import ConfigError, check_text, fail
+from experiments.config import ConfigError, Parser, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -73,7 +73,7 @@ def user_turns(first: str | None):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--prompt", default=None, help="the user's message")

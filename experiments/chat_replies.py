@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from experiments import model_flags
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, check_output_file, check_text, fail
+from experiments.config import ConfigError, Parser, check_output_file, check_text, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, QuantError
@@ -42,7 +42,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")

@@ -35,6 +35,7 @@ import sys
 
 from tqdm import tqdm
 
+from experiments.config import Parser
 from experiments.results_io import results_path, write_result
 from experiments.zero_evidence import (
     N_DEVICES,
@@ -52,7 +53,7 @@ DEFAULT_OUT = str(results_path("comm_volume.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model preset (default small)")
     p.add_argument("--n-layers", type=int, default=6,

@@ -385,5 +385,14 @@ def fail(prog: str, message: str, code: int = 2) -> typing.NoReturn:
     sys.exit(code)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse under the same contract: an unknown, missing or mistyped flag is one line
+    (`prog: error: ...`, exit 2) instead of the usage block and then the error; `--help` still
+    prints the whole usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        fail(self.prog, f"{message} (see --help)")
+
+
 def dumps(cfg: Config) -> str:
     return json.dumps(cfg.to_json(), indent=2, sort_keys=True)

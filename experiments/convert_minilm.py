@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, Parser, fail
 from experiments.minilm_layout import check_out
 
 PROG = "experiments.convert_minilm"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True,
                    help="checkpoint folder to write: new, empty, or an earlier conversion "

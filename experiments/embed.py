@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from experiments.config import ConfigError, check_devices, check_text, fail
+from experiments.config import ConfigError, Parser, check_devices, check_text, fail
 from experiments.encoder_devices import default_devices
 from experiments.minilm_layout import check_out
 from quant.modes import ALL_MODES, QuantError
@@ -32,7 +32,7 @@ PROG = "experiments.embed"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", action="append", default=[], help="a text to embed (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"embeddings": [[...], ...]}')

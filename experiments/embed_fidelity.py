@@ -26,7 +26,7 @@ import platform
 import numpy as np
 
 from experiments import runtime
-from experiments.config import fail
+from experiments.config import Parser, fail
 from experiments.minilm import (
     encode,
     load_encoder,
@@ -49,7 +49,7 @@ DEFAULT_MODES = ("w8", "w8a8-tensor", "w8a8", "w8a8-static", "smoothquant", "w8a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=500, help="evaluation sentences (>= 11)")
     p.add_argument("--calib", type=int, default=128, help="calibration sentences (disjoint)")

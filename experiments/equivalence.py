@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import runtime
-from experiments.config import PRESETS, fail
+from experiments.config import PRESETS, Parser, fail
 from experiments.data import SequenceSampler, load_corpus, pack
 from experiments.optim import make_optimizer
 from experiments.pretrained_init import truncated_model
@@ -46,7 +46,7 @@ def _subset(field: str, value: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (largest mesh)")
     p.add_argument("--steps", type=int, default=20)

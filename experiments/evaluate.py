@@ -20,7 +20,7 @@ import functools
 import json
 import math
 
-from experiments.config import ConfigError, check_devices, fail, load_config
+from experiments.config import ConfigError, Parser, check_devices, fail, load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 
@@ -28,7 +28,7 @@ PROG = "experiments.evaluate"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
@@ -29,7 +29,7 @@ PROG = "experiments.export"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None, help="a training run's folder")
     p.add_argument("--model", default=None, help="a pretrained model: smollm2")

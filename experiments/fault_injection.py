@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from experiments import checkpoint as ckpt
 from experiments import integrity, runtime, trainer
-from experiments.config import PRESETS, fail
+from experiments.config import PRESETS, Parser, fail
 from experiments.guards import NonFiniteError
 from experiments.integrity import MANIFESTS
 from experiments.restore import restore_params
@@ -305,7 +305,7 @@ def disk_too_small(root: Path, cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=None,
                    help="draws the kill and SIGTERM points (default: a random seed, recorded)")

@@ -29,6 +29,7 @@ import jax
 from experiments import plots, runtime
 from experiments.config import (
     ConfigError,
+    Parser,
     add_override_flags,
     check_output_file,
     check_output_folder,
@@ -59,7 +60,7 @@ def state_memory(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/finetune-smollm2")
     p.add_argument("--preset", default="smollm2", help="a preset with init (default smollm2)")

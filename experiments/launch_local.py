@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from experiments.config import Parser
+
 PROG = "experiments.launch_local"
 
 
@@ -31,7 +33,7 @@ def free_port() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=4)

@@ -29,6 +29,7 @@ import numpy as np
 from experiments import model_flags, pretrained_lm, runtime
 from experiments.config import (
     ConfigError,
+    Parser,
     check_devices,
     check_output_file,
     check_replaceable_folder,
@@ -53,7 +54,7 @@ TEXTS = ("The capital of France is Paris, and the capital of Italy is Rome.",
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help=f"one of {', '.join(model_flags.MODELS)}")
     p.add_argument("--mode", default="w8a8", help=f"one of {', '.join(MODES)}")

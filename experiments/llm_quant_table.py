@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from experiments import model_flags
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.plots import activation_profile
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -38,7 +38,7 @@ def vs_float_pct(row: dict, float_perplexity: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")

@@ -20,6 +20,7 @@ import jax
 from experiments import runtime
 from experiments.config import (
     ConfigError,
+    Parser,
     add_override_flags,
     check_output_file,
     check_output_folder,
@@ -39,7 +40,7 @@ BUDGET_S = 600
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None)
     p.add_argument("--preset", default="small")

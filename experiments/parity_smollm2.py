@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from experiments import model_flags, pretrained_lm, reply_stability, runtime
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
 
@@ -34,7 +34,7 @@ FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_referen
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fixture", default=str(FIXTURE))
     p.add_argument("--out", default=str(results_path("smollm2_parity.json")))

@@ -16,7 +16,7 @@ import argparse
 import json
 
 from experiments import model_flags
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, Parser, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -26,7 +26,7 @@ DEFAULT_WINDOW = 512
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,

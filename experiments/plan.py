@@ -29,6 +29,7 @@ import sys
 
 from experiments.config import (
     ConfigError,
+    Parser,
     check_devices,
     check_output_file,
     check_output_folder,
@@ -41,7 +42,7 @@ SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: fail(PROG, message)  # one line, exit 2
     p.add_argument("--preset", help="a model preset (model/config.py)")

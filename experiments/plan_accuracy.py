@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from experiments.config import fail
+from experiments.config import Parser, fail
 from experiments.results_io import results_path, write_result
 
 PROG = "experiments.plan_accuracy"
@@ -55,7 +55,7 @@ def worker(spec: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two small configurations")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")

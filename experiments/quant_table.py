@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 
 from experiments import runtime
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, Parser, fail
 from experiments.restore import calibration_rows, restore_params, validation_rows
 from experiments.results_io import project_relative, results_path, write_result
 from experiments.trainer import make_eval_fn
@@ -36,7 +36,7 @@ OUT = results_path("quant_eval.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--calib-batches", type=int, default=8)

@@ -18,6 +18,7 @@ import sys
 
 from experiments.config import (
     ConfigError,
+    Parser,
     add_field_flags,
     check_devices,
     fail,
@@ -30,7 +31,7 @@ PROG = "experiments.quantize"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--step", type=int, default=None)

@@ -14,11 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from experiments.config import Parser
 from experiments.tables import documents, render
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="experiments.report", description=__doc__,
+    p = Parser(prog="experiments.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readme", action="append", default=None,
                    help="a markdown file to render (repeatable; default README.md and docs/*.md)")

@@ -27,7 +27,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.config import ConfigError, check_output_file, check_output_folder, fail
+from experiments.config import ConfigError, Parser, check_output_file, check_output_folder, fail
 
 PROG = "experiments.reproduce"
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.results_io import PROJECT_ROOT, RESULTS_DIR
     from experiments.tables import documents, render
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: fail(PROG, message)
     p.add_argument("--quick", action="store_true", help="smaller grids, separate folder")

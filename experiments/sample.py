@@ -15,14 +15,14 @@ import json
 
 import numpy as np
 
-from experiments.config import ConfigError, check_sampling, fail, load_config
+from experiments.config import ConfigError, Parser, check_sampling, fail, load_config
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.sample"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--prompt", default="def ")

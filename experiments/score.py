@@ -15,7 +15,7 @@ import argparse
 import json
 
 from experiments import model_flags
-from experiments.config import ConfigError, check_text, fail
+from experiments.config import ConfigError, Parser, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -23,7 +23,7 @@ PROG = "experiments.score"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--text", action="append", default=[], help="a text to score (repeatable)")

@@ -14,6 +14,7 @@ import json
 from experiments.config import (
     PRESETS,
     ConfigError,
+    Parser,
     add_override_flags,
     check_output_folder,
     config_from_args,
@@ -24,7 +25,7 @@ PROG = "experiments.train"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="where config, metrics and checkpoints go")
     p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")

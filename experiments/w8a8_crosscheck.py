@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from experiments import model_flags, pretrained_lm, reply_stability, runtime
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, check_output_file, fail
+from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -65,7 +65,7 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--torch-python", default=os.environ.get("SHARDQ_TORCH_PYTHON"),
                    metavar="PATH", help="interpreter of the separate PyTorch environment (torch, "

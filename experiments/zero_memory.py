@@ -40,7 +40,7 @@ import time
 
 from tqdm import tqdm
 
-from experiments.config import fail
+from experiments.config import Parser, fail
 from experiments.results_io import results_path, write_result
 from experiments.zero_evidence import OTHER_MEMORY_PRESETS, PAPER_PSI, STAGES, measure_cell
 from parallel.devices import request_cpu_devices
@@ -51,7 +51,7 @@ DEFAULT_OUT = str(results_path("zero_memory.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["7.5b", "128b", "1t"],
                    choices=[*PAPER_PSI, *OTHER_MEMORY_PRESETS],

@@ -35,7 +35,7 @@ import sys
 
 from tqdm import tqdm
 
-from experiments.config import ConfigError, fail
+from experiments.config import ConfigError, Parser, fail
 from experiments.results_io import results_path, write_result
 from experiments.zero_evidence import (
     ReleaseSetup,
@@ -49,7 +49,7 @@ DEFAULT_OUT = str(results_path("zero_release.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = ReleaseSetup()
     p.add_argument("--d-model", type=int, default=defaults.d_model)

@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-from experiments.config import fail
+from experiments.config import Parser, fail
 from experiments.results_io import project_relative, results_path, write_result
 
 PROG = "experiments.zero_table2"
@@ -34,7 +34,7 @@ MEMORIES_GB = (80, 141)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: fail(PROG, message)
     p.add_argument("--quick", action="store_true",

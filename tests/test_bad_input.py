@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -317,3 +318,34 @@ def test_a_run_config_that_is_not_one_is_refused(tmp_path, content, fragment):
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         load_config(tmp_path)
+
+
+# Launchers run with the reference interpreter (torch, transformers), not the project's.
+REFERENCE_SIDE = {"check_export_reference", "make_minilm_reference", "make_smollm2_reference",
+                  "torch_encoder_reference", "torch_train_reference", "torch_w8a8_reference"}
+
+
+def test_every_launcher_refuses_an_unknown_flag_in_one_line():
+    launchers = sorted(p.stem for p in (Path(ROOT) / "experiments").glob("*.py")
+                       if 'if __name__ == "__main__"' in p.read_text()
+                       and p.stem not in REFERENCE_SIDE)
+    assert len(launchers) > 30
+    code = (
+        "import contextlib, io, runpy, sys\n"
+        f"for name in {launchers!r}:\n"
+        "    sys.argv, err = [name, '--no-such-flag'], io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        try:\n"
+        "            runpy.run_module('experiments.' + name, run_name='__main__')\n"
+        "        except SystemExit as e:\n"
+        "            assert e.code == 2, (name, e.code)\n"
+        "        else:\n"
+        "            raise AssertionError(name + ': not refused')\n"
+        "    lines = err.getvalue().splitlines()\n"
+        "    assert len(lines) == 1, (name, lines)\n"
+        "    assert '--no-such-flag' in lines[0] or 'are required' in lines[0], (name, lines)\n"
+        "    assert lines[0].startswith(f'experiments.{name}: error: '), (name, lines)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
