@@ -57,6 +57,8 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
         steps = mngr.all_steps()
         if step is not None and step not in steps:
             raise ConfigError(f"step={step}: no such checkpoint; available: {sorted(steps)}")
+        check_written_with(mngr, sorted(steps, reverse=True) if step is None else [step],
+                           cfg.model)
         restored = ckpt.restore_latest_intact(Path(workdir), mngr, {"params": abstract_params},
                                               shardings, params_only=True, step=step)
     except ckpt.NoIntactCheckpoint as e:
@@ -67,6 +69,31 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
         raise ConfigError(f"workdir={str(workdir)!r}: holds no checkpoint")
     state, _, found = restored
     return Restored(cfg, device_mesh, strat, graphdef, axes, state["params"], found)
+
+
+# The model fields that decide the parameters' shapes and types.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp",
+                "tie_embeddings", "param_dtype")
+
+
+def check_written_with(mngr, steps: list[int], model) -> None:
+    """The model config a checkpoint's metadata records against the run's config.json, before
+    any array is read: a config.json edited after training is named field by field (reading
+    the arrays would fail deep inside Orbax instead). The newest checkpoint whose metadata
+    reads decides; one that does not read is left to the integrity checks."""
+    for step in steps:
+        try:
+            written = ckpt.read_meta(mngr, step).get("model")
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: restore_latest_intact says so
+            continue
+        if not isinstance(written, dict):
+            return  # written before checkpoints recorded their model
+        for field in SHAPE_FIELDS:
+            if field in written and written[field] != getattr(model, field):
+                raise ConfigError(f"{field}={getattr(model, field)!r}: config.json does not match "
+                                  f"checkpoint {step}, written with {field}={written[field]!r} "
+                                  f"(was config.json edited after training?)")
+        return
 
 
 def run_tokens(cfg: Config) -> tuple:

@@ -106,6 +106,12 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     restored = restore_params(workdir, gpu_cfg, devices=1)
     assert restored.cfg.model.attention == "xla"
     assert restored.cfg.model.compute_dtype == "bfloat16"
+    # A config.json edited after training is named before any array is read (Orbax's failed
+    # reads would otherwise print pages of tracebacks from its background threads).
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))
+    with pytest.raises(ConfigError, match=r"^vocab_size=512: config.json does not match "
+                                          r"checkpoint 4, written with vocab_size=256 "):
+        restore_params(workdir, wider, devices=1)
 
     proc = cli("sample", "--workdir", str(workdir), "--prompt", "def ", "--max-new-tokens",
                "10", "--json")
