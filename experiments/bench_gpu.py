@@ -113,7 +113,8 @@ def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dic
     try:
         return accel_bench.train_mfu(cfg, strategy, shape["global_batch"], shape["seq_len"],
                                      shape["steps"], shape["warmup"])
-    except Exception as e:  # noqa: BLE001 - out of memory or a missing kernel is a result here
+    except (RuntimeError, NotImplementedError) as e:  # out of memory (JaxRuntimeError), a
+        # kernel this chip or library lacks: a result here; anything else is a bug and stops
         return {**label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
 
 
@@ -159,24 +160,30 @@ def summarise(out: dict, path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
-    # Read before the backend starts: the GPU runtime's flag parser moves XLA_FLAGS into argv.
-    argv = list(sys.argv[1:] if argv is None else argv)
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    backend = jax.default_backend()
-    out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
-           "command": " ".join([*([f"XLA_FLAGS={xla_flags}"] if xla_flags else []),
-                                "python -m experiments.bench_gpu", *argv])}
-    try:
+    try:  # the flags first: a refusal does not wait for the backend
         parts = parse_parts(args.parts)
         variants = parse_variants(args.variants)
-        if args.out and os.path.abspath(args.out) == str(OUT) and (
-                args.tiny or backend != "gpu" or parts != PARTS or variants != VARIANTS):
+        partial = parts != PARTS or variants != VARIANTS
+        if args.out and os.path.abspath(args.out) == str(OUT) and (args.tiny or partial):
             raise ConfigError(f"out={args.out}: {OUT.name} holds GPU figures of the full "
                               f"shapes, every part and variant only; give another path")
+        if partial and not args.out and not args.tiny:
+            raise ConfigError(f"parts/variants: a run of some parts or variants needs --out "
+                              f"({OUT.name} holds the whole run)")
         if args.out:
             check_output_file("out", args.out)
     except ConfigError as e:
         fail(PROG, str(e).splitlines()[0])
+    # Read before the backend starts: the GPU runtime's flag parser moves XLA_FLAGS into argv.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    backend = jax.default_backend()
+    if args.out and os.path.abspath(args.out) == str(OUT) and backend != "gpu":
+        fail(PROG, f"out={args.out}: {OUT.name} holds GPU figures only; give another path")
+    out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
+           "command": " ".join([*([f"XLA_FLAGS={xla_flags}"] if xla_flags else []),
+                                "python -m experiments.bench_gpu", *argv]),
+           "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if backend != "gpu" and not args.tiny:
         reason = f"no GPU (JAX backend {backend}): the GPU parts are skipped"
         out.update(skipped=True, reason=reason)

@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: fail(PROG, message)
     p.add_argument("--quick", action="store_true", help="smaller grids, separate folder")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help=f"run only these: {', '.join(reproduction.NAMES)}")

@@ -19,6 +19,7 @@ from experiments.config import Config, ConfigError, load_config
 from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.pretrained_init import check_model
 from experiments.runtime import attention_here
+from model import ModelConfig
 from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.state import abstract_model, check_divisible, logical_shardings
@@ -71,9 +72,12 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
     return Restored(cfg, device_mesh, strat, graphdef, axes, state["params"], found)
 
 
-# The model fields that decide the parameters' shapes and types.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "mlp",
-                "tie_embeddings", "param_dtype")
+# The model fields a checkpoint's parameters were trained for: their shapes and types, and the
+# function they compute. Left out: how it is computed or for how long a context (compute_dtype,
+# remat, attention, scan_unroll, max_len), which a reader may choose. kv_heads, not n_kv_heads:
+# None and n_heads are the same model.
+WRITTEN_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "mlp",
+                  "tie_embeddings", "rope_base", "norm_eps", "param_dtype")
 
 
 def check_written_with(mngr, steps: list[int], model) -> None:
@@ -88,10 +92,15 @@ def check_written_with(mngr, steps: list[int], model) -> None:
             continue
         if not isinstance(written, dict):
             return  # written before checkpoints recorded their model
-        for field in SHAPE_FIELDS:
-            if field in written and written[field] != getattr(model, field):
+        try:
+            written_model = ModelConfig(**written)
+        except TypeError:  # fields this version does not know: the arrays' own check decides
+            return
+        for field in WRITTEN_FIELDS:
+            if getattr(written_model, field) != getattr(model, field):
                 raise ConfigError(f"{field}={getattr(model, field)!r}: config.json does not match "
-                                  f"checkpoint {step}, written with {field}={written[field]!r} "
+                                  f"checkpoint {step}, written with "
+                                  f"{field}={getattr(written_model, field)!r} "
                                   f"(was config.json edited after training?)")
         return
 

@@ -403,26 +403,30 @@ def bench_gpu(d: dict) -> str:
     rows = [f"{m['device_kind']} (JAX {m['jax_version']}{flags}), preset `{d['preset']}`"
             f"{'' if d.get('complete', True) else ' (run cut short: partial)'}:", ""]
     if d.get("attention_parity"):
-        rows += [*_head("fused (cuDNN) against XLA attention, bf16", "output", "dq", "dk", "dv")]
+        rows += [*_head("fused (cuDNN) against XLA attention, bf16", "output", "dq", "dk", "dv",
+                        "within tolerance")]
         for a in d["attention_parity"]:
             sh, rel = a["shape"], a["max_rel_diff"]
             rows.append(f"| {sh['batch']}×{sh['seq']} tokens, {sh['heads']} heads / "
                         f"{sh['kv_heads']} kv, dim {sh['head_dim']} | " +
-                        " | ".join(f"{rel[k]:.1e}" for k in ("out", "dq", "dk", "dv")) + " |")
+                        " | ".join(f"{rel[k]:.1e}" for k in ("out", "dq", "dk", "dv")) +
+                        (f" | {a['ok']} (≤ {a['tolerance']:g}) |" if "ok" in a else " | — |"))
         rows += ["", "(largest |difference| over the XLA side's largest |value|)", ""]
     rows += _head("strategy", "remat", "attention", "step", "tokens/s", "model TFLOP/s", "MFU",
-                  "first loss", "compiled temporaries")
+                  "first loss", "last loss", "compiled temporaries")
     for r in d["training"]:
         if "step_s" not in r:
             why = r.get("error") or r.get("skipped")
             why = why.split(" [")[0].replace("|", "/")[:140]  # JAX's bracketed detail dropped
             rows.append(f"| {_gpu_variant(r)} | not run: {why} "
-                        "| | | | | | |")
+                        "| | | | | | | |")
             continue
         mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a (unknown peak)"
         first = f"{r['first_loss']:.4f}" if "first_loss" in r else "—"
+        last = f"{r['last_loss']:.4f} ({r['updates']} updates)" if "last_loss" in r else "—"
         rows.append(f"| {_gpu_variant(r)} | {r['step_s'] * 1e3:.0f} ms | "
                     f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.0f} | {mfu} | {first} | "
+                    f"{last} | "
                     f"{r['compiled_temp_bytes'] / 1e9:.1f} GB |")
     first = next((r for r in d["training"] if "params" in r), None)
     if first:
@@ -434,7 +438,7 @@ def bench_gpu(d: dict) -> str:
 def _gpu_matmul_rows(matmuls: list[dict]) -> list[str]:
     rows = _head("matmul", "bf16", "int8, kernel [in, out]", "int8 / bf16",
                  "int8, kernel [out, in]", "int8 / bf16", "compiled programs keep s8",
-                 "GEMM (bf16 / int8 / int8 [out, in])")
+                 "library calls and generated kernels (bf16 / int8 / int8 [out, in])")
     for r in matmuls:
         kern = r.get("gemm_backends")
         kern = (" / ".join(", ".join(f"`{k}`" for k in kern[t]) or "—"
@@ -924,13 +928,16 @@ def headline(results: Path) -> str:
 
     def gpu(d):
         ran = [r for r in d["training"] if r.get("mfu") is not None]
-        base = ran[0]  # the first variant: full remat, XLA's attention
+        if not ran or not d["matmuls"]:
+            return "no complete run in the file", "—"
         best = max(ran, key=lambda r: r["mfu"])
+        base = next((r for r in ran if (r["strategy"], r.get("remat", "full"),
+                                        r.get("attention", "xla")) == ("dp", "full", "xla")), None)
         big = max(d["matmuls"], key=lambda r: r["n"])
-        peak = base["peak_flops_per_device"]
+        peak = best["peak_flops_per_device"]
         return (f"MFU {best['mfu']:.1%} ({best['strategy']}, remat {best['remat']}, "
-                f"{best['attention']} attention); {base['mfu']:.1%} with full remat and XLA's "
-                f"attention",
+                f"{best['attention']} attention)" + (f"; {base['mfu']:.1%} with full remat and "
+                                                     f"XLA's attention" if base else ""),
                 f"the same run's bf16 matmul at {big['n']}³: {big['bf16_tflops']:.0f} TFLOP/s "
                 f"= {1e12 * big['bf16_tflops'] / peak:.0%} of the chip's peak")
 

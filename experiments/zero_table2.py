@@ -36,7 +36,6 @@ MEMORIES_GB = (80, 141)
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: fail(PROG, message)
     p.add_argument("--quick", action="store_true",
                    help="compile only the 32 GB x 64 row (8 devices for the planning table "
                         "are formula only)")

@@ -63,7 +63,8 @@ class Attention(nnx.Module):
                 elif cfg.kv_heads == cfg.n_heads:
                     out = causal_attention(q, k, v)
                 else:
-                    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+                    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                       implementation="xla")
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import accel_bench
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
+from model.layers import causal_attention
 from tests.test_cli import cli
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
@@ -47,8 +49,14 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     for r in ran:
         assert r["loss_finite"] and r["step_s"] > 0 and r["mfu"] is None  # no known peak on CPU
         assert r["model_flops_per_token"] == train_flops_per_token(MODEL_PRESETS["tiny"], 32)
-    # Strategy and remat change how the step is computed, not what: the same first loss.
+    # Strategy and remat change how the step is computed, not what: the same loss before the
+    # first update and after the last (the same number of AdamW updates in every variant).
     assert ran[1]["first_loss"] == pytest.approx(ran[0]["first_loss"], abs=1e-5)
+    assert ran[0]["updates"] == ran[1]["updates"] == 4
+    # bf16 compute: the gradients' sums run in another order and round differently (4e-4 seen),
+    # a small fraction of what the 4 updates moved the loss (0.05 seen).
+    assert ran[0]["last_loss"] < ran[0]["first_loss"] - 0.02
+    assert ran[1]["last_loss"] == pytest.approx(ran[0]["last_loss"], abs=2e-3)
     assert [m["n"] for m in d["matmuls"]] == [64, 128]
     assert all(m["int8_ms"] > 0 and m["hlo_converts"] == [] for m in d["matmuls"])
     # The [out, in] (K-major) kernel computes the same product as quant/'s [in, out] one.
@@ -57,9 +65,11 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     # Refused: GPU figures' file for a tiny run, parts or variants that do not exist.
     proc = cli("bench_gpu", "--tiny", "--out", "experiments/results/bench_gpu.json")
     assert proc.returncode == 2 and "bench_gpu.json holds GPU figures" in proc.stderr
-    for flag, value, said in (("--parts", "training,speed", "parts='training,speed'"),
-                              ("--variants", "dp/full", "strategy/remat/attention")):
-        proc = cli("bench_gpu", "--tiny", flag, value, "--out", str(tmp_path / "x.json"))
+    for args, said in ((["--tiny", "--parts", "training,speed"], "parts='training,speed'"),
+                       (["--tiny", "--variants", "dp/full"], "strategy/remat/attention"),
+                       (["--parts", "matmuls"], "needs --out")):  # not over the whole run's file
+        out_args = ["--out", str(tmp_path / "x.json")] if "--tiny" in args else []
+        proc = cli("bench_gpu", *args, *out_args)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert not (tmp_path / "x.json").exists()
 
@@ -68,18 +78,19 @@ def test_the_attention_check_can_fail(monkeypatch):
     # On a GPU `attention_parity` compares the fused kernel with XLA's attention. Here a stand-in
     # for the fused side shows the comparison catches a wrong kernel (no causal mask) and passes
     # a right one (the same attention computed another way).
-    def right(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    def right(q, k, v):  # grouped heads by repeating k and v per query head: another route
+        groups = q.shape[2] // k.shape[2]
+        return causal_attention(*(q, *(jnp.repeat(a, groups, axis=2) for a in (k, v))))
 
     def unmasked(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=False, implementation="xla")
 
     monkeypatch.setattr(accel_bench, "fused_causal_attention", right)
     good = accel_bench.attention_parity(1, 16, 4, 2, 8)["max_rel_diff"]  # grouped heads
-    assert max(good.values()) < 2e-2, good
+    assert 0 < max(good.values()) <= accel_bench.PARITY_TOLERANCE, good
     monkeypatch.setattr(accel_bench, "fused_causal_attention", unmasked)
-    bad = accel_bench.attention_parity(1, 16, 4, 4, 8)["max_rel_diff"]  # all heads
-    assert bad["out"] > 0.1 and bad["dq"] > 0.1, bad
+    bad = accel_bench.attention_parity(1, 16, 4, 4, 8)  # all heads
+    assert bad["ok"] is False and bad["max_rel_diff"]["out"] > 0.1, bad
 
 
 def test_peak_table_and_the_widening_check():
