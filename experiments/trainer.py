@@ -44,6 +44,9 @@ from parallel.train_step import StepConfig
 # learning rate still to come and the run would not continue as it was going.
 RESUMABLE_CHANGES = {"strategy", "prefetch", "mesh", "devices", "eval_every",
                      "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
+# Model fields that say how the step is computed, not what: a run trained with the fused cuDNN
+# attention on a GPU continues with XLA's on another machine, or with another remat policy.
+MODEL_RESUMABLE_CHANGES = {"remat", "attention", "scan_unroll"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +107,13 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
                           f"continue it or choose an empty folder")
     if resume and cfg_file.exists():
         old = load_config(workdir)  # one line on a config.json that is not a run's
-        if old.model != cfg.model:
-            diff = [f.name for f in dataclasses.fields(ModelConfig)
-                    if getattr(old.model, f.name) != getattr(cfg.model, f.name)]
+        diff = [f.name for f in dataclasses.fields(ModelConfig)
+                if f.name not in MODEL_RESUMABLE_CHANGES
+                and getattr(old.model, f.name) != getattr(cfg.model, f.name)]
+        if diff:
             raise ConfigError(f"resume: the model in {cfg_file} differs in {', '.join(diff)}; "
-                              f"a checkpoint only resumes with the model it was written with")
+                              f"a checkpoint only resumes with the model it was written with "
+                              f"(allowed to change: {', '.join(sorted(MODEL_RESUMABLE_CHANGES))})")
         for f in dataclasses.fields(old.train):
             if f.name not in RESUMABLE_CHANGES and \
                     getattr(old.train, f.name) != getattr(cfg.train, f.name):

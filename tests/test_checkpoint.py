@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import checkpoint as ckpt
-from experiments.config import Config, ConfigError
+from experiments.config import Config, ConfigError, load_config
 from experiments.guards import Preemption
 from experiments.restore import restore_params
 from experiments.trainer import train_and_evaluate
@@ -110,7 +110,8 @@ def test_config_json_round_trips(tmp_path):
 
 
 def test_resume_under_another_strategy_and_device_count(tmp_path, monkeypatch):
-    """Written by zero3 on 8 devices, continued by zero2 on 4: same losses as one dp run."""
+    """Written by zero3 on 8 devices, continued by zero2 on 4 with another remat policy: same
+    losses as one dp run."""
     cfg = tiny(tmp_path)
     train_and_evaluate(cfg, tmp_path / "ref", progress=False)
     first = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="zero3"))
@@ -118,8 +119,11 @@ def test_resume_under_another_strategy_and_device_count(tmp_path, monkeypatch):
     train_and_evaluate(first, tmp_path / "mixed", progress=False)
     monkeypatch.undo()
     rest = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="zero2",
-                                                              devices=4))
+                                                              devices=4),
+                               model=dataclasses.replace(cfg.model, remat="full"))
+    assert cfg.model.remat != "full"
     train_and_evaluate(rest, tmp_path / "mixed", resume=True, progress=False)
+    assert load_config(tmp_path / "mixed").model.remat == "full"  # the config it continued with
     ref, mixed = losses(tmp_path / "ref"), losses(tmp_path / "mixed")
     assert ref.keys() == mixed.keys()
     assert max(abs(ref[k] - mixed[k]) for k in ref) <= 1e-5
