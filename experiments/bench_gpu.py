@@ -36,10 +36,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 
-from experiments import accel_bench
+from experiments import accel_bench, plots
 from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated training variants as strategy/remat/attention "
                         "(default: the VARIANTS table, " + ", ".join("/".join(v) for v in VARIANTS)
                         + ")")
+    p.add_argument("--replot", default=None, metavar="RESULTS",
+                   help="draw the plot of an existing results file (beside it, .png) and exit")
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")
     return p
 
@@ -157,8 +160,28 @@ def summarise(out: dict, path) -> dict:
             "seconds": round(out["seconds"], 1), "written": str(path)}
 
 
+def plot_path(results_path) -> Path:
+    return Path(results_path).with_suffix(".png")
+
+
+def replot(results_file: str) -> dict:
+    """The plot of a results file this launcher wrote, drawn again (on any machine)."""
+    try:
+        data = json.loads(Path(results_file).read_text())
+        if not isinstance(data, dict) or data.get("skipped") is not False or \
+                "training" not in data or "matmuls" not in data:
+            raise ValueError("not the results of a bench_gpu run that measured something")
+    except (OSError, ValueError) as e:
+        fail(PROG, f"replot={results_file!r}: {str(e).splitlines()[0]}")
+    path = plots.gpu_benchmark(data, plot_path(results_file))
+    print(f"wrote {path}")
+    return data
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     t0 = time.perf_counter()
     try:  # the flags first: a refusal does not wait for the backend
         parts = parse_parts(args.parts)
@@ -198,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     measure(shape, parts, variants, out, path)
     out["seconds"] = time.perf_counter() - t0
     write_result(path, out)
+    if out["training"] and out["matmuls"]:
+        plots.gpu_benchmark(out, plot_path(path))
     summary = summarise(out, path)
     print(json.dumps(summary) if args.json else summary)
     sys.stdout.flush()

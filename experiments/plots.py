@@ -71,3 +71,51 @@ def activation_profile(outliers: dict, out_path: Path, title: str = "") -> Path:
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def gpu_benchmark(results: dict, out_path: Path) -> Path:
+    """From `bench_gpu`'s results: MFU per training variant (left; a variant that did not run is
+    named with a cross) and int8 speed over bf16 per matmul size, for the int8 kernel stored
+    [in, out] and [out, in] (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), dpi=120,
+                             gridspec_kw={"width_ratios": [1.4, 1]})
+    rows = results["training"]
+    labels = [f"{r['strategy']} · remat {r['remat']} · {r['attention']}" for r in rows]
+    mfu = [100 * (r.get("mfu") or 0) for r in rows]
+    bars = axes[0].barh(range(len(rows)), mfu, color=["tab:orange" if r["attention"] == "cudnn"
+                                                       else "tab:blue" for r in rows])
+    for bar, r, v in zip(bars, rows, mfu, strict=True):
+        why = r.get("error") or r.get("skipped") or ""
+        note = (f"{v:.1f}%" if r.get("mfu") is not None else
+                "× out of memory" if "RESOURCE_EXHAUSTED" in why else "× not run")
+        axes[0].text(bar.get_width() + 0.5, bar.get_y() + bar.get_height() / 2, note,
+                     va="center", fontsize=8)
+    axes[0].set_yticks(range(len(rows)), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("MFU (model FLOPs / bf16 peak), %")
+    axes[0].set_xlim(0, max(mfu + [1]) * 1.2)
+    axes[0].grid(alpha=0.3, axis="x")
+    sizes = [m["n"] for m in results["matmuls"]]
+    axes[1].plot(sizes, [m["int8_speedup_vs_bf16"] for m in results["matmuls"]], "o-",
+                 label="int8, kernel [in, out] (quant/)")
+    if all("int8_kmajor_speedup_vs_bf16" in m for m in results["matmuls"]):
+        axes[1].plot(sizes, [m["int8_kmajor_speedup_vs_bf16"] for m in results["matmuls"]],
+                     "s-", label="int8, kernel [out, in]")
+    axes[1].axhline(1.0, color="grey", lw=1, ls="--")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(sizes, [f"{n}³" for n in sizes])
+    axes[1].set_ylabel("speed over bf16 (×)")
+    axes[1].grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    m = results["machine"]
+    fig.suptitle(f"{m['device_kind']}, preset {results['preset']}: training step variants and "
+                 f"int8 GEMMs")
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path

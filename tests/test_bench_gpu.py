@@ -62,6 +62,13 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     # The [out, in] (K-major) kernel computes the same product as quant/'s [in, out] one.
     assert all(m["int8_kmajor_equal"] and m["int8_kmajor_ms"] > 0 for m in d["matmuls"])
     assert "s8[64,64]" in d["matmuls"][0]["entry"]["int8"][0]
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
+    # Drawn again from the file alone; a file that is not a measured run is one line.
+    out.with_suffix(".png").unlink()
+    assert cli("bench_gpu", "--replot", str(out)).returncode == 0
+    assert out.with_suffix(".png").exists()
+    proc = cli("bench_gpu", "--replot", str(tmp_path / "none.json"))
+    assert proc.returncode == 2 and "replot=" in proc.stderr
     # Refused: GPU figures' file for a tiny run, parts or variants that do not exist.
     proc = cli("bench_gpu", "--tiny", "--out", "experiments/results/bench_gpu.json")
     assert proc.returncode == 2 and "bench_gpu.json holds GPU figures" in proc.stderr
