@@ -2,7 +2,7 @@
 against PyTorch (transformers float, torch.ao.quantization.quantize_dynamic int8).
 
   python -m experiments.bench_encoder --json
-  python -m experiments.bench_encoder --torch-python /work/refvenv/bin/python --json
+  python -m experiments.bench_encoder --torch-python REFVENV/bin/python --json
   python -m experiments.bench_encoder --modes w8a8 --sentences 128 --rounds 2 --out ''
 
 Texts: --sentences deterministic texts of varied length (1 to 4 stdlib docstring sentences

@@ -3,7 +3,7 @@ peak, where the step's time goes, and (optionally) PyTorch eager on the same mod
 
   python -m experiments.bench_train --preset small --devices 1 --json
   python -m experiments.bench_train --preset small --devices 8 --json
-  python -m experiments.bench_train --devices 1 --torch-python /work/refvenv/bin/python
+  python -m experiments.bench_train --devices 1 --torch-python REFVENV/bin/python
 
 Times the trainer's jitted step (experiments.trainer.prepare -> parallel/sharded_run.py), the
 median of --rounds x --steps timed steps after --warmup, each step waiting for its loss. With

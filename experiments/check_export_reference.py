@@ -4,7 +4,7 @@ Runs in a *separate* environment with torch (never the project's venv), on a fol
 `python -m experiments.export --format safetensors`:
 
   python -m experiments.export --model smollm2 --layers 2 --out /tmp/smollm2-2
-  HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python experiments/check_export_reference.py \\
+  HF_HUB_OFFLINE=1 REFVENV/bin/python experiments/check_export_reference.py \\
       --dir /tmp/smollm2-2 --out tests/fixtures/smollm2_export_reference.json
 
 (the environment as in experiments/make_smollm2_reference.py; this script needs no GGUF and no

@@ -7,7 +7,7 @@ strategy and sums the collectives of the compiled HLO (parallel/hlo.py), each ti
 counts of the while loops around it, in units of Psi (parameter count). Convention (ring):
 all-reduce of M elements = 2M, all-gather = output elements, reduce-scatter = input elements.
 
-Expected (ZeRO paper, ANCHORS.md §1): dp = zero1 = zero2 = 2 Psi, zero3 = 3 Psi (within 5%), and
+Expected (ZeRO, Rajbhandari et al. 2020): dp = zero1 = zero2 = 2 Psi, zero3 = 3 Psi (within 5%), and
 zero3's parameter all-gathers inside the layer scan's while loop (forward + backward re-gather).
 
 Model: the `small` preset's width with 6 layers (--n-layers), scan_unroll=1 (an unrolled scan

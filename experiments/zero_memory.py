@@ -15,7 +15,7 @@ Model state per device, read from the compiled program:
               that the loop body updates (everything else in that carry is loop-invariant).
               It only exists as a buffer when there is more than one micro-step (XLA removes a
               one-trip loop and fuses the gradients into the update), hence --micro-steps 2.
-It is compared with the paper's formulas (ANCHORS.md §1) at the paper's Psi (7.5e9, 128e9, 1e12)
+It is compared with the ZeRO paper's formulas at the paper's Psi (7.5e9, 128e9, 1e12)
 and at our presets' exact parameter count. `peak_gb` is the compiler's per-device peak
 (argument + output + temp - alias, see parallel/hlo.py). GB = 1e9 bytes.
 

@@ -2,8 +2,9 @@
 
 `QuantDense` holds an int8 kernel and float32 per-output-channel (or per-tensor) scales; its
 product is a real int8 x int8 -> int32 `lax.dot_general`, dequantised afterwards with the outer
-product of token and channel scales (ANCHORS §3). Parameters may carry leading stacked axes
-(`layers`): the model's layer scan slices them, so `__call__` always sees one layer.
+product of token and channel scales (LLM.int8()'s vector-wise form). Parameters may carry
+leading stacked axes (`layers`): the model's layer scan slices them, so `__call__` always sees
+one layer.
 
 How activations are quantised is static (it lives in the graph definition, not the state):
   act="none"    weight-only: float activations times dequantised int8 weights

@@ -1,5 +1,5 @@
-"""Symmetric absmax int8 quantizers (ANCHORS §3): s = absmax / 127, q = clip(round(x / s)),
-with x / s computed as x * (1 / s) (see `quantize`).
+"""Symmetric absmax int8 quantizers (SmoothQuant's and LLM.int8()'s convention):
+s = absmax / 127, q = clip(round(x / s)), with x / s computed as x * (1 / s) (see `quantize`).
 
 Every function here is pure and jit-friendly. Scales keep the reduced axes (keepdims) so that
 dequantisation is a plain same-rank product: the project runs with rank promotion off.

@@ -1,4 +1,4 @@
-"""SmoothQuant (ANCHORS §3): move activation outliers into the weights, offline.
+"""SmoothQuant (Xiao et al. 2023): move activation outliers into the weights, offline.
 
 For a Dense fed by an RMSNorm, s_j = max|X_j|^alpha / max|W_j|^(1-alpha) per input channel j;
 X diag(s)^-1 comes for free by dividing the norm's scale by s, and diag(s) W is folded into the

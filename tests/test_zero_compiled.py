@@ -1,7 +1,7 @@
 """The ZeRO claims checked on the compiled programs (compile-only, 8 fake devices from conftest).
 
 Reference values: the ZeRO paper's communication (2/2/2/3 Psi) and model-state formulas
-(ANCHORS.md §1), and the per-layer bytes a gather-then-release schedule may add.
+(Rajbhandari et al. 2020), and the per-layer bytes a gather-then-release schedule may add.
 """
 
 from __future__ import annotations
