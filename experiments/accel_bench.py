@@ -18,15 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
-from model import ModelConfig
-from model.flops import param_count, train_flops_per_token
+from model import DecoderLM, ModelConfig
+from model.flops import param_bytes, param_count, train_flops_per_token
 from model.layers import causal_attention, fused_causal_attention
 from parallel.mesh import make_mesh
 from parallel.sharded_run import build
 from parallel.strategies import from_label
 from parallel.train_step import StepConfig
 from quant.dense import int8_dot_general, int8_matmul
+from quant.modes import QuantConfig
+from quant.pipeline import quantize
 
 # (strategy, remat, attention) per training variant the GPU benchmark times; the first two are
 # the baseline (full rematerialisation, XLA's attention).
@@ -131,6 +134,34 @@ def attention_parity(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
     return {"shape": {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads,
                       "head_dim": head_dim}, "max_rel_diff": rel,
             "tolerance": PARITY_TOLERANCE, "ok": max(rel.values()) <= PARITY_TOLERANCE}
+
+
+# Inference modes the prefill part times: the float model and the two int8 forms that need no
+# calibration (int8 kernels with float activations; int8 kernels and per-token int8 activations).
+INFERENCE_MODES = ("none", "w8", "w8a8")
+
+
+def prefill_rate(cfg: ModelConfig, mode: str, batch: int, seq: int, steps: int = 5,
+                 warmup: int = 2) -> dict:
+    """Median time of one forward pass (the logits of every position, as scoring and prefill
+    compute them) over [batch, seq] tokens: the float model in cfg's compute dtype, or its int8
+    form under `mode` (`quant.pipeline.quantize`, every Dense and the head, no calibration)."""
+    cfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, seq))
+    graphdef, state = nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    if mode != "none":
+        graphdef, params, _, _ = quantize(graphdef, params, QuantConfig(mode=mode), [],
+                                          error_report=False)
+    tokens = jax.random.randint(jax.random.key(3), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+    t0 = time.perf_counter()
+    compiled = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    sec, times = _median_time(lambda: compiled(params, tokens), warmup, steps)
+    logits = compiled(params, tokens)
+    return {"mode": mode, "batch": batch, "seq": seq, "compute_dtype": cfg.compute_dtype,
+            "step_s": sec, "runs_s": [round(t, 5) for t in times], "compile_s": compile_s,
+            "tokens_per_s": batch * seq / sec, "param_bytes": param_bytes(params),
+            "logits_finite": bool(jnp.all(jnp.isfinite(logits)))}
 
 
 def widened_operands(hlo: str) -> list[str]:

@@ -20,7 +20,9 @@ variant that fails (out of memory, a kernel the chip lacks) is recorded with its
 others still run. MFU counts model FLOPs only (6 per parameter per token plus causal attention,
 `model.flops`), against the chip's dense bf16 peak. Matmuls: s8 x s8 -> s32 against bf16 at
 4096^3 to 16384^3, interleaved, with a check of the compiled int8 program (no operand widened)
-and the GEMM implementation XLA picked for each.
+and the GEMM implementation XLA picked for each. Inference: one forward pass (every position's
+logits, as scoring and prefill compute them) of the same 1.3b model over 8 x 2048 tokens, in
+bf16 and in its int8 forms `w8` and `w8a8` (quant/, no calibration needed), tokens/s.
 
 The results file is rewritten after every variant (`complete` false until the end), so a run cut
 short keeps what it measured. Without a GPU it prints one line saying the GPU parts are
@@ -51,14 +53,15 @@ from parallel.strategies import LABELS as STRATEGY_LABELS
 PROG = "experiments.bench_gpu"
 OUT = results_path("bench_gpu.json")  # GPU figures only
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
-PARTS = ("attention", "training", "matmuls")
+PARTS = ("attention", "training", "matmuls", "inference")
 VARIANTS = accel_bench.VARIANTS
 # The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
 ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
-        "matmuls": (4096, 8192, 16384), "matmul_repeats": 10}
+        "matmuls": (4096, 8192, 16384), "matmul_repeats": 10,
+        "inference_batch": 8}
 TINY = {"preset": "tiny", "global_batch": 2, "seq_len": 32, "steps": 2, "warmup": 1,
-        "matmuls": (64, 128), "matmul_repeats": 2}
+        "matmuls": (64, 128), "matmul_repeats": 2, "inference_batch": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +127,7 @@ def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dic
 def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> None:
     """Fill `out` part by part, rewriting `path` after every row."""
     out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
-               complete=False)
+               inference=[], complete=False)
     if "attention" in parts and jax.default_backend() == "gpu":
         for dims in ATTENTION_CHECKS:
             out["attention_parity"].append(accel_bench.attention_parity(*dims))
@@ -142,6 +145,14 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
         for n in shape["matmuls"]:
             out["matmuls"].append(accel_bench.matmul_ratio(n, shape["matmul_repeats"]))
             write_result(path, out)
+    if "inference" in parts:
+        cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16")
+        for mode in accel_bench.INFERENCE_MODES:
+            row = accel_bench.prefill_rate(cfg, mode, shape["inference_batch"], shape["seq_len"],
+                                           shape["steps"], shape["warmup"])
+            out["inference"].append(row)
+            write_result(path, out)
+            print(json.dumps({k: row[k] for k in ("mode", "step_s", "tokens_per_s")}), flush=True)
     out["complete"] = True
 
 
@@ -157,6 +168,7 @@ def summarise(out: dict, path) -> dict:
                                      for r in out["matmuls"]},
             "hlo_keeps_s8": (all(r["hlo_keeps_s8"] for r in out["matmuls"])
                              if out["matmuls"] else None),
+            "prefill_tokens_per_s": {r["mode"]: round(r["tokens_per_s"]) for r in out["inference"]},
             "seconds": round(out["seconds"], 1), "written": str(path)}
 
 

@@ -412,27 +412,38 @@ def bench_gpu(d: dict) -> str:
                         " | ".join(f"{rel[k]:.1e}" for k in ("out", "dq", "dk", "dv")) +
                         (f" | {a['ok']} (≤ {a['tolerance']:g}) |" if "ok" in a else " | — |"))
         rows += ["", "(largest |difference| over the XLA side's largest |value|)", ""]
-    rows += _head("strategy", "remat", "attention", "step", "tokens/s", "model TFLOP/s", "MFU",
-                  "first loss", "last loss", "compiled temporaries")
-    for r in d["training"]:
-        if "step_s" not in r:
-            why = r.get("error") or r.get("skipped")
-            why = why.split(" [")[0].replace("|", "/")[:140]  # JAX's bracketed detail dropped
-            rows.append(f"| {_gpu_variant(r)} | not run: {why} "
-                        "| | | | | | | |")
-            continue
-        mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a (unknown peak)"
-        first = f"{r['first_loss']:.4f}" if "first_loss" in r else "—"
-        last = f"{r['last_loss']:.4f} ({r['updates']} updates)" if "last_loss" in r else "—"
-        rows.append(f"| {_gpu_variant(r)} | {r['step_s'] * 1e3:.0f} ms | "
-                    f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.0f} | {mfu} | {first} | "
-                    f"{last} | "
-                    f"{r['compiled_temp_bytes'] / 1e9:.1f} GB |")
-    first = next((r for r in d["training"] if "params" in r), None)
-    if first:
-        rows += ["", f"{first['params'] / 1e9:.2f} B parameters, {first['tokens_per_step']:,} "
-                 f"tokens per step, bf16 compute."]
-    return "\n".join([*rows, "", *_gpu_matmul_rows(d["matmuls"])])
+    if d["training"]:
+        rows += _head("strategy", "remat", "attention", "step", "tokens/s", "model TFLOP/s", "MFU",
+                      "first loss", "last loss", "compiled temporaries")
+        for r in d["training"]:
+            if "step_s" not in r:
+                why = r.get("error") or r.get("skipped")
+                why = why.split(" [")[0].replace("|", "/")[:140]  # JAX's bracketed detail dropped
+                rows.append(f"| {_gpu_variant(r)} | not run: {why} "
+                            "| | | | | | | |")
+                continue
+            mfu = f"**{100 * r['mfu']:.1f}%**" if r["mfu"] is not None else "n/a (unknown peak)"
+            first = f"{r['first_loss']:.4f}" if "first_loss" in r else "—"
+            last = f"{r['last_loss']:.4f} ({r['updates']} updates)" if "last_loss" in r else "—"
+            rows.append(f"| {_gpu_variant(r)} | {r['step_s'] * 1e3:.0f} ms | "
+                        f"{r['tokens_per_s']:,.0f} | {r['model_tflops_per_s']:.0f} | {mfu} | "
+                        f"{first} | {last} | {r['compiled_temp_bytes'] / 1e9:.1f} GB |")
+        first = next((r for r in d["training"] if "params" in r), None)
+        if first:
+            rows += ["", f"{first['params'] / 1e9:.2f} B parameters, {first['tokens_per_step']:,} "
+                     f"tokens per step, bf16 compute."]
+    if d["matmuls"]:
+        rows += ["", *_gpu_matmul_rows(d["matmuls"])]
+    if d.get("inference"):
+        base = d["inference"][0]["tokens_per_s"]
+        r0 = d["inference"][0]
+        rows += ["", f"One forward pass over {r0['batch']} × {r0['seq']:,} tokens (every "
+                 f"position's logits), {r0['compute_dtype']} activations:", "",
+                 *_head("mode", "step", "tokens/s", "vs float", "parameter bytes")]
+        for r in d["inference"]:
+            rows.append(f"| {r['mode']} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} | "
+                        f"{r['tokens_per_s'] / base:.2f}× | {r['param_bytes']:,} |")
+    return "\n".join(rows)
 
 
 def _gpu_matmul_rows(matmuls: list[dict]) -> list[str]:

@@ -62,6 +62,13 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     # The [out, in] (K-major) kernel computes the same product as quant/'s [in, out] one.
     assert all(m["int8_kmajor_equal"] and m["int8_kmajor_ms"] > 0 for m in d["matmuls"])
     assert "s8[64,64]" in d["matmuls"][0]["entry"]["int8"][0]
+    # Prefill in float and in the int8 forms: int8 kernels really stored (fewer bytes).
+    inference = {r["mode"]: r for r in d["inference"]}
+    assert list(inference) == list(accel_bench.INFERENCE_MODES) == ["none", "w8", "w8a8"]
+    assert all(r["logits_finite"] and r["tokens_per_s"] > 0 for r in d["inference"])
+    assert inference["w8"]["param_bytes"] == inference["w8a8"]["param_bytes"] < \
+        0.6 * inference["none"]["param_bytes"]
+    assert summary["prefill_tokens_per_s"].keys() == inference.keys()
     assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
     # Drawn again from the file alone; a file that is not a measured run is one line.
     out.with_suffix(".png").unlink()
