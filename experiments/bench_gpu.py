@@ -86,26 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_parts(text: str) -> tuple[str, ...]:
-    parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in parts if p not in PARTS]
-    if not parts or bad:
-        raise ConfigError(f"parts={text!r}: allowed a comma-separated subset of {', '.join(PARTS)}")
-    return parts
+    """The named parts in PARTS's order; an empty, unknown or repeated name is refused."""
+    items = [p.strip() for p in text.split(",")]
+    if any(p not in PARTS for p in items) or len(set(items)) != len(items):
+        raise ConfigError(f"parts={text!r}: allowed a comma-separated subset of {', '.join(PARTS)}"
+                          f", each at most once")
+    return tuple(p for p in PARTS if p in items)
 
 
 def parse_variants(text: str | None) -> tuple[tuple[str, str, str], ...]:
     if text is None:
         return VARIANTS
     allowed = (STRATEGY_LABELS, REMAT_NAMES, ATTENTION_IMPLS)
-    variants = tuple(tuple(v.strip().split("/")) for v in text.split(",") if v.strip())
+    variants = tuple(tuple(v.strip().split("/")) for v in text.split(","))
+    if len(set(variants)) != len(variants):
+        raise ConfigError(f"variants={text!r}: each variant at most once")
     for v in variants:
         if len(v) != 3 or any(x not in ok for x, ok in zip(v, allowed, strict=True)):
             raise ConfigError(f"variants={text!r}: each is strategy/remat/attention with strategy "
                               f"in {', '.join(STRATEGY_LABELS)}, remat in "
                               f"{', '.join(REMAT_NAMES)}, attention in "
                               f"{', '.join(ATTENTION_IMPLS)}")
-    if not variants:
-        raise ConfigError(f"variants={text!r}: name at least one strategy/remat/attention")
     return variants
 
 
@@ -128,7 +129,9 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
     """Fill `out` part by part, rewriting `path` after every row."""
     out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
                inference=[], complete=False)
-    if "attention" in parts and jax.default_backend() == "gpu":
+    if "attention" in parts and jax.default_backend() != "gpu":
+        out["attention_skipped"] = "the fused cuDNN attention needs an NVIDIA GPU"
+    elif "attention" in parts:
         for dims in ATTENTION_CHECKS:
             out["attention_parity"].append(accel_bench.attention_parity(*dims))
             write_result(path, out)
@@ -181,11 +184,15 @@ def replot(results_file: str) -> dict:
     try:
         data = json.loads(Path(results_file).read_text())
         if not isinstance(data, dict) or data.get("skipped") is not False or \
-                "training" not in data or "matmuls" not in data:
+                not isinstance(data.get("training"), list) or \
+                not isinstance(data.get("matmuls"), list):
             raise ValueError("not the results of a bench_gpu run that measured something")
-    except (OSError, ValueError) as e:
-        fail(PROG, f"replot={results_file!r}: {str(e).splitlines()[0]}")
-    path = plots.gpu_benchmark(data, plot_path(results_file))
+        if not data["training"] or not data["matmuls"]:
+            raise ValueError("the plot needs training and matmul rows; this run has "
+                             f"{len(data['training'])} and {len(data['matmuls'])}")
+        path = plots.gpu_benchmark(data, plot_path(results_file))
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a file that is not a whole run
+        fail(PROG, f"replot={results_file!r}: {type(e).__name__}: {str(e).splitlines()[0]}")
     print(f"wrote {path}")
     return data
 

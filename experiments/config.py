@@ -238,7 +238,8 @@ class Config:
             for f in dataclasses.fields(part):
                 value, kind = getattr(part, f.name), _field_type(type(part), f)
                 if not (_is_a(value, kind) or (value is None and f.default is None)):
-                    raise TypeError(f"{f.name}={value!r} is not a {kind.__name__}")
+                    article = "an" if kind.__name__[0] in "aeiou" else "a"
+                    raise TypeError(f"{f.name}={value!r} is not {article} {kind.__name__}")
         return cfg
 
 

@@ -97,11 +97,16 @@ def check_written_with(mngr, steps: list[int], model) -> None:
         except TypeError:  # fields this version does not know: the arrays' own check decides
             return
         for field in WRITTEN_FIELDS:
-            if getattr(written_model, field) != getattr(model, field):
-                raise ConfigError(f"{field}={getattr(model, field)!r}: config.json does not match "
-                                  f"checkpoint {step}, written with "
-                                  f"{field}={getattr(written_model, field)!r} "
-                                  f"(was config.json edited after training?)")
+            ours, theirs = getattr(model, field), getattr(written_model, field)
+            if ours != theirs:
+                if field == "kv_heads":  # the config field is n_kv_heads (None: one per head)
+                    field, ours, theirs = ("n_kv_heads", f"{model.n_kv_heads!r} ({ours} key/value "
+                                           f"heads)", f"{theirs} key/value heads")
+                else:
+                    ours, theirs = repr(ours), f"{field}={theirs!r}"
+                raise ConfigError(f"{field}={ours}: config.json does not match checkpoint "
+                                  f"{step}, written with {theirs} (was config.json edited after "
+                                  f"training?)")
         return
 
 

@@ -111,9 +111,11 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
                 if f.name not in MODEL_RESUMABLE_CHANGES
                 and getattr(old.model, f.name) != getattr(cfg.model, f.name)]
         if diff:
-            raise ConfigError(f"resume: the model in {cfg_file} differs in {', '.join(diff)}; "
-                              f"a checkpoint only resumes with the model it was written with "
-                              f"(allowed to change: {', '.join(sorted(MODEL_RESUMABLE_CHANGES))})")
+            f, more = diff[0], f" (and {', '.join(diff[1:])})" if diff[1:] else ""
+            raise ConfigError(f"resume: {f}={getattr(cfg.model, f)!r} differs from the run's "
+                              f"{getattr(old.model, f)!r}{more}; a checkpoint only resumes with "
+                              f"the model it was written with (allowed to change: "
+                              f"{', '.join(sorted(MODEL_RESUMABLE_CHANGES))})")
         for f in dataclasses.fields(old.train):
             if f.name not in RESUMABLE_CHANGES and \
                     getattr(old.train, f.name) != getattr(cfg.train, f.name):

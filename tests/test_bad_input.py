@@ -308,9 +308,9 @@ def test_a_failed_results_write_leaves_no_stray_file(tmp_path):
     (b"\xff\xfe", "codec can't decode"),
     (b"[1]", "list indices"),
     (dumps(PRESETS["tiny"]).replace('"d_model": 32', '"d_model": "big"').encode(),
-     "d_model='big' is not a int"),
+     "d_model='big' is not an int"),
     (dumps(PRESETS["tiny"]).replace('"steps": 20', '"steps": true').encode(),
-     "steps=True is not a int"),
+     "steps=True is not an int"),
 ])
 def test_a_run_config_that_is_not_one_is_refused(tmp_path, content, fragment):
     from experiments.config import load_config

@@ -43,7 +43,8 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     assert f"--variants {variants}" in d["command"]
     assert ["/".join((r["strategy"], r["remat"], r["attention"])) for r in d["training"]] == \
         variants.split(",")
-    assert d["attention_parity"] == []  # the fused-kernel check needs a GPU
+    assert d["attention_parity"] == []  # the fused-kernel check needs a GPU: said so
+    assert d["attention_skipped"] == "the fused cuDNN attention needs an NVIDIA GPU"
     ran = d["training"][:2]
     assert d["training"][2]["skipped"] == "the fused cuDNN attention needs an NVIDIA GPU"
     for r in ran:
@@ -76,10 +77,17 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     assert out.with_suffix(".png").exists()
     proc = cli("bench_gpu", "--replot", str(tmp_path / "none.json"))
     assert proc.returncode == 2 and "replot=" in proc.stderr
+    d["matmuls"] = []  # a run of the training part alone, or one cut short: nothing to plot
+    (tmp_path / "part.json").write_text(json.dumps(d))
+    proc = cli("bench_gpu", "--replot", str(tmp_path / "part.json"))
+    assert proc.returncode == 2 and "needs training and matmul rows" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "part.png").exists()
     # Refused: GPU figures' file for a tiny run, parts or variants that do not exist.
     proc = cli("bench_gpu", "--tiny", "--out", "experiments/results/bench_gpu.json")
     assert proc.returncode == 2 and "bench_gpu.json holds GPU figures" in proc.stderr
     for args, said in ((["--tiny", "--parts", "training,speed"], "parts='training,speed'"),
+                       (["--tiny", "--parts", "training,,"], "each at most once"),
+                       (["--tiny", "--variants", "dp/full/xla,dp/full/xla"], "at most once"),
                        (["--tiny", "--variants", "dp/full"], "strategy/remat/attention"),
                        (["--parts", "matmuls"], "needs --out")):  # not over the whole run's file
         out_args = ["--out", str(tmp_path / "x.json")] if "--tiny" in args else []

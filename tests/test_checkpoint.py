@@ -84,7 +84,7 @@ def test_resume_refuses_an_incompatible_model(tmp_path):
     train_and_evaluate(cfg, tmp_path / "run", progress=False)
     wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=64))
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
-    with pytest.raises(ConfigError, match="differs in d_model"):
+    with pytest.raises(ConfigError, match=r"^resume: d_model=64 differs from the run's 32; "):
         train_and_evaluate(wider, tmp_path / "run", resume=True, progress=False)
     with pytest.raises(ConfigError, match="already holds a run"):
         train_and_evaluate(cfg, tmp_path / "run", progress=False)

@@ -112,6 +112,13 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     with pytest.raises(ConfigError, match=r"^vocab_size=512: config.json does not match "
                                           r"checkpoint 4, written with vocab_size=256 "):
         restore_params(workdir, wider, devices=1)
+    fewer_kv = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv_heads=1))
+    with pytest.raises(ConfigError, match=r"^n_kv_heads=1 \(1 key/value heads\): config.json does "
+                                          r"not match checkpoint 4, written with 2 key/value"):
+        restore_params(workdir, fewer_kv, devices=1)
+    # n_kv_heads = n_heads is the model it was trained as (None: one key/value head per head).
+    same = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv_heads=2))
+    assert restore_params(workdir, same, devices=1).step == 4
 
     proc = cli("sample", "--workdir", str(workdir), "--prompt", "def ", "--max-new-tokens",
                "10", "--json")
