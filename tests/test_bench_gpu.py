@@ -5,6 +5,9 @@ matmuls with the compiled-HLO check) on tiny shapes."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,7 @@ from experiments import accel_bench
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention
-from tests.test_cli import cli
+from tests.test_cli import ROOT, cli
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
                                 reason="checks the CPU behaviour of the GPU benchmark")
@@ -71,29 +74,51 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
         0.6 * inference["none"]["param_bytes"]
     assert summary["prefill_tokens_per_s"].keys() == inference.keys()
     assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
-    # Drawn again from the file alone; a file that is not a measured run is one line.
+    # Drawn again from the file alone; a file that is not a measured run, and flags that are
+    # refused, are one line each (all in one process: each start would re-import JAX).
     out.with_suffix(".png").unlink()
-    assert cli("bench_gpu", "--replot", str(out)).returncode == 0
-    assert out.with_suffix(".png").exists()
-    proc = cli("bench_gpu", "--replot", str(tmp_path / "none.json"))
-    assert proc.returncode == 2 and "replot=" in proc.stderr
     d["matmuls"] = []  # a run of the training part alone, or one cut short: nothing to plot
     (tmp_path / "part.json").write_text(json.dumps(d))
-    proc = cli("bench_gpu", "--replot", str(tmp_path / "part.json"))
-    assert proc.returncode == 2 and "needs training and matmul rows" in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "part.png").exists()
-    # Refused: GPU figures' file for a tiny run, parts or variants that do not exist.
-    proc = cli("bench_gpu", "--tiny", "--out", "experiments/results/bench_gpu.json")
-    assert proc.returncode == 2 and "bench_gpu.json holds GPU figures" in proc.stderr
-    for args, said in ((["--tiny", "--parts", "training,speed"], "parts='training,speed'"),
-                       (["--tiny", "--parts", "training,,"], "each at most once"),
-                       (["--tiny", "--variants", "dp/full/xla,dp/full/xla"], "at most once"),
-                       (["--tiny", "--variants", "dp/full"], "strategy/remat/attention"),
-                       (["--parts", "matmuls"], "needs --out")):  # not over the whole run's file
-        out_args = ["--out", str(tmp_path / "x.json")] if "--tiny" in args else []
-        proc = cli("bench_gpu", *args, *out_args)
-        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
-        assert not (tmp_path / "x.json").exists()
+    x = str(tmp_path / "x.json")
+    cases = [(["--replot", str(out)], None),
+             (["--replot", str(tmp_path / "none.json")], "replot="),
+             (["--replot", str(tmp_path / "part.json")], "needs training and matmul rows"),
+             (["--tiny", "--out", "experiments/results/bench_gpu.json"],
+              "bench_gpu.json holds GPU figures"),
+             (["--tiny", "--parts", "training,speed", "--out", x], "parts='training,speed'"),
+             (["--tiny", "--parts", "training,,", "--out", x], "each at most once"),
+             (["--tiny", "--variants", "dp/full/xla,dp/full/xla", "--out", x], "at most once"),
+             (["--tiny", "--variants", "dp/full", "--out", x], "strategy/remat/attention"),
+             (["--parts", "matmuls"], "needs --out")]  # not over the whole run's file
+    for (argv, said), (code, err) in zip(cases, run_in_one_process(
+            "experiments.bench_gpu", [argv for argv, _ in cases]), strict=True):
+        if said is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert out.with_suffix(".png").exists() and not (tmp_path / "part.png").exists()
+    assert not (tmp_path / "x.json").exists()
+
+
+def run_in_one_process(module: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
+    """(exit status, stderr) of `python -m module *argv` for each argv, all in one subprocess."""
+    code = (
+        "import contextlib, io, json, runpy, sys\n"
+        "rows = []\n"
+        f"for argv in {argvs!r}:\n"
+        f"    sys.argv, err, status = [{module!r}, *argv], io.StringIO(), 0\n"
+        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        f"            runpy.run_module({module!r}, run_name='__main__')\n"
+        "        except SystemExit as e:\n"
+        "            status = e.code or 0\n"
+        "    rows.append([status, err.getvalue()])\n"
+        "print(json.dumps(rows))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def test_the_attention_check_can_fail(monkeypatch):
