@@ -47,7 +47,7 @@ DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto", "w8a8-rotat
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=512, help="benchmark texts")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="timed passes per variant (median)")

@@ -66,7 +66,7 @@ TINY = {"preset": "tiny", "global_batch": 2, "seq_len": 32, "steps": 2, "warmup"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes through the same code paths (runs on CPU, for tests)")
     p.add_argument("--out", default=None,

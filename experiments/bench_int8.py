@@ -45,7 +45,7 @@ SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model shape for decoding: tiny, small, "
                                                      "medium")
     p.add_argument("--batch", type=int, default=1, help="decoding batch (sequences)")

@@ -30,7 +30,7 @@ PROG = "experiments.bench_strategies"
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--devices", type=int, default=None, help="fake CPU devices (default 8)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per strategy")

@@ -30,7 +30,7 @@ PROG = "experiments.bench_train"
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--devices", type=int, default=1, help="fake CPU devices (default 1)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")

@@ -74,7 +74,7 @@ def user_turns(first: str | None):
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--prompt", default=None, help="the user's message")
     p.add_argument("--interactive", action="store_true",

@@ -43,7 +43,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--max-new-tokens", default="40,128",

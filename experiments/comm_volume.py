@@ -54,7 +54,7 @@ DEFAULT_OUT = str(results_path("comm_volume.json"))
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="model preset (default small)")
     p.add_argument("--n-layers", type=int, default=6,
                    help="depth (default 6: zero3_prefetch peels a layer per pass out of its "

@@ -24,7 +24,7 @@ PROG = "experiments.convert_minilm"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True,
                    help="checkpoint folder to write: new, empty, or an earlier conversion "
                         "(replaced); anything else is refused")

@@ -33,7 +33,7 @@ PROG = "experiments.embed"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", action="append", default=[], help="a text to embed (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"embeddings": [[...], ...]}')
     p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")

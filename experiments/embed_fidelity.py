@@ -50,7 +50,7 @@ DEFAULT_MODES = ("w8", "w8a8-tensor", "w8a8", "w8a8-static", "smoothquant", "w8a
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=500, help="evaluation sentences (>= 11)")
     p.add_argument("--calib", type=int, default=128, help="calibration sentences (disjoint)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated modes")

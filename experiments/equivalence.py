@@ -47,7 +47,7 @@ def _subset(field: str, value: str, allowed: tuple[str, ...]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (largest mesh)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--micro-steps", type=int, default=2, help="gradient accumulation")

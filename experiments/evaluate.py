@@ -29,7 +29,7 @@ PROG = "experiments.evaluate"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--devices", type=int, default=None, help="fake CPU devices (default 8)")

@@ -30,7 +30,7 @@ PROG = "experiments.export"
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None, help="a training run's folder")
     p.add_argument("--model", default=None, help="a pretrained model: smollm2")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")

@@ -306,7 +306,7 @@ def disk_too_small(root: Path, cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=None,
                    help="draws the kill and SIGTERM points (default: a random seed, recorded)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),

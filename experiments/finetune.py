@@ -61,7 +61,7 @@ def state_memory(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/finetune-smollm2")
     p.add_argument("--preset", default="smollm2", help="a preset with init (default smollm2)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")

@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=4)
     p.add_argument("--module", default="experiments.train", help="the entry point to run")

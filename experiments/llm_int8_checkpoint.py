@@ -55,7 +55,7 @@ TEXTS = ("The capital of France is Paris, and the capital of Italy is Rome.",
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help=f"one of {', '.join(model_flags.MODELS)}")
     p.add_argument("--mode", default="w8a8", help=f"one of {', '.join(MODES)}")
     p.add_argument("--rules", default="blocks/*,embed", help="modules to quantise")

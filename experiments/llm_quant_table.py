@@ -39,7 +39,7 @@ def vs_float_pct(row: dict, float_perplexity: float) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")

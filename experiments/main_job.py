@@ -41,7 +41,7 @@ BUDGET_S = 600
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None)
     p.add_argument("--preset", default="small")
     p.add_argument("--no-progress", action="store_true")

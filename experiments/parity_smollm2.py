@@ -35,7 +35,7 @@ FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_referen
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fixture", default=str(FIXTURE))
     p.add_argument("--out", default=str(results_path("smollm2_parity.json")))
     p.add_argument("--no-long", action="store_true",

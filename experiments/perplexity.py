@@ -27,7 +27,7 @@ DEFAULT_WINDOW = 512
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"validation tokens to read (default {DEFAULT_TOKENS})")

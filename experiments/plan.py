@@ -43,7 +43,7 @@ SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help="a model preset (model/config.py)")
     p.add_argument("--params", help="a size such as 70B: the GPT-family member closest to it")
     for flag in SHAPE_FLAGS:

@@ -37,7 +37,7 @@ OUT = results_path("quant_eval.json")
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--calib-batches", type=int, default=8)
     p.add_argument("--alpha", type=float, default=0.5)

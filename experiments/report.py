@@ -20,7 +20,7 @@ from experiments.tables import documents, render
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="experiments.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readme", action="append", default=None,
                    help="a markdown file to render (repeatable; default README.md and docs/*.md)")
     p.add_argument("--check", action="store_true")

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.tables import documents, render
 
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller grids, separate folder")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help=f"run only these: {', '.join(reproduction.NAMES)}")

@@ -23,7 +23,7 @@ PROG = "experiments.sample"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--prompt", default="def ")
     p.add_argument("--max-new-tokens", type=int, default=100)

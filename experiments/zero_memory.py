@@ -52,7 +52,7 @@ DEFAULT_OUT = str(results_path("zero_memory.json"))
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["7.5b", "128b", "1t"],
                    choices=[*PAPER_PSI, *OTHER_MEMORY_PRESETS],
                    help="model shapes (default the paper's three; 7.5b-gqa is the 7.5b shape "

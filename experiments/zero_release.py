@@ -50,7 +50,7 @@ DEFAULT_OUT = str(results_path("zero_release.json"))
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = ReleaseSetup()
     p.add_argument("--d-model", type=int, default=defaults.d_model)
     p.add_argument("--n-heads", type=int, default=defaults.n_heads)

@@ -35,7 +35,7 @@ MEMORIES_GB = (80, 141)
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="compile only the 32 GB x 64 row (8 devices for the planning table "
                         "are formula only)")
