@@ -55,6 +55,7 @@ OUT = results_path("bench_gpu.json")  # GPU figures only
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
 PARTS = ("attention", "training", "matmuls", "inference")
 VARIANTS = accel_bench.VARIANTS
+NO_FUSED_ATTENTION = "the fused cuDNN attention needs an NVIDIA GPU"  # why a part or row is skipped
 # The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
 ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
@@ -114,7 +115,7 @@ def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dic
     """One training row; a variant that cannot run here is a row with its reason, not a crash."""
     label = {"strategy": strategy, "remat": remat, "attention": attention}
     if attention == "cudnn" and jax.default_backend() != "gpu":
-        return {**label, "skipped": "the fused cuDNN attention needs an NVIDIA GPU"}
+        return {**label, "skipped": NO_FUSED_ATTENTION}
     cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16",
                               remat=remat, attention=attention)
     try:
@@ -130,7 +131,7 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
     out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
                inference=[], complete=False)
     if "attention" in parts and jax.default_backend() != "gpu":
-        out["attention_skipped"] = "the fused cuDNN attention needs an NVIDIA GPU"
+        out["attention_skipped"] = NO_FUSED_ATTENTION
     elif "attention" in parts:
         for dims in ATTENTION_CHECKS:
             out["attention_parity"].append(accel_bench.attention_parity(*dims))

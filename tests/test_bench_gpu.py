@@ -5,9 +5,6 @@ matmuls with the compiled-HLO check) on tiny shapes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +14,8 @@ from experiments import accel_bench
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention
-from tests.test_cli import ROOT, cli
+from tests.helpers import launch_in_one_process
+from tests.test_cli import cli
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
                                 reason="checks the CPU behaviour of the GPU benchmark")
@@ -90,35 +88,15 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
              (["--tiny", "--variants", "dp/full/xla,dp/full/xla", "--out", x], "at most once"),
              (["--tiny", "--variants", "dp/full", "--out", x], "strategy/remat/attention"),
              (["--parts", "matmuls"], "needs --out")]  # not over the whole run's file
-    for (argv, said), (code, err) in zip(cases, run_in_one_process(
-            "experiments.bench_gpu", [argv for argv, _ in cases]), strict=True):
+    rows = launch_in_one_process([("experiments.bench_gpu", argv) for argv, _ in cases])
+    for (argv, said), row in zip(cases, rows, strict=True):
+        code, err = row["status"], row["stderr"]
         if said is None:
             assert code == 0, err
         else:
             assert code == 2 and said in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert out.with_suffix(".png").exists() and not (tmp_path / "part.png").exists()
     assert not (tmp_path / "x.json").exists()
-
-
-def run_in_one_process(module: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
-    """(exit status, stderr) of `python -m module *argv` for each argv, all in one subprocess."""
-    code = (
-        "import contextlib, io, json, runpy, sys\n"
-        "rows = []\n"
-        f"for argv in {argvs!r}:\n"
-        f"    sys.argv, err, status = [{module!r}, *argv], io.StringIO(), 0\n"
-        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
-        "        try:\n"
-        f"            runpy.run_module({module!r}, run_name='__main__')\n"
-        "        except SystemExit as e:\n"
-        "            status = e.code or 0\n"
-        "    rows.append([status, err.getvalue()])\n"
-        "print(json.dumps(rows))\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def test_the_attention_check_can_fail(monkeypatch):
