@@ -46,7 +46,8 @@ from experiments import accel_bench, plots
 from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
-from model import MODEL_PRESETS
+from experiments.runtime import backend_refusal
+from model import MODEL_PRESETS, ModelConfig
 from model.config import ATTENTION_IMPLS, REMAT_NAMES
 from parallel.strategies import LABELS as STRATEGY_LABELS
 
@@ -55,7 +56,6 @@ OUT = results_path("bench_gpu.json")  # GPU figures only
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
 PARTS = ("attention", "training", "matmuls", "inference")
 VARIANTS = accel_bench.VARIANTS
-NO_FUSED_ATTENTION = "the fused cuDNN attention needs an NVIDIA GPU"  # why a part or row is skipped
 # The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
 ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
@@ -114,10 +114,11 @@ def parse_variants(text: str | None) -> tuple[tuple[str, str, str], ...]:
 def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dict:
     """One training row; a variant that cannot run here is a row with its reason, not a crash."""
     label = {"strategy": strategy, "remat": remat, "attention": attention}
-    if attention == "cudnn" and jax.default_backend() != "gpu":
-        return {**label, "skipped": NO_FUSED_ATTENTION}
     cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16",
                               remat=remat, attention=attention)
+    refusal = backend_refusal(cfg)  # no NVIDIA GPU, or a head dimension its cuDNN lacks
+    if refusal:
+        return {**label, "skipped": refusal}
     try:
         return accel_bench.train_mfu(cfg, strategy, shape["global_batch"], shape["seq_len"],
                                      shape["steps"], shape["warmup"])
@@ -130,8 +131,11 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
     """Fill `out` part by part, rewriting `path` after every row."""
     out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
                inference=[], complete=False)
-    if "attention" in parts and jax.default_backend() != "gpu":
-        out["attention_skipped"] = NO_FUSED_ATTENTION
+    # The parity checks' head dimension (the last of each ATTENTION_CHECKS entry) decides too.
+    refusal = backend_refusal(ModelConfig(d_model=ATTENTION_CHECKS[0][-1], n_heads=1,
+                                          attention="cudnn", compute_dtype="bfloat16"))
+    if "attention" in parts and refusal:
+        out["attention_skipped"] = refusal
     elif "attention" in parts:
         for dims in ATTENTION_CHECKS:
             out["attention_parity"].append(accel_bench.attention_parity(*dims))

@@ -17,6 +17,7 @@ import jax
 
 from experiments.config import ConfigError, check_devices, fail
 from model import ModelConfig
+from model.config import CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER
 from parallel.devices import request_cpu_devices
 
 DEFAULT_CPU_DEVICES = 8
@@ -28,19 +29,47 @@ def _prog() -> str:
     return spec.name if spec is not None else os.path.basename(sys.argv[0])
 
 
+def cudnn_refusal(model: ModelConfig, backend: str, platform_version: str,
+                  compute_capability: str | None) -> str | None:
+    """Why this backend cannot run `model`'s fused cuDNN attention, or None when it can.
+    Decided from what the started backend reports, so that it is testable without a GPU."""
+    if model.attention != "cudnn":
+        return None
+    if backend != "gpu" or "rocm" in platform_version.lower():
+        where = "ROCm" if backend == "gpu" else repr(backend)
+        return (f"attention='cudnn': needs an NVIDIA GPU, the JAX backend is {where} "
+                f"(use --attention xla)")
+    if compute_capability is not None and model.head_dim > CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER:
+        major = int(compute_capability.split(".")[0])
+        if major < 9:
+            return (f"attention='cudnn': a head dimension of {model.head_dim} needs a Hopper or "
+                    f"later GPU (at most {CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER} on compute capability "
+                    f"{compute_capability}; use --attention xla)")
+    return None
+
+
+def backend_refusal(model: ModelConfig) -> str | None:
+    """Why the backend that started cannot run `model` (None when it can); starts the backend."""
+    if model.attention != "cudnn":
+        return None
+    device = jax.devices()[0]
+    return cudnn_refusal(model, jax.default_backend(),
+                         str(getattr(device.client, "platform_version", "")),
+                         getattr(device, "compute_capability", None))
+
+
 def check_backend(model: ModelConfig) -> None:
     """What a model config asks of the backend that started: the fused cuDNN attention exists on
     an NVIDIA GPU only (checked here, before a run writes anything)."""
-    backend = jax.default_backend()
-    if model.attention == "cudnn" and backend != "gpu":
-        raise ConfigError(f"attention='cudnn': needs an NVIDIA GPU, the JAX backend is "
-                          f"{backend!r} (use --attention xla)")
+    problem = backend_refusal(model)
+    if problem:
+        raise ConfigError(problem)
 
 
 def attention_here(model: ModelConfig) -> ModelConfig:
-    """`model` with XLA's attention where the fused kernel does not exist: a run trained with
+    """`model` with XLA's attention where the fused kernel cannot run: a run trained with
     attention='cudnn' on a GPU is evaluated and sampled anywhere (the same function)."""
-    if model.attention == "cudnn" and jax.default_backend() != "gpu":
+    if backend_refusal(model):
         return dataclasses.replace(model, attention="xla")
     return model
 

@@ -18,6 +18,10 @@ DTYPES = ("float32", "bfloat16")
 #   cudnn: jax.nn.dot_product_attention's fused cuDNN kernel (flash attention: the [T, T] scores
 #          are never written to memory), NVIDIA GPUs and bf16 compute only.
 ATTENTION_IMPLS = ("xla", "cudnn")
+# The fused kernel's head dimension: a multiple of 8, at most 256 (at most 128 before Hopper,
+# which experiments.runtime checks once the GPU is known); JAX's cuDNN wrapper raises otherwise.
+CUDNN_MAX_HEAD_DIM = 256
+CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,10 @@ class ModelConfig:
         if self.attention == "cudnn" and self.compute_dtype != "bfloat16":
             raise ValueError(f"attention='cudnn': needs compute_dtype='bfloat16' (the fused "
                              f"kernel takes no float32), got {self.compute_dtype!r}")
+        if self.attention == "cudnn" and (self.head_dim % 8 or self.head_dim > CUDNN_MAX_HEAD_DIM):
+            raise ValueError(f"attention='cudnn': needs a head dimension (d_model/n_heads) that is "
+                             f"a multiple of 8 and at most {CUDNN_MAX_HEAD_DIM}, got "
+                             f"{self.head_dim}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: allowed {', '.join(DTYPES)}")

@@ -45,9 +45,10 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
     assert ["/".join((r["strategy"], r["remat"], r["attention"])) for r in d["training"]] == \
         variants.split(",")
     assert d["attention_parity"] == []  # the fused-kernel check needs a GPU: said so
-    assert d["attention_skipped"] == "the fused cuDNN attention needs an NVIDIA GPU"
+    off_gpu = "attention='cudnn': needs an NVIDIA GPU, the JAX backend is 'cpu'"
+    assert d["attention_skipped"].startswith(off_gpu)
     ran = d["training"][:2]
-    assert d["training"][2]["skipped"] == "the fused cuDNN attention needs an NVIDIA GPU"
+    assert d["training"][2]["skipped"].startswith(off_gpu)
     for r in ran:
         assert r["loss_finite"] and r["step_s"] > 0 and r["mfu"] is None  # no known peak on CPU
         assert r["model_flops_per_token"] == train_flops_per_token(MODEL_PRESETS["tiny"], 32)

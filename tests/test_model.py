@@ -248,6 +248,17 @@ def test_bad_model_config_names_the_field(field, value, match):
         dataclasses.replace(ModelConfig(), **{field: value}).validate()
 
 
+@pytest.mark.parametrize("d_model,n_heads", [(96, 8), (1024, 2)])  # head dims 12 and 512
+def test_fused_attention_head_dim_limits_are_named(d_model, n_heads):
+    cfg = ModelConfig(d_model=d_model, n_heads=n_heads, attention="cudnn",
+                      compute_dtype="bfloat16")
+    with pytest.raises(ValueError, match=rf"^attention='cudnn': needs a head dimension "
+                                         rf"\(d_model/n_heads\) that is a multiple of 8 and at "
+                                         rf"most 256, got {d_model // n_heads}$"):
+        cfg.validate()
+    dataclasses.replace(cfg, attention="xla").validate()  # XLA's attention takes any
+
+
 def test_fused_attention_is_refused_in_one_line_off_a_gpu():
     # The cuDNN kernel exists on NVIDIA GPUs only (experiments.bench_gpu checks it against XLA's
     # attention there); elsewhere the model says so instead of failing inside the kernel.
