@@ -27,7 +27,7 @@ from parallel.mesh import make_mesh
 from parallel.sharded_run import build
 from parallel.strategies import from_label
 from parallel.train_step import StepConfig
-from quant.dense import int8_dot_general, int8_matmul
+from quant.dense import int8_matmul, int8_matmul_t
 from quant.modes import QuantConfig
 from quant.pipeline import quantize
 
@@ -189,16 +189,12 @@ def entry_instructions(hlo: str, limit: int = 40) -> list[str]:
     return lines[:limit]
 
 
-def _int8_matmul_kmajor(x_q: jax.Array, w_q_out_in: jax.Array) -> jax.Array:
-    """The int8 product with the kernel stored [out, in] (both operands contract their last,
-    contiguous axis: the layout cuBLASLt's int8 GEMM reads, so no transpose is needed)."""
-    return int8_dot_general(x_q, w_q_out_in, (((1,), (1,)), ((), ())))
-
-
 def matmul_ratio(n: int, repeats: int = 10) -> dict:
     """n x n x n: bf16 (f32 accumulation, bf16 result) against s8 x s8 -> s32 with the int8
-    kernel stored [in, out] (quant/'s layout) and [out, in] (K-major), the three programs timed
-    interleaved; the int8 ones are checked to multiply int8 operands and to agree exactly."""
+    kernel stored [in, out] (the float Dense's layout; quant/'s before its format /4) and
+    [out, in] (K-major, quant/'s layout: both operands contract their last, contiguous axis, as
+    cuBLASLt's int8 GEMM reads them), the three programs timed interleaved; the int8 ones are
+    checked to multiply int8 operands and to agree exactly."""
     kx, kw = jax.random.split(jax.random.key(0))
     a = jax.random.normal(kx, (n, n), jnp.bfloat16)
     b = jax.random.normal(kw, (n, n), jnp.bfloat16)
@@ -207,7 +203,7 @@ def matmul_ratio(n: int, repeats: int = 10) -> dict:
     b8_t = jnp.asarray(b8.T)  # the same kernel, stored [out, in]
     programs = {"bf16": (jax.jit(jnp.dot).lower(a, b).compile(), (a, b)),
                 "int8": (jax.jit(int8_matmul).lower(a8, b8).compile(), (a8, b8)),
-                "int8_kmajor": (jax.jit(_int8_matmul_kmajor).lower(a8, b8_t).compile(),
+                "int8_kmajor": (jax.jit(int8_matmul_t).lower(a8, b8_t).compile(),
                                 (a8, b8_t))}
     hlo = {k: fn.as_text() for k, (fn, _) in programs.items()}
     same = bool(jnp.array_equal(programs["int8"][0](a8, b8), programs["int8_kmajor"][0](a8, b8_t)))

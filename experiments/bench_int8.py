@@ -4,11 +4,13 @@
   python -m experiments.bench_int8 --preset medium --json     # bigger model, for a GPU
                                     # (on a GPU/TPU the 4096^3 and 8192^3 matmuls are added)
 
-Matmuls: float32 and bfloat16 dots, the bare int8 x int8 -> int32 dot, the whole int8 Dense
-product (per-token activation quantisation + int32 dot + dequantisation), and the LLM.int8()
-Dense (the same plus a float product over the 1/16 of input columns allowed to be outliers,
-with 8 of them hot). Ratios are against float32 and against bfloat16 (an H200 has about twice
-the int8 rate of bf16: the bf16 ratio on large shapes says how close we get). Decoding: greedy
+Matmuls: float32 and bfloat16 dots, the bare int8 x int8 -> int32 dot (with the int8 kernel
+stored [out, in], as QuantDense stores it, and in the float layout [in, out] beside it: what
+the stored layout buys), the whole int8 Dense product (per-token activation quantisation +
+int32 dot + dequantisation), and the LLM.int8() Dense (the same plus a float product over the
+1/16 of input columns allowed to be outliers, with 8 of them hot). Ratios are against float32
+and against bfloat16 (an H200 has about twice the int8 rate of bf16: the bf16 ratio on large
+shapes says how close we get). Decoding: greedy
 generation with a KV cache, float vs w8 (weight-only) vs w8a8 on a randomly initialised model
 (speed does not depend on the weights' values; w8/w8a8 need no calibration). Runs unchanged on
 CPU or GPU and reports the backend and device kind. Writes experiments/results/int8_bench.json.
@@ -35,12 +37,15 @@ from model import MODEL_PRESETS, DecoderLM
 from model.generate import generate
 from quant import quantizers as qz
 from quant.convert import QuantConfig, apply_plan, make_plan
-from quant.dense import QuantDense, int8_matmul, quantized_product
+from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
 from quant.pipeline import param_bytes
 
 PROG = "experiments.bench_int8"
 OUT = results_path("int8_bench.json")
-SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 2048))
+# The last two: batch-1 decoding's products at a 1.3B model's widths (one row is padded to
+# MIN_INT8_ROWS = 4 by the int8 product).
+SHAPES = ((16, 1024, 1024), (256, 1024, 1024), (1024, 1024, 1024), (1024, 2048, 2048),
+          (4, 2048, 8192), (4, 8192, 2048))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,18 +90,20 @@ def bench_matmuls(shapes, repeats: int) -> list[dict]:
         w = jax.random.normal(kw, (k, n), jnp.float32)
         s_w = qz.weight_scale(w)
         w_q, x_q = qz.quantize(w, s_w), qz.quantize(x, qz.token_scale(x))
+        w_t = jnp.asarray(w_q.T)  # [n, k]: QuantDense's layout
         x_hot = x.at[:, : 8 * k // 1024].multiply(20.0)  # columns over the threshold of 6
-        outlier = QuantDense(w_q, s_w, kernel_axes=(None, None), compute_dtype="float32",
+        outlier = QuantDense(w_t, s_w, kernel_axes=(None, None), compute_dtype="float32",
                              outlier_threshold=6.0, outlier_capacity=k // 16)
         # Every column allowed through float (capacity = k): the unbounded LLM.int8() split.
-        outlier_full = QuantDense(w_q, s_w, kernel_axes=(None, None), compute_dtype="float32",
+        outlier_full = QuantDense(w_t, s_w, kernel_axes=(None, None), compute_dtype="float32",
                                   outlier_threshold=6.0, outlier_capacity=k)
         cases = {
             "float32": (jax.jit(jnp.dot), x, w),
             "bfloat16": (jax.jit(jnp.dot), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)),
-            "int8_dot": (jax.jit(int8_matmul), x_q, w_q),
+            "int8_dot": (jax.jit(int8_matmul_t), x_q, w_t),
+            "int8_dot_in_out": (jax.jit(int8_matmul), x_q, w_q),
             "int8_dense": (jax.jit(lambda a, b, s: quantized_product(a, b, s, "token")),
-                           x, w_q, s_w),
+                           x, w_t, s_w),
             "int8_outlier_dense": (module_fn(outlier), nnx.state(outlier), x_hot),
             "int8_outlier_full_dense": (module_fn(outlier_full), nnx.state(outlier_full), x_hot),
         }
@@ -108,6 +115,8 @@ def bench_matmuls(shapes, repeats: int) -> list[dict]:
         for name in ("int8_dot", "int8_dense", "int8_outlier_dense", "int8_outlier_full_dense"):
             row[f"{name}_speedup_vs_f32"] = row["float32_ms"] / row[f"{name}_ms"]
             row[f"{name}_speedup_vs_bf16"] = row["bfloat16_ms"] / row[f"{name}_ms"]
+        # > 1: the stored [out, in] kernel is faster than the same product on [in, out]
+        row["kmajor_speedup"] = row["int8_dot_in_out_ms"] / row["int8_dot_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -162,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                 for r in out["matmuls"]}
                   for name, ref in (("int8_dot", "bf16"), ("int8_dense", "f32"),
                                     ("int8_outlier_dense", "f32"))},
+               "kmajor_speedup": {f"{r['m']}x{r['k']}x{r['n']}": round(r["kmajor_speedup"], 2)
+                                  for r in out["matmuls"]},
                "decode_tokens_per_s": {r["mode"]: round(r["tokens_per_s"], 1)
                                        for r in out["decoding"]},
                "written": args.out}

@@ -39,7 +39,7 @@ from experiments.minilm import (
 from experiments.step_profile import median_call_s
 from model.bert import sentence_embeddings
 from model.hf_bert import package_model_dir
-from quant.dense import int8_matmul, quantized_product
+from quant.dense import int8_matmul_t, quantized_product
 from quant.quantizers import weight_scale
 
 TORCH_SCRIPT = Path(__file__).with_name("torch_encoder_reference.py")
@@ -169,13 +169,13 @@ def kernel_times(shapes=KERNEL_SHAPES, calls: int = 30) -> list[dict]:
         return 1e3 * median_call_s(fn, *args, calls=calls)
 
     f32 = jax.jit(lambda x, w: x @ w)
-    s8 = jax.jit(int8_matmul)
+    s8 = jax.jit(int8_matmul_t)  # the int8 kernel stored [out, in], as QuantDense stores it
     dense = jax.jit(lambda x, w, s: quantized_product(x, w, s, "token"))
     rows = []
     for m, k, n in shapes:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32)
-        w_q, w_s = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8), weight_scale(w)
+        w_q, w_s = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8), weight_scale(w)
         x_q = jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
         rows.append({"m": m, "k": k, "n": n, "float32_ms": median_ms(f32, x, w),
                      "s8_dot_ms": median_ms(s8, x_q, w_q),

@@ -102,10 +102,10 @@ def gpu_benchmark(results: dict, out_path: Path) -> Path:
     axes[0].grid(alpha=0.3, axis="x")
     sizes = [m["n"] for m in results["matmuls"]]
     axes[1].plot(sizes, [m["int8_speedup_vs_bf16"] for m in results["matmuls"]], "o-",
-                 label="int8, kernel [in, out] (quant/)")
+                 label="int8, kernel [in, out]")
     if all("int8_kmajor_speedup_vs_bf16" in m for m in results["matmuls"]):
         axes[1].plot(sizes, [m["int8_kmajor_speedup_vs_bf16"] for m in results["matmuls"]],
-                     "s-", label="int8, kernel [out, in]")
+                     "s-", label="int8, kernel [out, in] (quant/)")
     axes[1].axhline(1.0, color="grey", lw=1, ls="--")
     axes[1].set_xscale("log", base=2)
     axes[1].set_xticks(sizes, [f"{n}³" for n in sizes])

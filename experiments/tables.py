@@ -164,12 +164,13 @@ def int8_bench(d: dict) -> str:
     cpu = d["host_cpu"]
     host = f"host CPU {cpu['model']} (int8 flags: {', '.join(cpu['int8_flags']) or 'none'})"
     rows = [f"{d['backend']} ({d['device_kind']}), JAX {d['jax_version']}, {host}:", "",
-            *_head("m × k × n", "fp32 ms", "bf16 ms", "int8 dot ms", "int8 Dense ms",
-                   "LLM.int8() Dense ms (1/16 cap / uncapped)", "int8 dot vs bf16",
-                   "int8 Dense vs fp32")]
+            *_head("m × k × n", "fp32 ms", "bf16 ms", "int8 dot ms (kernel [out, in] / [in, out])",
+                   "int8 Dense ms", "LLM.int8() Dense ms (1/16 cap / uncapped)",
+                   "int8 dot vs bf16", "int8 Dense vs fp32")]
     for r in d["matmuls"]:
         rows.append(f"| {r['m']}×{r['k']}×{r['n']} | {r['float32_ms']:.3f} | "
-                    f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
+                    f"{r['bfloat16_ms']:.3f} | {r['int8_dot_ms']:.3f} / "
+                    f"{r['int8_dot_in_out_ms']:.3f} | {r['int8_dense_ms']:.3f} | "
                     f"{r['int8_outlier_dense_ms']:.3f} / {r['int8_outlier_full_dense_ms']:.3f} | "
                     f"{r['int8_dot_speedup_vs_bf16']:.2f}× | "
                     f"{r['int8_dense_speedup_vs_f32']:.2f}× |")
@@ -379,12 +380,16 @@ def bench_decode(d: dict) -> str:
     mv = d["block_matvec"]
     ms = mv["ms"]
     padded = next(k for k in ms if k.endswith("_rows"))
+    # Files written before int8 kernels were stored [out, in] have no [in, out] row.
+    in_out = (f" (kernel stored [out, in]; {ms[padded + '_in_out']:.1f} ms stored [in, out])"
+              if padded + "_in_out" in ms else "")
     w8 = (f"; weight-only (float row × int8 kernel): converted then dot "
           f"{ms['w8_convert_then_dot']:.1f} ms, multiply-and-sum {ms['w8_multiply_sum']:.1f} ms"
           if "w8_multiply_sum" in ms else "")
     rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
              f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
-             f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms{w8}.", "",
+             f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms"
+             f"{in_out}{w8}.", "",
              f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
              f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
              f"1-minute load average {m['load_1min_before']:.1f} before and "

@@ -29,6 +29,7 @@ from experiments.data import SequenceSampler, load_tokens, pack, validation_batc
 from experiments.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.optim import learning_rate, make_optimizer
 from model import ModelConfig, param_count, train_flops_per_token
+from model.config import EXECUTION_FIELDS
 from model.flops import param_bytes
 from model.gguf import GGUFFile
 from model.loss import nll_sum
@@ -46,7 +47,7 @@ RESUMABLE_CHANGES = {"strategy", "prefetch", "mesh", "devices", "eval_every",
                      "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
 # Model fields that say how the step is computed, not what: a run trained with the fused cuDNN
 # attention on a GPU continues with XLA's on another machine, or with another remat policy.
-MODEL_RESUMABLE_CHANGES = {"remat", "attention", "scan_unroll"}
+MODEL_RESUMABLE_CHANGES = EXECUTION_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,10 @@ DTYPES = ("float32", "bfloat16")
 #   cudnn: jax.nn.dot_product_attention's fused cuDNN kernel (flash attention: the [T, T] scores
 #          are never written to memory), NVIDIA GPUs and bf16 compute only.
 ATTENTION_IMPLS = ("xla", "cudnn")
+# The fields that say how the model is computed, not what: parameters written under one value
+# are the same parameters under another (a run trained with the fused cuDNN attention on a GPU
+# resumes, evaluates or loads its int8 form with XLA's elsewhere, or with another remat).
+EXECUTION_FIELDS = frozenset({"remat", "attention", "scan_unroll"})
 # The fused kernel's head dimension: a multiple of 8, at most 256 (at most 128 before Hopper,
 # which experiments.runtime checks once the GPU is known); JAX's cuDNN wrapper raises otherwise.
 CUDNN_MAX_HEAD_DIM = 256

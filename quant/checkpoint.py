@@ -2,7 +2,8 @@
 
   WORKDIR/quant/MODE/
     ckpt/params/   Orbax StandardSave of the quantised parameters, a pure dict by module path:
-                   QuantDense: kernel_q int8 [layers, in, out], kernel_scale float32
+                   QuantDense: kernel_q int8 [layers, out, in] (before format /4
+                   [layers, in, out]: transposed on reading), kernel_scale float32
                    [layers, out] (per tensor: [layers, 1]), act_scale float32 [layers] (static
                    mode), kernel_float + keep_float (auto mode, layers kept in float);
                    (mode w8a8-rotated: kernel_q is the int8 Rᵀ W, `quant/rotation.py`);
@@ -26,20 +27,26 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM, ModelConfig
+from model.config import EXECUTION_FIELDS
 from parallel.state import logical_shardings, logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
 # /2 added the outlier capacity to the plan and made kept layers' kernels bf16. A /1 plan has no
 # capacity, so its outlier split runs uncapped, as it was written. /3 added `rotate` and
 # `rotation_seed` to the plan (its kernels hold Rᵀ W: a reader that ignored them would compute
-# garbage, so /2 readers must refuse it); a plan without them is unrotated.
-FORMAT = "shardq-int8/3"
-READABLE = ("shardq-int8/1", "shardq-int8/2", FORMAT)
+# garbage, so /2 readers must refuse it); a plan without them is unrotated. /4 stores the int8
+# kernels [.., out, in] (quant/dense.py says why); older files hold them [.., in, out] and are
+# read in that layout, then transposed: the same products, bit for bit.
+FORMAT = "shardq-int8/4"
+KERNELS_IN_OUT = ("shardq-int8/1", "shardq-int8/2", "shardq-int8/3")
+READABLE = (*KERNELS_IN_OUT, FORMAT)
 
 
 def quant_dir(workdir: str | Path, mode: str) -> Path:
@@ -73,21 +80,26 @@ def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
          sharded: bool = True):
     """(quantised graphdef, params, meta). With a mesh, params land sharded (or replicated)."""
     meta = read_meta(path)
-    if meta["model"] != _model_json(model_cfg):
-        diff = sorted(k for k in meta["model"] if meta["model"][k] != _model_json(model_cfg).get(k))
-        raise QuantError(f"{str(path)!r}: written for a different model (differs in "
-                         f"{', '.join(diff) or 'fields'}); quantise this run again")
+    diff = model_differences(meta["model"], model_cfg)
+    if diff:
+        raise QuantError(f"{str(path)!r}: written for a different model ({'; '.join(diff)}); "
+                         f"quantise this run again")
     qcfg = QuantConfig.from_json(meta["quant_config"])
     graphdef, abstract = build_abstract(lambda: DecoderLM(model_cfg, rngs=nnx.Rngs(0)),
                                         meta["plan"], qcfg)
     specs = logical_specs(abstract)
     shapes = nnx.to_pure_dict(abstract)
+    in_out = meta["format"] in KERNELS_IN_OUT
+    # What the file holds: an older file's int8 kernels in the float layout, sharded alike.
+    file_shapes = _kernels_swapped(shapes, lambda a: jax.ShapeDtypeStruct(
+        a.shape[:-2] + a.shape[:-3:-1], a.dtype)) if in_out else shapes
+    file_specs = _kernels_swapped(specs, lambda p: P(*p[:-2], *p[:-3:-1])) if in_out else specs
     if mesh is not None:
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            shapes, logical_shardings(specs, mesh, sharded))
+            file_shapes, logical_shardings(file_specs, mesh, sharded))
     else:
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), shapes)
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), file_shapes)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
             params = ckptr.restore(Path(path).absolute() / "ckpt", args=ocp.args.Composite(
@@ -95,11 +107,41 @@ def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
     except (ValueError, KeyError, TypeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise QuantError(f"{str(path)!r}: does not match the model ({first[:200]})") from None
+    if in_out:
+        params = _kernels_swapped(params, lambda a: jnp.swapaxes(a, -1, -2))
+        if mesh is not None:
+            params = jax.device_put(params, logical_shardings(specs, mesh, sharded))
     return graphdef, params, meta
+
+
+def _kernels_swapped(tree: dict, fn) -> dict:
+    """`tree` (parameters, shapes or logical specs) with `fn` applied to every QuantDense int8
+    kernel (the leaves named kernel_q)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: fn(x) if getattr(path[-1], "key", None) == "kernel_q" else x, tree,
+        is_leaf=lambda x: isinstance(x, P))
 
 
 def _model_json(cfg: ModelConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def model_differences(written: dict, cfg: ModelConfig) -> list[str]:
+    """What makes the model a checkpoint was written for another than `cfg`, one phrase per
+    field ("d_model: 64 in the file, 32 here"). A field added to ModelConfig after the file was
+    written counts as its default (the model it was written under), and the fields that say how
+    the model is computed, not what (EXECUTION_FIELDS), may differ."""
+    here = _model_json(cfg)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    out = []
+    for key in sorted(here.keys() | written.keys()):
+        if key in EXECUTION_FIELDS:
+            continue
+        was = written.get(key, defaults.get(key))
+        if key not in here or was != here[key]:
+            now = repr(here[key]) if key in here else "no such field"
+            out.append(f"{key}: {was!r} in the file, {now} here")
+    return out
 
 
 def disk_bytes(path: str | Path) -> int:

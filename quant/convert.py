@@ -119,7 +119,10 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
         # per parameter; `param_bytes` counts them).
         kernel_float, keep_float = w.astype(jnp.bfloat16), jnp.asarray(keep)
     bias = dense.bias[...] if dense.bias is not None else None
-    return QuantDense(qz.quantize(w_int, scale), scale, kernel_axes=axes,
+    # Quantised in the float layout [.., in, out] (one scale per output column), stored
+    # [.., out, in] (quant/dense.py says why).
+    kernel_q = jnp.swapaxes(qz.quantize(w_int, scale), -1, -2)
+    return QuantDense(kernel_q, scale, kernel_axes=axes,
                       compute_dtype=dense.compute_dtype, act=entry["act"], act_scale=act_scale,
                       outlier_threshold=entry["outlier_threshold"],
                       outlier_capacity=entry.get("outlier_capacity"), kernel_float=kernel_float,

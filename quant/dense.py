@@ -6,6 +6,13 @@ product of token and channel scales (LLM.int8()'s vector-wise form). Parameters 
 leading stacked axes (`layers`): the model's layer scan slices them, so `__call__` always sees
 one layer.
 
+The int8 kernel is stored `[out, in]` (the float Dense's `[in, out]` transposed), so that both
+operands of the integer product have the contracted axis contiguous: the layout int8 GEMM
+libraries read. Stored `[in, out]`, XLA on an H200 copies the kernel into that layout before
+every cuBLASLt call (int8 over bf16 1.53x instead of 1.87x at 16384^3, `experiments.bench_gpu`),
+and XLA:CPU's int8 matrix-vector products at widths of 2048 and up are slower
+(`experiments.bench_int8`).
+
 How activations are quantised is static (it lives in the graph definition, not the state):
   act="none"    weight-only: float activations times dequantised int8 weights
   act="token"   dynamic per-token scales (default)
@@ -13,13 +20,13 @@ How activations are quantised is static (it lives in the graph definition, not t
   act="static"  one calibrated per-tensor scale per layer (`act_scale`)
 `outlier_threshold` adds the LLM.int8() split: input columns with any |x| >= threshold are
 multiplied in float, the rest in int8. Shapes must be static, so at most `outlier_capacity`
-columns (the largest by |x|) take the float path: they are gathered, with their kernel rows,
-into a [tokens, capacity] x [capacity, out] float product (capacity/in of a float layer's work).
-Should more columns exceed the threshold, the rest stay in int8 (the per-token scale then
-covers them: correct, as accurate as plain w8a8). `has_float` adds a per-layer switch to a
-bf16 kernel (the automatic precision choice keeps over-budget layers there). `rotate` makes the
-int8 product take x R against a kernel stored as Rᵀ W (R orthogonal, `quant/rotation.py`): same
-product, evener channels to quantise; the float paths keep x and W.
+columns (the largest by |x|) take the float path: they are gathered, with the kernel's entries
+for them, into a [tokens, capacity] x [capacity, out] float product (capacity/in of a float
+layer's work). Should more columns exceed the threshold, the rest stay in int8 (the per-token
+scale then covers them: correct, as accurate as plain w8a8). `has_float` adds a per-layer switch
+to a bf16 kernel (the automatic precision choice keeps over-budget layers there). `rotate` makes
+the int8 product take x R against a kernel holding Rᵀ W (R orthogonal, `quant/rotation.py`):
+same product, evener channels to quantise; the float paths keep x and W.
 """
 
 from __future__ import annotations
@@ -53,19 +60,32 @@ def int8_dot_general(x_q: jax.Array, w_q: jax.Array, dims, min_rows: int = MIN_I
     return y[:rows]
 
 
+# lax.dot_general's dimension numbers for x [tokens, in] against a kernel stored [out, in]:
+# x's `in` with the kernel's `in` (no transpose anywhere) -> [tokens, out].
+CONTRACT_IN = (((1,), (1,)), ((), ()))
+
+
 def int8_matmul(x_q: jax.Array, w_q: jax.Array, min_rows: int = MIN_INT8_ROWS) -> jax.Array:
-    """[tokens, in] int8 @ [in, out] int8 -> int32."""
+    """[tokens, in] int8 @ [in, out] int8 -> int32 (a kernel in the float Dense's layout)."""
     return int8_dot_general(x_q, w_q, (((1,), (0,)), ((), ())), min_rows)
+
+
+def int8_matmul_t(x_q: jax.Array, w_q_out_in: jax.Array, min_rows: int = MIN_INT8_ROWS
+                  ) -> jax.Array:
+    """[tokens, in] int8 times an int8 kernel stored [out, in] (QuantDense's) -> int32
+    [tokens, out]."""
+    return int8_dot_general(x_q, w_q_out_in, CONTRACT_IN, min_rows)
 
 
 def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,
                       act_scale: jax.Array | None = None) -> jax.Array:
-    """x [tokens, in] (float) times the int8 kernel; float32 result [tokens, out].
+    """x [tokens, in] (float) times the int8 kernel w_q [out, in]; float32 result [tokens, out].
 
     w_scale is [1, out] (or [1, 1] per tensor).
     """
     if act == "none":
-        return jnp.dot(x.astype(jnp.float32), w_q.astype(jnp.float32)) * w_scale
+        return jax.lax.dot_general(x.astype(jnp.float32), w_q.astype(jnp.float32),
+                                   CONTRACT_IN) * w_scale
     if act == "token":
         s_x = qz.token_scale(x)  # [tokens, 1]
     elif act == "tensor":
@@ -74,7 +94,7 @@ def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str
         s_x = qz.scale_from_absmax(act_scale * qz.QMAX).reshape(1, 1)  # guards a zero scale
     else:
         raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
-    acc = int8_matmul(qz.quantize(x, s_x), w_q)
+    acc = int8_matmul_t(qz.quantize(x, s_x), w_q)
     y = acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
     if act == "static":
         # A calibrated scale is finite whatever x holds: let a NaN/inf token stay non-finite
@@ -85,6 +105,10 @@ def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str
 
 
 class QuantDense(nnx.Module):
+    """kernel_q: int8 [..., out, in]; kernel_scale: [..., 1, out] (or [..., 1, 1]); kernel_axes:
+    the float Dense's logical axes ([..., in, out]); kernel_float (auto's bf16 copy) and bias
+    keep the float Dense's layout."""
+
     def __init__(self, kernel_q: jax.Array, kernel_scale: jax.Array, *, kernel_axes: Axes,
                  compute_dtype: str, act: str = "token", act_scale: jax.Array | None = None,
                  outlier_threshold: float | None = None, outlier_capacity: int | None = None,
@@ -96,7 +120,7 @@ class QuantDense(nnx.Module):
         if kernel_q.dtype != jnp.int8:
             raise ValueError(f"kernel dtype {kernel_q.dtype}: QuantDense stores int8")
         lead = tuple(kernel_axes[:-2])  # e.g. ("layers",) for stacked blocks
-        self.in_features, self.out_features = kernel_q.shape[-2:]
+        self.out_features, self.in_features = kernel_q.shape[-2:]
         self.compute_dtype = compute_dtype
         self.act = act
         self.rotate = rotate
@@ -104,7 +128,7 @@ class QuantDense(nnx.Module):
         self.outlier_threshold = outlier_threshold
         # None means every column may be an outlier (exact LLM.int8(), a full float product).
         self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
-        self.kernel_q = param(kernel_q, kernel_axes)
+        self.kernel_q = param(kernel_q, lead + (kernel_axes[-1], kernel_axes[-2]))
         # [..., 1, out] squeezed to [..., out]; a per-tensor scale is stored as [..., 1].
         self.kernel_scale = param(kernel_scale.reshape(kernel_scale.shape[:-2] + (-1,)),
                                   lead + ((kernel_axes[-1],) if kernel_scale.shape[-1] > 1
@@ -131,10 +155,10 @@ class QuantDense(nnx.Module):
         is_outlier = jnp.zeros(col_max.shape, bool).at[cols].set(hit)  # [in]
         regular = quantized_product(jnp.where(is_outlier, jnp.zeros_like(x2), x2), w_q, w_scale,
                                     self.act, act_scale)
-        # Only the gathered columns meet their (dequantised) kernel rows in float.
+        # Only the gathered columns meet their (dequantised) kernel columns in float.
         x_out = jnp.where(hit, jnp.take(x2, cols, axis=1).astype(jnp.float32), 0.0)
-        w_rows = jnp.take(w_q, cols, axis=0).astype(jnp.float32) * w_scale  # [capacity, out]
-        return regular + jnp.dot(x_out, w_rows)
+        w_cols = jnp.take(w_q, cols, axis=1).astype(jnp.float32) * w_scale.reshape(-1, 1)
+        return regular + jax.lax.dot_general(x_out, w_cols, CONTRACT_IN)  # [out, capacity]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = dtype_of(self.compute_dtype)
@@ -178,11 +202,11 @@ class QuantEmbed(nnx.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
         table_q, row_scale = self.embedding_q[...], self.row_scale[...][None, :]
-        contract = (((1,), (1,)), ((), ()))  # x's embed with the table's embed: no transpose
+        # The table [vocab, embed] is the head's kernel already stored [out, in].
         if self.act == "none":
-            y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), contract) * row_scale
+            y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), CONTRACT_IN) * row_scale
         else:
             s_x = qz.token_scale(x2)
-            acc = int8_dot_general(qz.quantize(x2, s_x), table_q, contract)
+            acc = int8_matmul_t(qz.quantize(x2, s_x), table_q)
             y = acc.astype(jnp.float32) * (s_x * row_scale)
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))

@@ -28,7 +28,7 @@ from quant import checkpoint as qckpt
 from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
-from quant.dense import QuantDense, int8_matmul, quantized_product
+from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import dense_bytes, quantize
 from quant.rotation import rotate_kernel
@@ -112,8 +112,9 @@ def dense_pair(act, in_f=64, out_f=48, **kw):
     dense = Dense(in_f, out_f, axes=("embed", "mlp"), rngs=nnx.Rngs(3))
     w = dense.kernel[...]
     s = qz.weight_scale(w)
-    qd = QuantDense(qz.quantize(w, s), s, kernel_axes=("embed", "mlp"), compute_dtype="float32",
-                    act=act, act_scale=jnp.asarray(4.0 / 127) if act == "static" else None, **kw)
+    qd = QuantDense(qz.quantize(w, s).T, s, kernel_axes=("embed", "mlp"),
+                    compute_dtype="float32", act=act,
+                    act_scale=jnp.asarray(4.0 / 127) if act == "static" else None, **kw)
     return dense, qd
 
 
@@ -136,7 +137,8 @@ def test_int8_product_is_exact_integer_arithmetic():
     s_x = qz.token_scale(x)
     ref = np.asarray(qz.quantize(x, s_x), np.float64) @ np.asarray(w_q, np.float64)
     ref = ref * np.asarray(s_x) * np.asarray(s_w)
-    np.testing.assert_allclose(quantized_product(x, w_q, s_w, "token"), ref, rtol=1e-5,
+    # The product reads the kernel stored [out, in] (QuantDense's layout).
+    np.testing.assert_allclose(quantized_product(x, w_q.T, s_w, "token"), ref, rtol=1e-5,
                                atol=1e-5)
 
 
@@ -182,19 +184,23 @@ def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
                          .lower(state, x).compile().as_text())
 
 
-def test_a_one_token_int8_product_stays_int8_and_exact():
+@pytest.mark.parametrize("stored", ["out_in", "in_out"])
+def test_a_one_token_int8_product_stays_int8_and_exact(stored):
     """Batch-1 decoding multiplies one row. XLA:CPU compiles a 1-row s8 dot by converting the
-    whole int8 kernel to s32 first (9 bytes moved per weight instead of 1): `int8_matmul` pads
-    the row so the compiled program keeps an s8 x s8 dot and never widens the kernel."""
+    whole int8 kernel to s32 first (9 bytes moved per weight instead of 1): `int8_matmul_t`
+    (QuantDense's kernel, stored [out, in]) and `int8_matmul` ([in, out]) pad the row so the
+    compiled program keeps an s8 x s8 dot and never widens the kernel."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(-127, 128, (1, 64)), jnp.int8)
     w = jnp.asarray(rng.integers(-127, 128, (64, 96)), jnp.int8)
     want = np.asarray(x, np.int64) @ np.asarray(w, np.int64)
-    np.testing.assert_array_equal(np.asarray(int8_matmul(x, w)), want)
-    hlo = jax.jit(int8_matmul).lower(x, w).compile().as_text()
-    widened = [ln for ln in hlo.splitlines() if re.search(r"= s32\[64,96\]", ln)]
+    fn, kernel = (int8_matmul_t, w.T) if stored == "out_in" else (int8_matmul, w)
+    np.testing.assert_array_equal(np.asarray(fn(x, kernel)), want)
+    hlo = jax.jit(fn).lower(x, kernel).compile().as_text()
+    shape = ",".join(map(str, kernel.shape))
+    widened = [ln for ln in hlo.splitlines() if re.search(rf"= s32\[{shape}\]", ln)]
     assert not widened, widened
-    assert "s8[64,96]" in hlo
+    assert f"s8[{shape}]" in hlo
 
 
 def test_quantized_model_compiles_to_int8_dots_in_the_layer_scan(float_model, batches):
@@ -214,10 +220,11 @@ def test_outlier_columns_go_through_float():
 
 
 def masked_llm_int8(x, w_q, w_scale, threshold):
-    """Reference LLM.int8() with no capacity limit: every column over the threshold in float."""
+    """Reference LLM.int8() with no capacity limit: every column over the threshold in float
+    (w_q stored [out, in])."""
     outlier = jnp.max(jnp.abs(x), axis=0, keepdims=True) >= threshold
     regular = quantized_product(jnp.where(outlier, 0.0, x), w_q, w_scale, "token")
-    return regular + jnp.where(outlier, x, 0.0) @ (w_q.astype(jnp.float32) * w_scale)
+    return regular + jnp.where(outlier, x, 0.0) @ (w_q.T.astype(jnp.float32) * w_scale)
 
 
 @pytest.mark.parametrize("n_outliers", [0, 1, 4])
@@ -240,7 +247,7 @@ def test_outliers_beyond_capacity_stay_int8():
     x = x.at[:, 9].multiply(100.0)
     w_q, w_scale = one.kernel_q[...], one.kernel_scale[...].reshape(1, -1)
     ref = quantized_product(x.at[:, 7].set(0.0), w_q, w_scale, "token") \
-        + x[:, 7:8] @ (w_q[7:8].astype(jnp.float32) * w_scale)
+        + x[:, 7:8] @ (w_q[:, 7:8].T.astype(jnp.float32) * w_scale)
     y = one(x)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-3)
     err = lambda v: float(jnp.linalg.norm(v - dense(x)) / jnp.linalg.norm(dense(x)))
@@ -343,7 +350,7 @@ def assert_smoothed(params, q):
         assert np.abs(np.log(s)).max() > 0.1  # [layers, in]: the norm scales did move
         node = q["blocks"][block][dense]
         w_scale = np.asarray(node["kernel_scale"])[:, None, :]  # [layers, 1, out]
-        deq = np.asarray(node["kernel_q"], np.float32) * w_scale
+        deq = np.swapaxes(np.asarray(node["kernel_q"], np.float32), 1, 2) * w_scale
         folded = np.asarray(params["blocks"][block][dense]["kernel"]) * s[:, :, None]
         assert np.all(np.abs(deq - folded) <= w_scale * (0.5 + 1e-4))
         plain = np.asarray(params["blocks"][block][dense]["kernel"])
@@ -426,9 +433,9 @@ def test_report_flags_layers_whose_outliers_exceed_the_capacity(float_model, bat
 
 # --- checkpoint, sharding, generation ---------------------------------------------------------
 
-def save_plan(path, q, plan, qcfg_json, fmt=qckpt.FORMAT):
+def save_plan(path, q, plan, qcfg_json, fmt=qckpt.FORMAT, model=None):
     qckpt.save(path, q, {"format": fmt, "quant_config": qcfg_json, "plan": plan,
-                         "model": dataclasses.asdict(CFG), "source_step": 0})
+                         "model": model or dataclasses.asdict(CFG), "source_step": 0})
 
 
 def assert_identical(tree_a, tree_b):
@@ -447,8 +454,9 @@ def test_checkpoint_round_trip_loads_sharded(tmp_path, float_model, batches):
     assert meta2["plan"] == plan
     assert_identical(q, q2)
     kernel = q2["blocks"]["attn"]["q"]["kernel_q"]
-    assert kernel.dtype == jnp.int8 and kernel.sharding.spec == P(None, "fsdp", None)
-    assert q2["blocks"]["mlp"]["down"]["kernel_q"].sharding.spec == P(None, None, "fsdp")
+    # Stored [layers, out, in]: q's input (embed) and down's output (embed) over fsdp.
+    assert kernel.dtype == jnp.int8 and kernel.sharding.spec == P(None, None, "fsdp")
+    assert q2["blocks"]["mlp"]["down"]["kernel_q"].sharding.spec == P(None, "fsdp", None)
     # The int8 values are identical; the sharded program sums floats (norms, attention) in
     # another order, which may flip one activation's int8 rounding and move that token's row by
     # a quantisation step (seen on one host). So: nearly every token row identical, and the whole
@@ -484,7 +492,7 @@ def test_checkpoint_round_trip_keeps_capacity_kept_layers_and_rotation(tmp_path,
         assert plan["blocks/mlp/down"]["rotation_seed"] == 7 and down.rotation_seed == 7
         rw = rotate_kernel(params["blocks"]["mlp"]["down"]["kernel"], 7)
         np.testing.assert_array_equal(q2["blocks"]["mlp"]["down"]["kernel_q"],
-                                      qz.quantize(rw, qz.weight_scale(rw)))
+                                      jnp.swapaxes(qz.quantize(rw, qz.weight_scale(rw)), 1, 2))
     tokens = batches[-1][:, :-1]
     np.testing.assert_allclose(logits(g2, q2, tokens), logits(g, q, tokens), rtol=1e-6)
 
@@ -495,8 +503,8 @@ def test_format_1_checkpoint_loads_uncapped_and_unknown_fields_are_refused(tmp_p
     qcfg = QuantConfig(mode="w8a8-outlier")
     _, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
     drop = lambda d: {k: v for k, v in d.items() if k not in ("outlier_capacity", "rotate")}
-    save_plan(tmp_path / "v1", q, {p: drop(e) for p, e in plan.items()}, drop(qcfg.to_json()),
-              fmt="shardq-int8/1")
+    save_plan(tmp_path / "v1", kernels_in_out(q), {p: drop(e) for p, e in plan.items()},
+              drop(qcfg.to_json()), fmt="shardq-int8/1")
     g1, q1, _ = qckpt.load(tmp_path / "v1", CFG)
     down = nnx.merge(g1, q1).blocks.mlp.down
     assert down.outlier_capacity == CFG.d_ff and not down.rotate  # as written
@@ -505,14 +513,50 @@ def test_format_1_checkpoint_loads_uncapped_and_unknown_fields_are_refused(tmp_p
         qckpt.load(tmp_path / "new", CFG)
 
 
+def kernels_in_out(q: dict) -> dict:
+    """The int8 parameters as formats /1 to /3 stored them: QuantDense kernels [.., in, out]."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: np.swapaxes(a, -1, -2) if path[-1].key == "kernel_q" else a, q)
+
+
+def test_a_format_3_checkpoint_is_transposed_onto_the_stored_layout(tmp_path, float_model,
+                                                                    batches):
+    """Files written before int8 kernels were stored [out, in] hold them [in, out]: read onto
+    8 devices in the zero3 layout, they come back as the new layout's parameters bit for bit,
+    sharded as a new file would be, and compute the same logits. Such a file's model config
+    also predates the `attention` field (it counts as its default, "xla") and may name another
+    remat policy (how the model is computed, not what)."""
+    graphdef, params = float_model
+    qcfg = QuantConfig(mode="w8a8", rules=("blocks/*", "embed"))
+    g, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
+    old = kernels_in_out(q)
+    assert old["blocks"]["attn"]["q"]["kernel_q"].shape[1:] == (CFG.d_model, CFG.d_model) and \
+        old["blocks"]["mlp"]["up"]["kernel_q"].shape[1:] == (CFG.d_model, CFG.d_ff)
+    written = {k: v for k, v in dataclasses.asdict(CFG).items() if k != "attention"}
+    save_plan(tmp_path / "v3", old, plan, qcfg.to_json(), fmt="shardq-int8/3",
+              model={**written, "remat": "full"})
+    save_plan(tmp_path / "v4", q, plan, qcfg.to_json())
+    mesh = make_mesh(8)
+    _, q3, meta3 = qckpt.load(tmp_path / "v3", CFG, mesh, sharded=True)
+    _, q4, _ = qckpt.load(tmp_path / "v4", CFG, mesh, sharded=True)
+    assert meta3["format"] == "shardq-int8/3"
+    assert_identical(q3, q)
+    assert jax.tree.map(lambda a: a.sharding, q3) == jax.tree.map(lambda a: a.sharding, q4)
+    tokens = batches[-1][:, :-1]
+    np.testing.assert_array_equal(logits(g, jax.device_get(q3), tokens), logits(g, q, tokens))
+
+
 def test_checkpoint_for_another_model_is_refused(tmp_path, float_model, batches):
     graphdef, params = float_model
     qcfg = QuantConfig(mode="w8")
     _, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
     save_plan(tmp_path / "q", q, plan, qcfg.to_json())
-    other = dataclasses.replace(CFG, d_ff=64)
-    with pytest.raises(QuantError, match="different model"):
+    other = dataclasses.replace(CFG, d_ff=64, remat="save_dots")
+    with pytest.raises(QuantError, match=rf"written for a different model \(d_ff: {CFG.d_ff} in "
+                                         rf"the file, 64 here\); quantise this run again$"):
         qckpt.load(tmp_path / "q", other)
+    assert qckpt.model_differences({**dataclasses.asdict(CFG), "n_experts": 4}, CFG) == \
+        ["n_experts: 4 in the file, no such field here"]
     with pytest.raises(QuantError, match="no quantised checkpoint"):
         qckpt.load(tmp_path / "missing", CFG)
 

@@ -74,7 +74,7 @@ def test_a_seed_gives_another_rotation_with_the_same_product():
 def quant_dense(w: jax.Array, rotated: bool) -> QuantDense:
     w_int = rotate_kernel(w) if rotated else w
     s = qz.weight_scale(w_int)
-    return QuantDense(qz.quantize(w_int, s), s, kernel_axes=("embed", "mlp"),
+    return QuantDense(qz.quantize(w_int, s).T, s, kernel_axes=("embed", "mlp"),
                       compute_dtype="float32", act="token", rotate=rotated)
 
 
