@@ -92,8 +92,8 @@ def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
     in_out = meta["format"] in KERNELS_IN_OUT
     # What the file holds: an older file's int8 kernels in the float layout, sharded alike.
     file_shapes = _kernels_swapped(shapes, lambda a: jax.ShapeDtypeStruct(
-        a.shape[:-2] + a.shape[:-3:-1], a.dtype)) if in_out else shapes
-    file_specs = _kernels_swapped(specs, lambda p: P(*p[:-2], *p[:-3:-1])) if in_out else specs
+        _last_two_swapped(a.shape), a.dtype)) if in_out else shapes
+    file_specs = _kernels_swapped(specs, lambda p: P(*_last_two_swapped(p))) if in_out else specs
     if mesh is not None:
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -112,6 +112,10 @@ def load(path: str | Path, model_cfg: ModelConfig, mesh: Mesh | None = None,
         if mesh is not None:
             params = jax.device_put(params, logical_shardings(specs, mesh, sharded))
     return graphdef, params, meta
+
+
+def _last_two_swapped(dims: tuple) -> tuple:
+    return (*dims[:-2], dims[-1], dims[-2])
 
 
 def _kernels_swapped(tree: dict, fn) -> dict:

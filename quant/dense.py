@@ -158,7 +158,7 @@ class QuantDense(nnx.Module):
         # Only the gathered columns meet their (dequantised) kernel columns in float.
         x_out = jnp.where(hit, jnp.take(x2, cols, axis=1).astype(jnp.float32), 0.0)
         w_cols = jnp.take(w_q, cols, axis=1).astype(jnp.float32) * w_scale.reshape(-1, 1)
-        return regular + jax.lax.dot_general(x_out, w_cols, CONTRACT_IN)  # [out, capacity]
+        return regular + jax.lax.dot_general(x_out, w_cols, CONTRACT_IN)  # w_cols [out, capacity]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = dtype_of(self.compute_dtype)
