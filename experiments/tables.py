@@ -440,8 +440,8 @@ def bench_gpu(d: dict) -> str:
     if d["matmuls"]:
         rows += ["", *_gpu_matmul_rows(d["matmuls"])]
     if d.get("inference"):
-        base = d["inference"][0]["tokens_per_s"]
         r0 = d["inference"][0]
+        base = r0["tokens_per_s"]
         rows += ["", f"One forward pass over {r0['batch']} × {r0['seq']:,} tokens (every "
                  f"position's logits), {r0['compute_dtype']} activations:", "",
                  *_head("mode", "step", "tokens/s", "vs float", "parameter bytes")]

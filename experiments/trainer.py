@@ -28,8 +28,8 @@ from experiments.config import Config, ConfigError, dumps, load_config
 from experiments.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.optim import learning_rate, make_optimizer
-from model import ModelConfig, param_count, train_flops_per_token
-from model.config import EXECUTION_FIELDS
+from model import param_count, train_flops_per_token
+from model.config import EXECUTION_FIELDS, differing_fields
 from model.flops import param_bytes
 from model.gguf import GGUFFile
 from model.loss import nll_sum
@@ -108,9 +108,7 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
                           f"continue it or choose an empty folder")
     if resume and cfg_file.exists():
         old = load_config(workdir)  # one line on a config.json that is not a run's
-        diff = [f.name for f in dataclasses.fields(ModelConfig)
-                if f.name not in MODEL_RESUMABLE_CHANGES
-                and getattr(old.model, f.name) != getattr(cfg.model, f.name)]
+        diff = differing_fields(dataclasses.asdict(old.model), cfg.model)
         if diff:
             f, more = diff[0], f" (and {', '.join(diff[1:])})" if diff[1:] else ""
             raise ConfigError(f"resume: {f}={getattr(cfg.model, f)!r} differs from the run's "

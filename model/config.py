@@ -95,6 +95,18 @@ class ModelConfig:
             raise ValueError(f"scan_unroll={self.scan_unroll}: must be >= 1")
 
 
+def differing_fields(written: dict, cfg: ModelConfig) -> list[str]:
+    """The fields in which `written` (a ModelConfig as a dict, from a run's config.json or a
+    checkpoint's metadata) describes another model than `cfg`: a field it lacks (added to
+    ModelConfig after it was written) counts as its default, EXECUTION_FIELDS may differ, and a
+    field ModelConfig no longer has is listed too. ModelConfig's field order, unknown ones last."""
+    here = dataclasses.asdict(cfg)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    names = [*here, *sorted(written.keys() - here.keys())]
+    return [k for k in names if k not in EXECUTION_FIELDS
+            and (k not in here or written.get(k, defaults.get(k)) != here[k])]
+
+
 # Shapes. The large ones follow GPT-3-style width/depth ratios with a byte vocabulary and are
 # sized to land within 1% of the ZeRO paper's model sizes (see tests/test_model.py).
 MODEL_PRESETS: dict[str, ModelConfig] = {

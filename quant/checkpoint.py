@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from model import DecoderLM, ModelConfig
-from model.config import EXECUTION_FIELDS
+from model.config import differing_fields
 from parallel.state import logical_shardings, logical_specs
 from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 
@@ -132,20 +132,11 @@ def _model_json(cfg: ModelConfig) -> dict:
 
 def model_differences(written: dict, cfg: ModelConfig) -> list[str]:
     """What makes the model a checkpoint was written for another than `cfg`, one phrase per
-    field ("d_model: 64 in the file, 32 here"). A field added to ModelConfig after the file was
-    written counts as its default (the model it was written under), and the fields that say how
-    the model is computed, not what (EXECUTION_FIELDS), may differ."""
-    here = _model_json(cfg)
+    field ("d_model: 64 in the file, 32 here"; which fields count: `differing_fields`)."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    out = []
-    for key in sorted(here.keys() | written.keys()):
-        if key in EXECUTION_FIELDS:
-            continue
-        was = written.get(key, defaults.get(key))
-        if key not in here or was != here[key]:
-            now = repr(here[key]) if key in here else "no such field"
-            out.append(f"{key}: {was!r} in the file, {now} here")
-    return out
+    return [f"{key}: {written.get(key, defaults.get(key))!r} in the file, "
+            f"{repr(getattr(cfg, key)) if key in defaults else 'no such field'} here"
+            for key in differing_fields(written, cfg)]
 
 
 def disk_bytes(path: str | Path) -> int:
