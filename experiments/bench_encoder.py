@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments.config import ConfigError, Parser, check_devices, fail
+from experiments.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
 from experiments.encoder_devices import MAX_DEVICES, default_devices
 from experiments.results_io import results_path, write_result
 from quant.modes import MODES
@@ -41,7 +41,6 @@ from quant.modes import MODES
 PROG = "experiments.bench_encoder"
 OUT = results_path("bench_encoder.json")
 ABLATIONS = results_path("encoder_ablations.json")
-TORCH_ENV = "SHARDQ_TORCH_PYTHON"
 DEFAULT_MODES = ("w8", "w8a8", "w8a8-static", "smoothquant", "auto", "w8a8-rotated")
 
 
@@ -56,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"at most {MAX_DEVICES}, as experiments.embed)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated int8 modes, of {', '.join(MODES)}")
-    p.add_argument("--torch-python", default=os.environ.get(TORCH_ENV) or None, metavar="PATH",
+    p.add_argument("--torch-python", default=os.environ.get(TORCH_PYTHON_ENV) or None,
+                   metavar="PATH",
                    help="interpreter with torch + transformers for the PyTorch side "
-                        f"(default ${TORCH_ENV} if set, else no PyTorch side)")
+                        f"(default ${TORCH_PYTHON_ENV} if set, else no PyTorch side)")
     p.add_argument("--ablations", action="store_true",
                    help="instead: before/after of each speed change (length buckets, GELU, "
                         "dp batch split over 8 devices, the embed CLI's marginal speed), "

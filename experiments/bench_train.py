@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from experiments import runtime
-from experiments.config import PRESETS, ConfigError, Parser, fail
+from experiments.config import PRESETS, TORCH_PYTHON_ENV, ConfigError, Parser, fail
 from experiments.results_io import results_path, write_result
 
 PROG = "experiments.bench_train"
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="rounds (interleaved with torch's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown")
-    p.add_argument("--torch-python", default=None,
-                   help="interpreter with torch for the eager reference (never the project's)")
+    p.add_argument("--torch-python", default=os.environ.get(TORCH_PYTHON_ENV) or None,
+                   help="interpreter with torch for the eager reference (never the project's; "
+                        f"default ${TORCH_PYTHON_ENV} if set, else no PyTorch side)")
     p.add_argument("--ablate", action="store_true",
                    help="instead: time the step against each optimisation undone (paired), "
                         "written to --changes-out")

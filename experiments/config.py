@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """Bad input: the launcher prints it on one line (`fail`) and exits with status 2."""
 
 
+# The interpreter of the separate PyTorch environment (torch, transformers; never a dependency of
+# this project): the launchers with a PyTorch side take it as their --torch-python default, and
+# experiments.reproduce runs the experiments that need it only when it is set.
+TORCH_PYTHON_ENV = "SHARDQ_TORCH_PYTHON"
+
 # Seeds feed numpy's Generator (which refuses negative seeds) and jax.random.key, which keeps only
 # the low 32 bits with 64-bit types off (2**32 and 0 would give the same run).
 SEED_LIMIT = 2**32

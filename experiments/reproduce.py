@@ -19,6 +19,12 @@ runs/reproduce-quick/docs/, checking that the copies are consistent with them.
 After each experiment the runner checks the claim its table makes on the results it wrote
 (experiments/reproduction.py: CLAIMS), in the quick run too: an experiment whose claim fails
 counts as failed.
+
+Some experiments need what this project does not install: the PyTorch side (set
+$SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md) or an NVIDIA
+GPU. Without it they are skipped, with the reason, and their tables keep the committed figures;
+so is an experiment whose prerequisite (a training run it reads) did not pass. --only adds an
+experiment's prerequisites.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(e))
     if args.list:
         for e in todo:
-            print(f"{e.name:<18} {e.feeds}: python {' '.join(e.argv)}")
+            extra = "".join(f" [{w}]" for w in (
+                e.needs and f"needs {e.needs}", e.after and f"after {', '.join(e.after)}") if w)
+            shown = e.shown(False, PROJECT_ROOT / "{results}", PROJECT_ROOT / "{runs}")
+            print(f"{e.name:<20} {e.feeds}{extra}: {shown}")
         return 0
     base = PROJECT_ROOT / "runs" / ("reproduce-quick" if args.quick else "reproduce")
     results = Path(args.results) if args.results else (base / "results" if args.quick
@@ -85,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{readme_out.parent / 'docs'} (consistent with the results: {consistent})")
     if summary["failed"]:
         say(f"FAILED: {', '.join(summary['failed'])} (details in {results}/reproduce.json)")
-    say(f"{len(todo) - len(summary['failed'])}/{len(todo)} experiments passed in "
-        f"{summary['wall_s']:.0f} s")
+    for name, why in summary["skipped"].items():
+        say(f"skipped {name} (not re-measured: its tables show what {results} held before): "
+            f"{why}")
+    ran = len(todo) - len(summary["skipped"])
+    say(f"{ran - len(summary['failed'])}/{ran} experiments passed in {summary['wall_s']:.0f} s"
+        + (f", {len(summary['skipped'])} skipped" if summary["skipped"] else ""))
     return 0 if summary["passed"] and consistent else 1
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
+import math
 import os
 import platform
 import subprocess
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from experiments.config import TORCH_PYTHON_ENV
 from experiments.results_io import PROJECT_ROOT, RESULTS_ENV, project_relative, write_result
 
 
@@ -44,18 +47,44 @@ class Experiment:
     # second argument): None when it holds, else a line saying what does not. None for
     # measurements (speeds) that make no claim a shared machine could check.
     claim: Callable[[Path, bool], str | None] | None = None
+    # What it needs beyond this project's environment, one of NEEDS; without it the experiment
+    # is skipped with the reason (its table keeps the committed figures) instead of failing.
+    needs: str | None = None
+    # Experiments that write what this one reads (a training run in {runs}): `select` adds
+    # them, and this one is skipped when one of them did not pass.
+    after: tuple[str, ...] = ()
+    # Environment variables set for this experiment alone.
+    env: tuple[tuple[str, str], ...] = ()
 
     def command(self, quick: bool, results: Path, runs: Path) -> list[str]:
         # Project-relative paths (the commands run from the project root): results files
         # record their command, and a committed one must not hold this machine's paths.
         args = self.quick_argv if quick else self.argv
         res, run = project_relative(results), project_relative(runs)
-        return [sys.executable, *(a.replace("{results}", res).replace("{runs}", run)
-                                  for a in args)]
+        # A script of the PyTorch side runs under that environment's interpreter, by path.
+        python = os.environ.get(TORCH_PYTHON_ENV, "") if self.runs_in_torch else sys.executable
+        return [python, *(a.replace("{results}", res).replace("{runs}", run) for a in args)]
+
+    @property
+    def runs_in_torch(self) -> bool:
+        # Our launchers run as modules (-m); a script path is the PyTorch side's.
+        return self.argv[0].endswith(".py")
 
     @property
     def module(self) -> str:
-        return self.argv[1]
+        """The launcher: a module of ours (`experiments.NAME`), or the PyTorch-side script."""
+        return self.argv[0] if self.runs_in_torch else self.argv[1]
+
+    def shown(self, quick: bool, results: Path, runs: Path) -> str:
+        """The command as results record it: no machine's interpreter path."""
+        cmd = self.command(quick, results, runs)
+        env = "".join(f"{k}={v} " for k, v in self.env)
+        python = f"${TORCH_PYTHON_ENV}" if self.runs_in_torch else "python"
+        return env + " ".join([python, *cmd[1:]])
+
+
+# needs -> why an experiment cannot run here (None: it can); see `missing_need`.
+NEEDS = ("torch", "gpu")
 
 
 def _m(name: str, *args: str) -> tuple[str, ...]:
@@ -84,6 +113,20 @@ def holds(name: str, what: str, test: Callable[[dict], bool],
             broken = check_one(results, *full_only)
         return broken
     return check
+
+
+def _train_speed(name: str, devices: int, *, ablate: bool, expected_s: float,
+                 quick_s: float) -> Experiment:
+    """bench_train on `devices`: the speed against PyTorch, or (`ablate`) each change undone."""
+    file = "bench_train_changes.json" if ablate else "bench_train.json"
+    args = ("--ablate", "--devices", str(devices)) if ablate else ("--devices", str(devices),
+                                                                   "--json")
+    out = ("--changes-out" if ablate else "--out", "{results}/" + file)
+    quick = ("--preset", "tiny", "--steps", "2", "--rounds", "1", "--warmup", "1",
+             *(() if ablate else ("--profile-steps", "1")))
+    feeds = ("training step changes table" if ablate else "training speed vs PyTorch table")
+    return Experiment(name, _m("bench_train", *args, *out), _m("bench_train", *args, *quick, *out),
+                      (file,), expected_s, quick_s, f"{feeds}, {devices} device(s)")
 
 
 # The main job's checkpoint feeds the int8 table, so main_job comes before quant_table.
@@ -142,7 +185,25 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                                  "--out", "{results}/quant_eval.json"),
                _m("quant_table", "--workdir", "{runs}/main", "--modes", "w8,w8a8",
                   "--calib-batches", "1", "--out", "{results}/quant_eval.json"),
-               ("quant_eval.json",), 150, 20, "int8 table (needs main_job's checkpoint)"),
+               ("quant_eval.json",), 150, 20, "int8 table (needs main_job's checkpoint)",
+               after=("main_job",)),
+    # Sizes do not depend on the values: 20 steps give the medium shape's checkpoint.
+    Experiment("train_medium_disk", _m("train", "--workdir", "{runs}/medium-disk", "--preset",
+                                       "medium", "--steps", "20", "--batch-size", "8",
+                                       "--eval-batches", "2", "--eval-every", "20",
+                                       "--ckpt-every", "20", "--warmup-steps", "2",
+                                       "--no-progress"),
+               _m("train", "--workdir", "{runs}/medium-disk", "--preset", "tiny", "--steps",
+                  "4", "--batch-size", "8", "--eval-batches", "1", "--eval-every", "4",
+                  "--ckpt-every", "4", "--warmup-steps", "1", "--no-progress"),
+               (), 150, 20, "the checkpoint the next table quantises"),
+    Experiment("quant_disk_medium", _m("quant_table", "--workdir", "{runs}/medium-disk",
+                                       "--modes", "w8,w8a8,smoothquant", "--calib-batches",
+                                       "2", "--out", "{results}/quant_disk_medium.json"),
+               _m("quant_table", "--workdir", "{runs}/medium-disk", "--modes", "w8,w8a8",
+                  "--calib-batches", "1", "--out", "{results}/quant_disk_medium.json"),
+               ("quant_disk_medium.json",), 200, 20, "int8 checkpoint size on the medium shape",
+               after=("train_medium_disk",)),
     Experiment("llm_quant_table", _m("llm_quant_table", "--out", "{results}/smollm2_quant.json"),
                _m("llm_quant_table", "--layers", "4", "--modes", "w8a8", "--tokens", "512",
                   "--new-tokens", "8", "--out", "{results}/smollm2_quant.json"),
@@ -156,6 +217,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("parity_smollm2", _m("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
                _m("parity_smollm2", "--no-long", "--out", "{results}/smollm2_parity.json"),
                ("smollm2_parity.json",), 150, 30, "SmolLM2 parity with transformers"),
+    Experiment("llm_int8_checkpoint", _m("llm_int8_checkpoint",
+                                         "--json-out", "{results}/smollm2_int8_checkpoint.json"),
+               _m("llm_int8_checkpoint", "--devices", "2",
+                  "--json-out", "{results}/smollm2_int8_checkpoint.json"),
+               ("smollm2_int8_checkpoint.json",), 300, 200,
+               "SmolLM2 int8 checkpoint size and zero3 reload table"),
+    Experiment("w8a8_crosscheck", _m("w8a8_crosscheck",
+                                     "--json-out", "{results}/smollm2_w8a8_crosscheck.json"),
+               _m("w8a8_crosscheck", "--layers", "2", "--tokens", "1024", "--new-tokens", "4",
+                  "--json-out", "{results}/smollm2_w8a8_crosscheck.json"),
+               ("smollm2_w8a8_crosscheck.json",), 600, 90,
+               "SmolLM2 w8a8 against transformers' W8A8", needs="torch"),
     Experiment("embed_fidelity", _m("embed_fidelity", "--json",
                                     "--out", "{results}/embed_fidelity.json"),
                _m("embed_fidelity", "--json", "--sentences", "16", "--calib", "8",
@@ -182,14 +255,12 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "1", "--variants", "float,w8a8,float-scan",
                   "--out", "{results}/bench_decode.json"),
                ("bench_decode.json",), 240, 30, "SmolLM2 decoding speed table"),
-    # Like bench_encoder, the PyTorch side needs SHARDQ_TORCH_PYTHON; the file keeps one row per
-    # device count, so the full run measures 8 devices (the trainer's CPU default).
-    Experiment("bench_train", _m("bench_train", "--devices", "8", "--json",
-                                 "--out", "{results}/bench_train.json"),
-               _m("bench_train", "--devices", "8", "--preset", "tiny", "--steps", "2",
-                  "--rounds", "1", "--warmup", "1", "--profile-steps", "1", "--json",
-                  "--out", "{results}/bench_train.json"),
-               ("bench_train.json",), 90, 30, "training speed vs PyTorch table"),
+    # The PyTorch columns need SHARDQ_TORCH_PYTHON (as bench_encoder's); each file keeps one
+    # entry per device count, and the tables show 1 and 8 devices.
+    _train_speed("bench_train", 8, ablate=False, expected_s=90, quick_s=30),
+    _train_speed("bench_train_1dev", 1, ablate=False, expected_s=90, quick_s=20),
+    _train_speed("train_changes", 1, ablate=True, expected_s=240, quick_s=40),
+    _train_speed("train_changes_8dev", 8, ablate=True, expected_s=240, quick_s=40),
     Experiment("comm_volume_smollm2", _m("comm_volume", "--preset", "smollm2", "--n-layers", "30",
                                          "--strategies", "dp", "zero1", "zero2", "zero3",
                                          "zero3_prefetch", "--json",
@@ -202,6 +273,80 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("zero_memory", "--presets", "7.5b-gqa", "--devices", "64", "--stages",
                   "zero3", "--json", "--out", "{results}/zero_memory_llama.json"),
                ("zero_memory_llama.json",), 600, 20, "Table 1 on the GQA shapes"),
+    Experiment("finetune_smollm2", _m("finetune", "--workdir", "{runs}/finetune-smollm2",
+                                      "--json", "--out", "{results}/finetune_smollm2.json"),
+               _m("finetune", "--workdir", "{runs}/finetune-smollm2", "--n-layers", "2",
+                  "--steps", "2", "--batch-size", "8", "--max-len", "32", "--eval-batches", "1",
+                  "--json", "--out", "{results}/finetune_smollm2.json"),
+               ("finetune_smollm2.json", "finetune_smollm2.png"), 420, 60,
+               "SmolLM2 fine-tuning table and loss curve"),
+    Experiment("equivalence_smollm2", _m("equivalence", "--model", "smollm2-truncated",
+                                         "--steps", "3", "--json",
+                                         "--out", "{results}/equivalence_smollm2.json"),
+               _m("equivalence", "--model", "smollm2-truncated", "--devices", "2",
+                  "--device-counts", "2", "--strategies", "dp,zero3", "--steps", "1",
+                  "--json", "--out", "{results}/equivalence_smollm2.json"),
+               ("equivalence_smollm2.json",), 950, 60,
+               "every strategy from the pretrained weights against one device"),
+    # A fine-tuned run exported in both formats, then scored by transformers (the safetensors
+    # folder) and by our loader (the GGUF file): the export_run table.
+    Experiment("export_train", _m("train", "--preset", "smollm2", "--steps", "2",
+                                  "--ckpt-every", "2", "--eval-every", "2", "--eval-batches", "1",
+                                  "--devices", "8", "--workdir", "{runs}/ft-export",
+                                  "--no-progress"),
+               _m("train", "--preset", "smollm2", "--n-layers", "2", "--max-len", "32",
+                  "--batch-size", "8", "--steps", "1", "--warmup-steps", "0", "--ckpt-every",
+                  "1", "--eval-every", "1", "--eval-batches", "1", "--devices", "2", "--workdir",
+                  "{runs}/ft-export", "--no-progress"),
+               (), 240, 40, "the run the export table exports"),
+    Experiment("export_safetensors", _m("export", "--workdir", "{runs}/ft-export", "--format",
+                                        "safetensors", "--out", "{runs}/exports/ft-export",
+                                        "--force",
+                                        "--record", "{results}/export_run_smollm2.json"),
+               _m("export", "--workdir", "{runs}/ft-export", "--format", "safetensors",
+                  "--out", "{runs}/exports/ft-export", "--force",
+                  "--record", "{results}/export_run_smollm2.json"),
+               ("export_run_smollm2.json",), 60, 20, "export table: the Hugging Face folder",
+               after=("export_train",)),
+    Experiment("export_gguf", _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
+                                 "--out", "{runs}/exports/ft-export-gguf", "--force"),
+               _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
+                  "--out", "{runs}/exports/ft-export-gguf", "--force"),
+               (), 60, 20, "export table: the GGUF file", after=("export_train",)),
+    Experiment("export_reference", (
+        "experiments/check_export_reference.py", "--dir", "{runs}/exports/ft-export",
+        "--texts-from", "tests/fixtures/smollm2_reference.json",
+        "--out", "{results}/export_run_transformers.json"),
+        ("experiments/check_export_reference.py", "--dir", "{runs}/exports/ft-export",
+         "--texts-from", "tests/fixtures/smollm2_reference.json",
+         "--out", "{results}/export_run_transformers.json"),
+        ("export_run_transformers.json",), 120, 40,
+        "export table: transformers scores the exported folder", needs="torch",
+        after=("export_safetensors",), env=(("HF_HUB_OFFLINE", "1"),)),
+    Experiment("export_parity", _m("parity_smollm2", "--gguf", "{runs}/exports/ft-export-gguf/"
+                                   "model.gguf", "--fixture",
+                                   "{results}/export_run_transformers.json", "--no-long",
+                                   "--out", "{results}/export_run_parity.json"),
+               _m("parity_smollm2", "--gguf", "{runs}/exports/ft-export-gguf/model.gguf",
+                  "--fixture", "{results}/export_run_transformers.json", "--no-long",
+                  "--out", "{results}/export_run_parity.json"),
+               ("export_run_parity.json",), 150, 30,
+               "export table: our loader scores the exported GGUF against transformers",
+               after=("export_gguf", "export_reference")),
+    # The GPU benchmark: runs only where JAX's backend is an NVIDIA GPU (--tiny: its code paths
+    # on tiny shapes, for the quick run).
+    Experiment("bench_gpu", _m("bench_gpu", "--json", "--out", "{results}/bench_gpu.json"),
+               _m("bench_gpu", "--tiny", "--json", "--out", "{results}/bench_gpu.json"),
+               ("bench_gpu.json", "bench_gpu.png"), 300, 60,
+               "GPU training MFU, attention and int8 GEMM tables", needs="gpu"),
+    Experiment("bench_gpu_no_triton", _m("bench_gpu", "--parts", "training,matmuls",
+                                         "--variants", "dp/full/xla,dp/save_dots/cudnn",
+                                         "--json", "--out", "{results}/bench_gpu_no_triton.json"),
+               _m("bench_gpu", "--tiny", "--parts", "training,matmuls", "--json",
+                  "--out", "{results}/bench_gpu_no_triton.json"),
+               ("bench_gpu_no_triton.json",), 200, 60,
+               "GPU table without XLA's Triton GEMMs", needs="gpu",
+               env=(("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false"),)),
     Experiment("fault_injection", _m("fault_injection", "--json",
                                      "--out", "{results}/fault_injection.json"),
                # One fault of each kind: a kill, a damaged checkpoint, another layout, a
@@ -270,6 +415,41 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
                    lambda d: d["long_text"]["ids_identical"] and d["long_text"]["next_identical"]
                    and d["long_text"]["abs_nll_diff"] <= 1e-4
                    and d["long_text"]["tail_abs_nll_diff"] <= 1e-4)),
+    "llm_int8_checkpoint": holds(
+        "smollm2_int8_checkpoint.json", "the int8 checkpoint is at least 3.5x smaller than the "
+        "float32 parameters and reads back bit-identical, scoring as the in-memory model",
+        lambda d: d["disk_ratio"] >= 3.5 and d["params_bit_identical"] is True
+        and d["reload_vs_in_memory_same_layout"]["max_abs_nll_diff"] == 0.0
+        and d["reload_vs_in_memory_same_layout"]["next_tokens_identical"] is True),
+    "w8a8_crosscheck": holds(
+        "smollm2_w8a8_crosscheck.json", "the two float models agree (mean NLL within 1e-4 nats)",
+        lambda d: abs(d["rows"][0]["ours"]["nll"] - d["rows"][0]["transformers"]["nll"]) <= 1e-4
+        and d["rows"][0]["variant"] == "none",
+        full_only=("plain and rotated per-token w8a8 change perplexity alike in both "
+                   "implementations (within 0.5 points)",
+                   lambda d: all(abs(r["ours"]["vs_float_pct"] - r["transformers"]["vs_float_pct"])
+                                 <= 0.5 for r in d["rows"]
+                                 if r["variant"] in ("w8a8", "w8a8-rotated")))),
+    # 20 steps of the medium shape: sizes only (the quick run's tiny model is mostly embedding).
+    "quant_disk_medium": holds(
+        "quant_disk_medium.json", "every mode was measured",
+        lambda d: all(r["val_loss"] == r["val_loss"] for r in d["rows"]),
+        full_only=("every int8 checkpoint is at least 3.5x smaller on disk than float32",
+                   lambda d: all(r["disk_ratio_vs_fp32"] >= 3.5 for r in d["rows"]
+                                 if r["mode"] != "none"))),
+    "finetune_smollm2": holds(
+        "finetune_smollm2.json", "both perplexities are finite",
+        lambda d: math.isfinite(d["perplexity_before"]) and math.isfinite(d["perplexity_after"]),
+        full_only=("fine-tuning lowers the held-out perplexity by at least 10%",
+                   lambda d: d["perplexity_after"] <= 0.9 * d["perplexity_before"])),
+    "equivalence_smollm2": holds(
+        "equivalence_smollm2.json", "every strategy is within the fp32 tolerance of one device",
+        lambda d: d["all_within_tolerance"] is True),
+    "export_parity": holds(
+        "export_run_parity.json", "our loader's scores of the exported GGUF match transformers' "
+        "of the exported folder (ids and next tokens identical, mean NLLs within 1e-4 nats)",
+        lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
+        and d["max_abs_nll_diff"] <= 1e-4),
     "fault_injection": holds(
         "fault_injection.json", "every fault is recovered from with nothing lost",
         lambda d: d["all_recovered_nothing_lost"] is True),
@@ -279,14 +459,47 @@ NAMES = tuple(e.name for e in EXPERIMENTS)
 
 
 def select(names: list[str] | None) -> list[Experiment]:
-    """The experiments named (in the list's order), all when None; ValueError naming the
-    unknown ones."""
+    """The experiments named and those they run after, in EXPERIMENTS' order; all when None;
+    ValueError naming the unknown ones."""
     if not names:
         return list(EXPERIMENTS)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
         raise ValueError(f"only={' '.join(unknown)}: allowed {', '.join(NAMES)}")
-    return [e for e in EXPERIMENTS if e.name in names]
+    by_name = {e.name: e for e in EXPERIMENTS}
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo.extend(by_name[name].after)
+    return [e for e in EXPERIMENTS if e.name in wanted]
+
+
+def _backend_is_nvidia_gpu() -> bool:
+    """Whether JAX, started in a subprocess (this runner never starts it), finds a CUDA GPU."""
+    probe = ("import jax; d = jax.devices()[0]; "
+             "print(d.platform == 'gpu' and 'rocm' not in d.client.platform_version.lower())")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.stdout.strip().endswith("True")
+
+
+def missing_need(exp: Experiment, gpu: Callable[[], bool] = _backend_is_nvidia_gpu) -> str | None:
+    """Why `exp` cannot run on this machine (None: it can)."""
+    if exp.needs == "torch":
+        python = os.environ.get(TORCH_PYTHON_ENV)
+        if not python:
+            return (f"needs the PyTorch environment: set ${TORCH_PYTHON_ENV} to its interpreter "
+                    "(docs/testing.md)")
+        if not os.access(python, os.X_OK):
+            return f"${TORCH_PYTHON_ENV}={python!r} is not an executable file"
+    if exp.needs == "gpu" and not gpu():
+        return "needs an NVIDIA GPU (JAX's backend here is not one)"
+    return None
 
 
 def _version(package: str) -> str | None:
@@ -367,17 +580,28 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
     machine = environment()
     start = time.perf_counter()
     rows = []
+    passed: set[str] = set()
+    gpu = functools.cache(_backend_is_nvidia_gpu)
     for i, exp in enumerate(experiments):
         cmd = exp.command(quick, results, runs)
-        shown = "python " + " ".join(cmd[1:])
+        shown = exp.shown(quick, results, runs)
         left = sum(expected[i:])
         say(f"[{i + 1}/{len(experiments)}] {exp.name} ({exp.feeds}): {shown}  "
             f"[elapsed {_fmt(time.perf_counter() - start)}, about {_fmt(left)} left]")
-        t0 = time.perf_counter()
         date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        not_run = [a for a in exp.after if a not in passed]
+        skipped = (f"runs after {', '.join(not_run)}, which did not pass here" if not_run
+                   else missing_need(exp, gpu))
+        if skipped:
+            rows.append({"name": exp.name, "feeds": exp.feeds, "command": shown, "date": date,
+                         "skipped": skipped, "passed": None, "outputs": list(exp.outputs)})
+            say(f"    {exp.name}: skipped: {skipped}")
+            continue
+        t0 = time.perf_counter()
         tail: list[str] = []
         try:
-            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env={**env, **dict(exp.env)},
+                                    stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace")
             for line in proc.stdout:
                 line = line.rstrip("\n")
@@ -391,6 +615,8 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
         missing = [o for o in exp.outputs if not (results / o).exists()]
         broken = exp.claim(results, quick) if exp.claim and rc == 0 and not missing else None
         ok = rc == 0 and not missing and broken is None
+        if ok:
+            passed.add(exp.name)
         provenance = {**machine, "date": date, "command": shown, "wall_s": round(wall, 1),
                       "quick": quick}
         for o in exp.outputs:
@@ -405,9 +631,11 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
             + ("" if ok else f" (exit {rc}" + (f", missing {', '.join(missing)}" if missing
                                                 else "") + (f"; {broken}" if broken else "")
                + ")"))
+    # A skipped experiment (passed: None) is neither: the summary names it apart.
     summary = {"quick": quick, "results": project_relative(results),
-               "passed": all(r["passed"] for r in rows),
-               "failed": [r["name"] for r in rows if not r["passed"]],
+               "passed": all(r["passed"] is not False for r in rows),
+               "failed": [r["name"] for r in rows if r["passed"] is False],
+               "skipped": {r["name"]: r["skipped"] for r in rows if r.get("skipped")},
                "wall_s": round(time.perf_counter() - start, 1),
                "experiments": rows, **machine}
     write_result(results / "reproduce.json", summary)

