@@ -53,6 +53,9 @@ from parallel.strategies import LABELS as STRATEGY_LABELS
 
 PROG = "experiments.bench_gpu"
 OUT = results_path("bench_gpu.json")  # GPU figures only
+# The committed file of GPU figures: never replaced by a tiny or partial run (a quick
+# reproduction's own folder, $SHARDQ_RESULTS_DIR, may hold one under the same name).
+COMMITTED = Path(__file__).with_name("results") / OUT.name
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
 PARTS = ("attention", "training", "matmuls", "inference")
 VARIANTS = accel_bench.VARIANTS
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
         parts = parse_parts(args.parts)
         variants = parse_variants(args.variants)
         partial = parts != PARTS or variants != VARIANTS
-        if args.out and os.path.abspath(args.out) == str(OUT) and (args.tiny or partial):
+        if args.out and Path(args.out).resolve() == COMMITTED.resolve() and (args.tiny
+                                                                             or partial):
             raise ConfigError(f"out={args.out}: {OUT.name} holds GPU figures of the full "
                               f"shapes, every part and variant only; give another path")
         if partial and not args.out and not args.tiny:
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     xla_flags = os.environ.get("XLA_FLAGS", "")
     backend = jax.default_backend()
-    if args.out and os.path.abspath(args.out) == str(OUT) and backend != "gpu":
+    if args.out and Path(args.out).resolve() == COMMITTED.resolve() and backend != "gpu":
         fail(PROG, f"out={args.out}: {OUT.name} holds GPU figures only; give another path")
     out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
            "command": " ".join([*([f"XLA_FLAGS={xla_flags}"] if xla_flags else []),

@@ -7,10 +7,10 @@ peak, where the step's time goes, and (optionally) PyTorch eager on the same mod
 
 Times the trainer's jitted step (experiments.trainer.prepare -> parallel/sharded_run.py), the
 median of --rounds x --steps timed steps after --warmup, each step waiting for its loss. With
---torch-python, experiments/torch_train_reference.py runs under that interpreter between our
-rounds (ours, torch, ours, torch, ...) and the ratio of the two medians is recorded. Writes the
-entry for this device count into experiments/results/bench_train.json (--out); the other
-device counts' entries there are kept.
+--torch-python (default $SHARDQ_TORCH_PYTHON), experiments/torch_train_reference.py runs under
+that interpreter between our rounds (ours, torch, ours, torch, ...) and the ratio of the two
+medians is recorded. Writes the entry for this device count into
+experiments/results/bench_train.json (--out); the other device counts' entries there are kept.
 """
 
 from __future__ import annotations

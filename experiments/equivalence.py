@@ -8,7 +8,9 @@ params and compute, fp32 master weights), reports the largest per-step loss diff
 largest final-parameter difference against the single-device dp run of the same precision.
 Batches are real text from the default corpus. Writes experiments/results/equivalence.json
 (--out) and prints its JSON last. --strategies, --device-counts and --precisions pick a part
-of the grid (the quick reproduction: every strategy on 2 devices in fp32).
+of the grid (the quick reproduction: every strategy on 2 devices in fp32); with --model
+smollm2-truncated the first --layers blocks of the pretrained SmolLM2 run every strategy but
+zero3_auto on --devices devices in fp32 (--strategies and --device-counts pick a part there too).
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ def main(argv: list[str] | None = None) -> dict:
                         "pretrained weights, fp32, 8 devices against 1 (results: "
                         "equivalence_smollm2.json)")
     p.add_argument("--layers", type=int, default=2, help="blocks kept with --model")
-    p.add_argument("--strategies", default=",".join(LABELS),
-                   help="comma-separated subset of the strategies (default: all)")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated subset of the strategies (default: all; with --model "
+                        "all but zero3_auto)")
     p.add_argument("--device-counts", default=None,
                    help="comma-separated device counts (powers of two up to --devices; "
                         "default: all of them, and the 2x4 hybrid mesh with 8)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS),
-                   help="comma-separated subset of float32,bfloat16")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated subset of float32,bfloat16 (default: both; with "
+                        "--model float32 only)")
     p.add_argument("--out", default=str(results_path("equivalence.json")))
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -75,14 +79,18 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     if args.layers < 1:
         fail(PROG, f"layers={args.layers}: must be a positive integer")
-    strategies = _subset("strategies", args.strategies, LABELS)
-    precisions_kept = _subset("precisions", args.precisions, PRECISIONS)
+    strategies = _subset("strategies", args.strategies, LABELS) if args.strategies else \
+        [s for s in LABELS if not (args.model and s == "zero3_auto")]
+    precisions_kept = _subset("precisions", args.precisions, PRECISIONS) if args.precisions \
+        else (["float32"] if args.model else list(PRECISIONS))
+    if args.model and precisions_kept != ["float32"]:
+        fail(PROG, f"precisions={args.precisions!r}: --model runs float32 only")
     allowed_counts = tuple(str(n) for n in (1, 2, 4, 8) if n <= args.devices)
     counts = [int(n) for n in _subset("device_counts", args.device_counts, allowed_counts)] \
         if args.device_counts else None
     runtime.start(args.devices)
     if args.model:
-        return pretrained(args)
+        return pretrained(args, strategies, counts or [args.devices])
 
     base = PRESETS[args.preset]
     train = base.train
@@ -130,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-def pretrained(args) -> dict:
-    """Every strategy on `args.devices` devices against dp on one, from pretrained weights."""
+def pretrained(args, strategies: list[str], counts: list[int]) -> dict:
+    """Each strategy on each device count against dp on one device, from pretrained weights."""
     cfg, params, rows = truncated_model("smollm2", args.layers)
     train = PRESETS["smollm2"].train
     tx = make_optimizer(train)
@@ -143,10 +151,10 @@ def pretrained(args) -> dict:
     ref_losses, ref_params = run_label("dp", 1, batches, cfg, tx, seed=0,
                                        clip_norm=train.clip_norm, init_params=params)
     results = []
-    for strategy in tqdm([s for s in LABELS if s != "zero3_auto"], desc="equivalence"):
-        losses, out = run_label(strategy, args.devices, batches, cfg, tx, seed=0,
+    for strategy, n in tqdm([(s, n) for s in strategies for n in counts], desc="equivalence"):
+        losses, out = run_label(strategy, n, batches, cfg, tx, seed=0,
                                 clip_norm=train.clip_norm, init_params=params)
-        results.append({"strategy": strategy, "devices": args.devices,
+        results.append({"strategy": strategy, "devices": n,
                         "max_loss_diff": float(np.abs(losses - ref_losses).max()),
                         "max_param_diff": max_tree_diff(out, ref_params),
                         "losses": losses.tolist()})

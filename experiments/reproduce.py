@@ -7,8 +7,9 @@
 Runs each experiment of experiments/reproduction.py (pinned commands, one subprocess of its
 launcher each) in order, printing which one runs, its progress and the time left (from the
 expected times, stated up front). A failed experiment is reported and the others still run; the
-exit status is 0 only if every one passed. Each results file gets its provenance (machine,
-software versions, date, command) and reproduce.json in the results folder lists every run.
+exit status is 0 only if every one that ran passed and none named in --only was skipped. Each
+results file gets its provenance (machine, software versions, date, command) and reproduce.json
+in the results folder lists every run.
 
 Then the tables are regenerated: the full run rewrites README.md and docs/*.md from
 experiments/results/; --quick writes its results to runs/reproduce-quick/results/ (never over
@@ -22,9 +23,11 @@ counts as failed.
 
 Some experiments need what this project does not install: the PyTorch side (set
 $SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md) or an NVIDIA
-GPU. Without it they are skipped, with the reason, and their tables keep the committed figures;
-so is an experiment whose prerequisite (a training run it reads) did not pass. --only adds an
-experiment's prerequisites.
+GPU. Without it they are skipped, with the reason, and not re-measured (a full run leaves their
+committed results as they are); so is an experiment whose prerequisite (a training run it
+reads) did not pass. --only adds an experiment's prerequisites. The training runs go to
+--runs; in the runner's own folder (the default, or one it created) each run replaces the
+previous one of the same experiment.
 """
 
 from __future__ import annotations
@@ -100,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     ran = len(todo) - len(summary["skipped"])
     say(f"{ran - len(summary['failed'])}/{ran} experiments passed in {summary['wall_s']:.0f} s"
         + (f", {len(summary['skipped'])} skipped" if summary["skipped"] else ""))
-    return 0 if summary["passed"] and consistent else 1
+    # A whole run may skip what this machine lacks; an experiment asked for by name may not.
+    named_skipped = [n for n in args.only or () if n in summary["skipped"]]
+    if named_skipped:
+        say(f"not run, though named in --only: {', '.join(named_skipped)}")
+    return 0 if summary["passed"] and consistent and not named_skipped else 1
 
 
 if __name__ == "__main__":

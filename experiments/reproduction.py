@@ -1,14 +1,15 @@
 """Every experiment that feeds a README table or plot, pinned, and the runner that re-measures
 them (experiments.reproduce is its command line).
 
-Each experiment runs as a subprocess of its own launcher (`python -m experiments.NAME ...`), so
-launchers stay leaves and one failing does not stop the others. A run writes its results into
-one folder: the committed experiments/results/ for the full run, another folder for --quick
-(the environment variable SHARDQ_RESULTS_DIR points every launcher's default output there, and
-the commands below name it explicitly where a launcher takes --out/--record). After each
-experiment its results files get a "provenance" entry (machine, software versions, date,
-command), and reproduce.json in the folder records every experiment's command, status, wall
-time and output tail.
+Each experiment runs as a subprocess of its own launcher (`python -m experiments.NAME ...`, or
+a PyTorch-side script under $SHARDQ_TORCH_PYTHON), so launchers stay leaves and one failing
+does not stop the others; one that needs what the machine lacks (`needs`) is skipped. A run
+writes its results into one folder: the committed experiments/results/ for the full run,
+another folder for --quick (the environment variable SHARDQ_RESULTS_DIR points every
+launcher's default output there, and the commands below name it explicitly where a launcher
+takes --out/--record). After each experiment its results files get a "provenance" entry
+(machine, software versions, date, command), and reproduce.json in the folder records every
+experiment's command, status, wall time and output tail.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +57,9 @@ class Experiment:
     after: tuple[str, ...] = ()
     # Environment variables set for this experiment alone.
     env: tuple[tuple[str, str], ...] = ()
+    # Folders in {runs} it writes anew (a training run): emptied before it runs, since the
+    # launchers refuse to start a run over an earlier one and the runner's scratch is its own.
+    fresh: tuple[str, ...] = ()
 
     def command(self, quick: bool, results: Path, runs: Path) -> list[str]:
         # Project-relative paths (the commands run from the project root): results files
@@ -62,8 +67,11 @@ class Experiment:
         args = self.quick_argv if quick else self.argv
         res, run = project_relative(results), project_relative(runs)
         # A script of the PyTorch side runs under that environment's interpreter, by path.
-        python = os.environ.get(TORCH_PYTHON_ENV, "") if self.runs_in_torch else sys.executable
+        python = (torch_python() or "") if self.runs_in_torch else sys.executable
         return [python, *(a.replace("{results}", res).replace("{runs}", run) for a in args)]
+
+    def fresh_folders(self, runs: Path) -> list[Path]:
+        return [Path(runs) / f.removeprefix("{runs}/") for f in self.fresh]
 
     @property
     def runs_in_torch(self) -> bool:
@@ -85,6 +93,12 @@ class Experiment:
 
 # needs -> why an experiment cannot run here (None: it can); see `missing_need`.
 NEEDS = ("torch", "gpu")
+
+
+def torch_python() -> str | None:
+    """$SHARDQ_TORCH_PYTHON as an absolute path (experiments run from the project root)."""
+    python = os.environ.get(TORCH_PYTHON_ENV)
+    return os.path.abspath(python) if python else None
 
 
 def _m(name: str, *args: str) -> tuple[str, ...]:
@@ -126,7 +140,8 @@ def _train_speed(name: str, devices: int, *, ablate: bool, expected_s: float,
              *(() if ablate else ("--profile-steps", "1")))
     feeds = ("training step changes table" if ablate else "training speed vs PyTorch table")
     return Experiment(name, _m("bench_train", *args, *out), _m("bench_train", *args, *quick, *out),
-                      (file,), expected_s, quick_s, f"{feeds}, {devices} device(s)")
+                      (file,), expected_s, quick_s, f"{feeds}, {devices} device(s)",
+                      needs=None if ablate else "torch")
 
 
 # The main job's checkpoint feeds the int8 table, so main_job comes before quant_table.
@@ -137,7 +152,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--steps", "40", "--warmup-steps", "5", "--eval-every", "40",
                   "--eval-batches", "2",
                   "--ckpt-every", "40", "--record", "{results}/main_job.json"),
-               ("main_job.json", "main_job.png"), 560, 20, "main_job table, loss curve"),
+               ("main_job.json", "main_job.png"), 560, 20, "main_job table, loss curve",
+               fresh=("{runs}/main",)),
     Experiment("equivalence", _m("equivalence", "--devices", "8", "--steps", "20", "--json",
                                  "--out", "{results}/equivalence.json"),
                # Every strategy against one device, on 2 devices in fp32 (the claim's precision).
@@ -196,7 +212,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("train", "--workdir", "{runs}/medium-disk", "--preset", "tiny", "--steps",
                   "4", "--batch-size", "8", "--eval-batches", "1", "--eval-every", "4",
                   "--ckpt-every", "4", "--warmup-steps", "1", "--no-progress"),
-               (), 150, 20, "the checkpoint the next table quantises"),
+               (), 150, 20, "the checkpoint the next table quantises",
+               fresh=("{runs}/medium-disk",)),
     Experiment("quant_disk_medium", _m("quant_table", "--workdir", "{runs}/medium-disk",
                                        "--modes", "w8,w8a8,smoothquant", "--calib-batches",
                                        "2", "--out", "{results}/quant_disk_medium.json"),
@@ -238,13 +255,14 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("bench_int8", "--json", "--preset", "tiny", "--repeats", "2",
                   "--new-tokens", "8", "--out", "{results}/int8_bench.json"),
                ("int8_bench.json",), 200, 25, "int8 speed table"),
-    # With SHARDQ_TORCH_PYTHON naming an interpreter that has torch + transformers, the
-    # benchmark adds the PyTorch side (the table's ratios); without it, ours only.
+    # The table is a ratio to PyTorch (torch + transformers under SHARDQ_TORCH_PYTHON): without
+    # that side a run would replace the committed file with ours alone, so it is skipped.
     Experiment("bench_encoder", _m("bench_encoder", "--json",
                                    "--out", "{results}/bench_encoder.json"),
                _m("bench_encoder", "--json", "--sentences", "16", "--rounds", "1",
                   "--modes", "w8a8", "--out", "{results}/bench_encoder.json"),
-               ("bench_encoder.json",), 240, 20, "MiniLM speed vs PyTorch table"),
+               ("bench_encoder.json",), 240, 20, "MiniLM speed vs PyTorch table",
+               needs="torch"),
     Experiment("encoder_ablations", _m("bench_encoder", "--ablations", "--json",
                                        "--out", "{results}/encoder_ablations.json"),
                _m("bench_encoder", "--ablations", "--json", "--sentences", "32", "--rounds",
@@ -255,8 +273,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "1", "--variants", "float,w8a8,float-scan",
                   "--out", "{results}/bench_decode.json"),
                ("bench_decode.json",), 240, 30, "SmolLM2 decoding speed table"),
-    # The PyTorch columns need SHARDQ_TORCH_PYTHON (as bench_encoder's); each file keeps one
-    # entry per device count, and the tables show 1 and 8 devices.
+    # The speed table is a ratio to PyTorch eager (SHARDQ_TORCH_PYTHON, as bench_encoder's);
+    # each file keeps one entry per device count, and the tables show 1 and 8 devices.
     _train_speed("bench_train", 8, ablate=False, expected_s=90, quick_s=30),
     _train_speed("bench_train_1dev", 1, ablate=False, expected_s=90, quick_s=20),
     _train_speed("train_changes", 1, ablate=True, expected_s=240, quick_s=40),
@@ -279,7 +297,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--steps", "2", "--batch-size", "8", "--max-len", "32", "--eval-batches", "1",
                   "--json", "--out", "{results}/finetune_smollm2.json"),
                ("finetune_smollm2.json", "finetune_smollm2.png"), 420, 60,
-               "SmolLM2 fine-tuning table and loss curve"),
+               "SmolLM2 fine-tuning table and loss curve", fresh=("{runs}/finetune-smollm2",)),
     Experiment("equivalence_smollm2", _m("equivalence", "--model", "smollm2-truncated",
                                          "--steps", "3", "--json",
                                          "--out", "{results}/equivalence_smollm2.json"),
@@ -289,7 +307,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                ("equivalence_smollm2.json",), 950, 60,
                "every strategy from the pretrained weights against one device"),
     # A fine-tuned run exported in both formats, then scored by transformers (the safetensors
-    # folder) and by our loader (the GGUF file): the export_run table.
+    # folder) and by our loader (the GGUF file): the export_run table. Every step needs the
+    # PyTorch side, so that a machine without it does not rewrite half of the table's sources.
     Experiment("export_train", _m("train", "--preset", "smollm2", "--steps", "2",
                                   "--ckpt-every", "2", "--eval-every", "2", "--eval-batches", "1",
                                   "--devices", "8", "--workdir", "{runs}/ft-export",
@@ -298,7 +317,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--batch-size", "8", "--steps", "1", "--warmup-steps", "0", "--ckpt-every",
                   "1", "--eval-every", "1", "--eval-batches", "1", "--devices", "2", "--workdir",
                   "{runs}/ft-export", "--no-progress"),
-               (), 240, 40, "the run the export table exports"),
+               (), 240, 40, "the run the export table exports", needs="torch",
+               fresh=("{runs}/ft-export",)),
     Experiment("export_safetensors", _m("export", "--workdir", "{runs}/ft-export", "--format",
                                         "safetensors", "--out", "{runs}/exports/ft-export",
                                         "--force",
@@ -307,12 +327,13 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--out", "{runs}/exports/ft-export", "--force",
                   "--record", "{results}/export_run_smollm2.json"),
                ("export_run_smollm2.json",), 60, 20, "export table: the Hugging Face folder",
-               after=("export_train",)),
+               needs="torch", after=("export_train",)),
     Experiment("export_gguf", _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
                                  "--out", "{runs}/exports/ft-export-gguf", "--force"),
                _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
                   "--out", "{runs}/exports/ft-export-gguf", "--force"),
-               (), 60, 20, "export table: the GGUF file", after=("export_train",)),
+               (), 60, 20, "export table: the GGUF file", needs="torch",
+               after=("export_train",)),
     Experiment("export_reference", (
         "experiments/check_export_reference.py", "--dir", "{runs}/exports/ft-export",
         "--texts-from", "tests/fixtures/smollm2_reference.json",
@@ -332,7 +353,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "--out", "{results}/export_run_parity.json"),
                ("export_run_parity.json",), 150, 30,
                "export table: our loader scores the exported GGUF against transformers",
-               after=("export_gguf", "export_reference")),
+               needs="torch", after=("export_gguf", "export_reference")),
     # The GPU benchmark: runs only where JAX's backend is an NVIDIA GPU (--tiny: its code paths
     # on tiny shapes, for the quick run).
     Experiment("bench_gpu", _m("bench_gpu", "--json", "--out", "{results}/bench_gpu.json"),
@@ -344,7 +365,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                                          "--json", "--out", "{results}/bench_gpu_no_triton.json"),
                _m("bench_gpu", "--tiny", "--parts", "training,matmuls", "--json",
                   "--out", "{results}/bench_gpu_no_triton.json"),
-               ("bench_gpu_no_triton.json",), 200, 60,
+               ("bench_gpu_no_triton.json", "bench_gpu_no_triton.png"), 200, 60,
                "GPU table without XLA's Triton GEMMs", needs="gpu",
                env=(("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false"),)),
     Experiment("fault_injection", _m("fault_injection", "--json",
@@ -491,7 +512,7 @@ def _backend_is_nvidia_gpu() -> bool:
 def missing_need(exp: Experiment, gpu: Callable[[], bool] = _backend_is_nvidia_gpu) -> str | None:
     """Why `exp` cannot run on this machine (None: it can)."""
     if exp.needs == "torch":
-        python = os.environ.get(TORCH_PYTHON_ENV)
+        python = torch_python()
         if not python:
             return (f"needs the PyTorch environment: set ${TORCH_PYTHON_ENV} to its interpreter "
                     "(docs/testing.md)")
@@ -565,23 +586,37 @@ def _fmt(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+# In a runs folder the runner made: its training runs may be replaced by the next run.
+SCRATCH_MARK = ".reproduce-scratch"
+
+
 def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: Path,
             say: Callable[[str], None] = print, timeout_s: float | None = None) -> dict:
     """Run each experiment in turn (a failure is recorded and the next one runs); returns the
-    summary also written to results/reproduce.json."""
+    summary also written to results/reproduce.json. An experiment's `fresh` folders are emptied
+    first only where `runs` is the runner's own (it made the folder); elsewhere an earlier run
+    there stays, and its launcher refuses to start over it."""
     results, runs = Path(results).resolve(), Path(runs).resolve()
     results.mkdir(parents=True, exist_ok=True)
-    runs.mkdir(parents=True, exist_ok=True)
+    if not runs.exists() or not any(runs.iterdir()):
+        runs.mkdir(parents=True, exist_ok=True)
+        (runs / SCRATCH_MARK).write_text("experiments.reproduce's scratch runs: replaced by "
+                                         "its next run\n")
+    own_runs = (runs / SCRATCH_MARK).exists()
     env = {**os.environ, RESULTS_ENV: str(results),
            "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
-    expected = [e.quick_expected_s if quick else e.expected_s for e in experiments]
-    say(f"{len(experiments)} experiments, expected about {_fmt(sum(expected))} on a 2-core CPU; "
-        f"results in {results}")
+    # What this machine lacks is known before anything runs: those take no time.
+    gpu = functools.cache(_backend_is_nvidia_gpu)
+    lacking = {e.name: missing_need(e, gpu) for e in experiments}
+    expected = [0 if lacking[e.name] else e.quick_expected_s if quick else e.expected_s
+                for e in experiments]
+    say(f"{len(experiments)} experiments ({sum(map(bool, lacking.values()))} of them skipped "
+        f"here: see below), expected about {_fmt(sum(expected))} on a 2-core CPU; results in "
+        f"{results}")
     machine = environment()
     start = time.perf_counter()
     rows = []
     passed: set[str] = set()
-    gpu = functools.cache(_backend_is_nvidia_gpu)
     for i, exp in enumerate(experiments):
         cmd = exp.command(quick, results, runs)
         shown = exp.shown(quick, results, runs)
@@ -590,13 +625,15 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
             f"[elapsed {_fmt(time.perf_counter() - start)}, about {_fmt(left)} left]")
         date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         not_run = [a for a in exp.after if a not in passed]
-        skipped = (f"runs after {', '.join(not_run)}, which did not pass here" if not_run
-                   else missing_need(exp, gpu))
+        skipped = lacking[exp.name] or (
+            f"runs after {', '.join(not_run)}, which did not pass here" if not_run else None)
         if skipped:
             rows.append({"name": exp.name, "feeds": exp.feeds, "command": shown, "date": date,
                          "skipped": skipped, "passed": None, "outputs": list(exp.outputs)})
             say(f"    {exp.name}: skipped: {skipped}")
             continue
+        for folder in exp.fresh_folders(runs) if own_runs else ():
+            shutil.rmtree(folder, ignore_errors=True)
         t0 = time.perf_counter()
         tail: list[str] = []
         try:
@@ -619,6 +656,8 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
             passed.add(exp.name)
         provenance = {**machine, "date": date, "command": shown, "wall_s": round(wall, 1),
                       "quick": quick}
+        if exp.runs_in_torch:  # not this environment's packages: the file names its own
+            provenance["software"] = {"interpreter": f"${TORCH_PYTHON_ENV}"}
         for o in exp.outputs:
             if o.endswith(".json") and (results / o).exists() and rc == 0:
                 stamp(results / o, provenance)

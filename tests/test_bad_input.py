@@ -140,6 +140,8 @@ LAUNCHERS = [
     ("evaluate", ["--workdir", "{workdir}", "--eval-batches", "0"], "eval_batches"),
     ("zero_release", ["--depths", "4", "4", "--out", "{out}"], "depths"),
     ("equivalence", ["--strategies", "dp,zero4", "--out", "{out}"], "strategies"),
+    ("equivalence", ["--model", "smollm2-truncated", "--precisions", "float32,bfloat16",
+                     "--out", "{out}"], "precisions"),
     ("fault_injection", ["--scenarios", "crash_and_resume,crash_and_resume", "--out", "{out}"],
      "scenarios"),
 ]

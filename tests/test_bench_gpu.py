@@ -32,8 +32,11 @@ def test_without_a_gpu_it_skips_in_one_line_and_records_why(tmp_path):
     assert record["machine"]["backend"] == "cpu" and "load_1min" in record["machine"]
 
 
-def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path):
-    out = tmp_path / "tiny.json"
+def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path, monkeypatch):
+    # As a quick reproduction runs it: its own results folder, whose bench_gpu.json a tiny run
+    # may write (only the committed one is kept for the full GPU run's figures).
+    monkeypatch.setenv("SHARDQ_RESULTS_DIR", str(tmp_path))
+    out = tmp_path / "bench_gpu.json"
     variants = "dp/full/xla,zero3/save_dots/xla,dp/full/cudnn"
     proc = cli("bench_gpu", "--tiny", "--json", "--variants", variants, "--out", str(out))
     assert proc.returncode == 0, proc.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +94,39 @@ def test_what_a_machine_lacks_is_skipped_not_failed(tmp_path, monkeypatch):
     assert reproduction.missing_need(gpu, gpu=lambda: True) is None
 
 
-def test_the_gpu_probe_says_no_on_this_cpu_machine():
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine")
+def test_the_gpu_probe_says_no_on_a_cpu_machine():
     assert reproduction._backend_is_nvidia_gpu() is False
+
+
+def test_an_experiment_asked_for_by_name_and_skipped_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
+    proc = _run("--quick", "--only", "w8a8_crosscheck", "--results", str(tmp_path / "r"),
+                "--runs", str(tmp_path / "w"), "--readme-out", str(tmp_path / "README.md"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "w8a8_crosscheck: skipped: needs the PyTorch environment" in proc.stderr
+    assert "not run, though named in --only: w8a8_crosscheck" in proc.stderr
+    assert not (tmp_path / "r" / "smollm2_w8a8_crosscheck.json").exists()
+
+
+def test_a_training_run_is_replaced_only_in_the_runners_own_folder(tmp_path):
+    """Launchers refuse to start a run over an earlier one: in a runs folder the runner made,
+    the experiment's own run folder is emptied first; in someone else's it is left alone."""
+    probe = ("-c", "import os, sys; d = os.path.join(sys.argv[1], 'run'); "
+                   "sys.exit(3) if os.path.exists(d) else os.makedirs(d)", "{runs}")
+    exp = reproduction.Experiment("trains", probe, probe, (), 1, 1, "a run",
+                                  fresh=("{runs}/run",))
+    own, theirs = tmp_path / "own", tmp_path / "theirs"
+    for _ in range(2):  # the second run finds the first one's folder
+        summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r", runs=own,
+                                       say=lambda _: None)
+        assert summary["passed"], summary
+    (theirs / "run").mkdir(parents=True)
+    (theirs / "run" / "keep.txt").write_text("someone's run")
+    summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r", runs=theirs,
+                                   say=lambda _: None)
+    assert summary["failed"] == ["trains"]  # the launcher's refusal, and nothing deleted
+    assert (theirs / "run" / "keep.txt").read_text() == "someone's run"
 
 
 def test_a_pytorch_side_script_runs_under_that_interpreter_and_records_no_path(monkeypatch):
