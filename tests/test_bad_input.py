@@ -9,8 +9,6 @@ do not import launchers); one subprocess per launcher proves that its ConfigErro
 import argparse
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +25,7 @@ from experiments.data import load_corpus
 from experiments.trainer import prepare
 from experiments.zero_evidence import ReleaseSetup, release_report
 from parallel.mesh import parse_mesh
-from tests.helpers import launch_in_one_process
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, cli, launch_in_one_process
 
 _parser = argparse.ArgumentParser()
 _parser.add_argument("--preset", default="tiny")
@@ -115,12 +111,6 @@ def one_line(proc) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     return lines[0]
-
-
-def cli(module, *args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ require_package(MINILM_WEIGHTS, "the MiniLM weights")
 
 from experiments.encoder_bench import bench_sentences, run  # noqa: E402
 from experiments.tables import bench_encoder  # noqa: E402
-from tests.test_cli import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, one_line_error  # noqa: E402
 
 # Speaks torch_encoder_reference.py's --serve protocol: every pass takes 2 s.
 FAKE_TORCH = """#!/bin/sh

@@ -14,8 +14,7 @@ from experiments import accel_bench
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention
-from tests.helpers import launch_in_one_process
-from tests.test_cli import cli
+from tests.helpers import cli, launch_in_one_process
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
                                 reason="checks the CPU behaviour of the GPU benchmark")

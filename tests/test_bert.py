@@ -35,7 +35,7 @@ from model.hf_bert import (  # noqa: E402
     load_pretrained,
     package_model_dir,
 )
-from tests.test_cli import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, one_line_error  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "minilm_reference.json"
 

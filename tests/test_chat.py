@@ -19,7 +19,7 @@ from experiments import pretrained_lm, reply_stability, tables  # noqa: E402
 from experiments.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
-from tests.test_cli import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, one_line_error  # noqa: E402
 
 LAYERS = 2
 PROMPT = PROMPTS[0].text

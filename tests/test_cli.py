@@ -3,30 +3,12 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from experiments.config import ConfigError, load_config
 from experiments.restore import restore_params
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cli(module, *args, timeout=300, input=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout, input=input)
-
-
-def one_line_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln
-             and not ln.startswith("  ")]
-    assert len(lines) == 1, proc.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
+from tests.helpers import cli, one_line_error
 
 
 @pytest.mark.parametrize("args,fragments", [

@@ -26,8 +26,7 @@ from experiments.trainer import train_and_evaluate
 from model.config import ModelConfig
 from model.llama_export import GGUF_FILE, SAFETENSORS_FILE, gguf_permute, plan
 from model.llama_gguf import _unpermute
-from tests.helpers import TINY, require_package
-from tests.test_cli import cli, one_line_error
+from tests.helpers import TINY, cli, one_line_error, require_package
 
 FIXTURE_PATH = Path(__file__).parent / "fixtures" / "smollm2_export_reference.json"
 LAYER_NAMES = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

@@ -25,9 +25,7 @@ from experiments.restore import restore_params
 from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
 from parallel.sharded_run import build
 from parallel.strategies import get_strategy
-from tests.helpers import TINY, max_tree_diff
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, TINY, max_tree_diff
 
 
 def tiny(tmp_path, **train):

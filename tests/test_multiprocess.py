@@ -12,8 +12,8 @@ import pytest
 from experiments.config import load_config
 from experiments.restore import restore_params
 from experiments.trainer import train_and_evaluate
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 

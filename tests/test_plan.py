@@ -22,8 +22,8 @@ from experiments.config import ConfigError
 from experiments.zero_evidence import paper_bytes
 from model.config import MODEL_PRESETS
 from model.flops import param_count
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dataclasses.replace(MODEL_PRESETS["tiny"], param_dtype="bfloat16",
                            compute_dtype="bfloat16")
 KEYS = {"strategy", "mesh", "remat", "micro_batch", "model_state_gb", "peak_gb",

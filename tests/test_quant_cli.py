@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.test_cli import cli, one_line_error
+from tests.helpers import cli, one_line_error
 
 
 @pytest.fixture(scope="module")

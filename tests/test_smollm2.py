@@ -35,7 +35,7 @@ from quant.calibrate import calibrate  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
 from quant.smoothquant import fold  # noqa: E402
 from quant.stored import quantize_with_meta, save_atomic  # noqa: E402
-from tests.test_cli import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, one_line_error  # noqa: E402
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "smollm2_reference.json").read_text())
 
