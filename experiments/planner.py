@@ -157,8 +157,11 @@ def family_width_for(psi: float, max_width: int = 1 << 17) -> int:
 
 def describe_shape(cfg: ModelConfig) -> str:
     kv = f", n_kv_heads {cfg.n_kv_heads}" if cfg.n_kv_heads else ""
+    n = param_count(cfg)
+    size = next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"),
+                                                              (1, "")) if n >= scale or scale == 1)
     return (f"d_model {cfg.d_model}, n_layers {cfg.n_layers}, n_heads {cfg.n_heads}{kv}, "
-            f"d_ff {cfg.d_ff}, vocab {cfg.vocab_size} ({param_count(cfg) / 1e9:.3g}B params)")
+            f"d_ff {cfg.d_ff}, vocab {cfg.vocab_size} ({size} params)")
 
 
 # ---------------------------------------------------------------- request and candidates

@@ -624,12 +624,14 @@ def plan_example(d: dict) -> str:
 
 def plan_accuracy(d: dict) -> str:
     rows = _head("configuration (8 fake CPU devices)", "planner peak MB", "executed peak MB",
-                 "error", "executable's compiled peak vs planner's")
+                 "error", "executed − planner MB", "executable's compiled peak vs planner's")
     for r in d["results"]:
+        gap = (r["executed_peak_bytes"] - r["planner_peak_bytes"]) / 1e6
         rows.append(f"| {r['name']} | {r['planner_peak_bytes'] / 1e6:.2f} | "
-                    f"{r['executed_peak_bytes'] / 1e6:.2f} | {r['error']:+.1%} | "
+                    f"{r['executed_peak_bytes'] / 1e6:.2f} | {r['error']:+.1%} | {gap:+.2f} | "
                     f"{r['executable_vs_planner']:+.3%} |")
-    rows.append(f"\nLargest |error| {d['max_abs_error']:.1%} (goal ≤ {d['goal']:.0%}).")
+    met = "met" if d["within_goal"] else "missed"
+    rows.append(f"\nLargest |error| {d['max_abs_error']:.1%} (goal ≤ {d['goal']:.0%}: {met}).")
     return "\n".join(rows)
 
 
