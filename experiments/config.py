@@ -339,11 +339,13 @@ def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
                         title="config overrides (default: the preset's value)")
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Preset + overrides; raises ConfigError naming the bad field."""
-    if args.preset not in PRESETS:
-        raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
-    base = PRESETS[args.preset]
+def config_from_args(args: argparse.Namespace, base: Config | None = None) -> Config:
+    """Preset (or `base`: a run's own config, which --resume continues) + the flags given;
+    raises ConfigError naming the bad field."""
+    if base is None:
+        if args.preset not in PRESETS:
+            raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
+        base = PRESETS[args.preset]
     cfg = Config(base.preset,
                  dataclasses.replace(base.model, **field_overrides(args, ModelConfig)),
                  dataclasses.replace(base.train, **field_overrides(args, TrainConfig)))

@@ -2,43 +2,71 @@
 
   python -m experiments.train --workdir runs/small --preset small --steps 1500 --devices 8
 
+  python -m experiments.train --workdir runs/small --resume --devices 4 --strategy zero3
+
 Writes WORKDIR/config.json, WORKDIR/metrics.jsonl (one JSON object per logged step) and Orbax
-checkpoints under WORKDIR/checkpoints/. Prints a JSON summary on its last line.
+checkpoints under WORKDIR/checkpoints/. Prints a JSON summary on its last line. --resume
+continues the run from its newest intact checkpoint with the run's own config.json; the flags
+given over it may change the layout and the logging, evaluation and checkpoint cadence, and a
+flag that would change the model or the optimisation is refused, naming the field.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from experiments.config import (
     PRESETS,
+    Config,
     ConfigError,
     Parser,
     add_override_flags,
     check_output_folder,
     config_from_args,
     fail,
+    load_config,
 )
 
 PROG = "experiments.train"
+DEFAULT_PRESET = "small"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="where config, metrics and checkpoints go")
-    p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--resume", action="store_true", help="continue the run in WORKDIR")
+    p.add_argument("--preset", default=None,
+                   help=f"one of {', '.join(PRESETS)} (default {DEFAULT_PRESET}; with --resume "
+                        "the run's own)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in WORKDIR, with its config.json; flags given change "
+                        "only what a resumed run may change (the layout, how often it logs, "
+                        "evaluates and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_override_flags(p)
     return p
 
 
+def _resumed_config(args: argparse.Namespace) -> Config | None:
+    """With --resume, the run's own config (the flags given are applied over it), else None
+    and the preset's (default DEFAULT_PRESET)."""
+    if not (args.resume and (Path(args.workdir) / "config.json").exists()):
+        args.preset = args.preset or DEFAULT_PRESET
+        return None
+    run = load_config(args.workdir)
+    if args.preset not in (None, run.preset):
+        raise ConfigError(f"preset={args.preset!r}: the run in {args.workdir} is "
+                          f"{run.preset!r}; --resume continues it with its own configuration "
+                          f"(give only the flags that change)")
+    return run
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, base=_resumed_config(args))
         check_output_folder("workdir", args.workdir, "the run")
     except ConfigError as e:
         fail(PROG, str(e))

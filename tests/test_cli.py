@@ -115,3 +115,16 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     one_line_error(cli("sample", "--workdir", str(workdir), "--max-new-tokens", "500"),
                    "max_new_tokens=500", "context of 32")
     one_line_error(cli("evaluate", "--workdir", str(tmp_path / "nothing")), "no config.json")
+
+    # --resume takes the run's own configuration (tiny preset, its corpus, 4 steps): only the
+    # flags that change need giving, and one that would change the run is named.
+    proc = cli("train", "--workdir", str(workdir), "--resume", "--devices", "2", "--strategy",
+               "zero3", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert resumed["resumed_from"] == 4 and resumed["devices"] == 2
+    assert resumed["params"] == summary["params"]
+    one_line_error(cli("train", "--workdir", str(workdir), "--resume", "--preset", "small"),
+                   "preset='small'", "'tiny'")
+    one_line_error(cli("train", "--workdir", str(workdir), "--resume", "--lr", "0.5"),
+                   "resume: lr=0.5 differs from the run's")
