@@ -6,7 +6,7 @@
 Each variant decodes `--new-tokens` tokens after the same prompt (the first 400 characters of
 the validation topics): one jitted `lax.scan` over the tokens, the prefill excluded, timed
 `--repeats` times with the variants interleaved; the median is reported with the per-token
-latency and the bytes of weights every token reads. Besides the variants the issue asks for
+latency and the bytes of weights every token reads. Besides the main variants
 (float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
 input rotations at every step, each in the layer layout
 `model.generate` picks by default) the other layout of float, w8 and w8a8 is timed too, so the
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 
 from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.results_io import results_path, write_result
@@ -115,11 +117,12 @@ def run(args, names: list[str]) -> dict:
             "block_matvec": matvec,
             "machine": {**describe(), "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]},
-            "command": "python -m experiments.bench_decode --json"}
+            "command": shlex.join(["python", "-m", "experiments.bench_decode", *args.argv])}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded as run
     try:
         names = check(args)
         out = run(args, names)

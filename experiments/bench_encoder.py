@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The interpreter's path is this machine's: the record names the flag's value generically.
     shown = ["PYTHON" if a == args.torch_python else a
              for a in (argv if argv is not None else sys.argv[1:])]
-    out["command"] = " ".join(["python -m experiments.bench_encoder", *shown])
+    out["command"] = shlex.join(["python", "-m", "experiments.bench_encoder", *shown])
     dest = args.out if args.out is not None else str(ABLATIONS if args.ablations else OUT)
     if dest:
         write_result(dest, out)

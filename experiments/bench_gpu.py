@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
         path = args.out or NOT_GPU_OUT
         write_result(path, out)
         print(f"{PROG}: {reason}; wrote {path}")
+        if args.json:
+            print(json.dumps({"skipped": True, "reason": reason, "written": str(path)}))
         return out
     shape = TINY if args.tiny else FULL
     path = args.out or (OUT if backend == "gpu" and not args.tiny else NOT_GPU_OUT)

@@ -85,7 +85,8 @@ def load_corpus(path: str | None, val_percent: int = 5) -> tuple[np.ndarray, np.
         train, val = _SEPARATOR.join(parts[False]), _SEPARATOR.join(parts[True])
     if not train or not val:
         raise ConfigError(f"data={path!r}: holds no text for both a train and a validation split "
-                          f"(files found: {len(files)})")
+                          f"(files found: {len(files)}, {val_percent}% to validation; a folder "
+                          f"of few files may need a larger --val-percent)")
     return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
 
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         for i, t in enumerate(args.text):
             check_text(f"text {i}", t)
         if args.convert:
-            check_out(args.convert)
+            check_out(args.convert, field="convert")
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.convert:
             print(f"wrote {convert(args.convert)}")
             return None
-        graphdef, params, tokenizer = load_encoder(args.checkpoint)
+        try:
+            graphdef, params, tokenizer = load_encoder(args.checkpoint)
+        except CheckpointError as e:  # name the flag the path came from
+            raise CheckpointError(f"checkpoint={e}" if args.checkpoint else str(e)) from None
         if args.quant != "none":
             graphdef, params, _ = quantize_encoder(graphdef, params, tokenizer, args.quant)
         params, mesh = place(params, graphdef, devices, args.strategy)

@@ -118,9 +118,21 @@ def _wait_for(proc, ready, what: str, poll_s: float = 0.05) -> None:
         time.sleep(poll_s)
 
 
-def _wait_for_steps(proc, metrics: Path, n: int) -> None:
-    _wait_for(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n,
-              f"step {n}")
+def _logged_step(metrics: Path) -> int:
+    """The last training step in a metrics file still being written (evaluation rows are not
+    steps; a line cut mid-write is not read)."""
+    step = 0
+    for line in metrics.read_text().splitlines() if metrics.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = max(step, row["step"]) if "loss" in row else step
+    return step
+
+
+def _wait_for_steps(proc, workdir: Path, n: int) -> None:
+    _wait_for(proc, lambda: _logged_step(workdir / "metrics.jsonl") >= n, f"step {n}")
 
 
 def crash_and_resume(root: Path, data: str, ref: Path, cfg, rng) -> dict:
@@ -128,12 +140,12 @@ def crash_and_resume(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     kill_at = int(rng.integers(2, STEPS - 1))
     proc = subprocess.Popen(_cli(workdir, data), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _wait_for_steps(proc, workdir / "metrics.jsonl", kill_at)
+    _wait_for_steps(proc, workdir, kill_at)
     proc.kill()
     proc.wait()
     trained = _last_trained(workdir)
     summary, seconds, _ = _resume(workdir, data)
-    return {"scenario": "crash_and_resume", "injected": f"SIGKILL after step {kill_at}",
+    return {"scenario": "crash_and_resume", "injected": f"SIGKILL once step {kill_at} was logged",
             **_outcome(workdir, ref, cfg, trained, summary), "recovery_s": seconds}
 
 
@@ -162,7 +174,7 @@ def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     at = int(rng.integers(2, STEPS - 1))
     proc = subprocess.Popen(_cli(workdir, data), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    _wait_for_steps(proc, workdir / "metrics.jsonl", at)
+    _wait_for_steps(proc, workdir, at)
     t = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -172,7 +184,7 @@ def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     summary, _, _ = _resume(workdir, data)
     outcome = _outcome(workdir, ref, cfg, trained, summary)
     outcome["recovered"] &= proc.returncode == 0
-    return {"scenario": "preemption", "injected": f"SIGTERM after step {at}", **outcome,
+    return {"scenario": "preemption", "injected": f"SIGTERM once step {at} was logged", **outcome,
             "recovery_s": exit_s, "checkpointed_step": stopped}
 
 

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workdir", default="runs/finetune-smollm2")
     p.add_argument("--preset", default="smollm2", help="a preset with init (default smollm2)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=str(OUT))
     add_override_flags(p)
     args = p.parse_args(argv)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e))
     runtime.start(cfg.train.devices or 8, cfg.model)
     try:
-        summary = train_and_evaluate(cfg, args.workdir)
+        summary = train_and_evaluate(cfg, args.workdir, progress=not args.no_progress)
         memory = state_memory(cfg)
     except ConfigError as e:
         fail(PROG, str(e))

@@ -20,6 +20,7 @@ def is_converted(path: str | Path) -> bool:
     return (Path(path) / CKPT).is_dir() and (Path(path) / TOKENIZER).is_file()
 
 
-def check_out(out: str | Path) -> None:
-    """ConfigError, one line, unless `out` is missing, empty or an earlier conversion."""
-    check_replaceable_folder("out", out, "a converted encoder", is_converted)
+def check_out(out: str | Path, field: str = "out") -> None:
+    """ConfigError, one line naming `field` (the flag), unless `out` is missing, empty or an
+    earlier conversion."""
+    check_replaceable_folder(field, out, "a converted encoder", is_converted)

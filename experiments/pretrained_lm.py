@@ -13,6 +13,7 @@ import functools
 import math
 import time
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from experiments.model_flags import MODELS
 from model import DecoderLM, ModelConfig
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token
+from model.gguf import GGUFError
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from parallel.inference import gather_all_but_layers, gathered_runner, mesh_of
@@ -59,8 +61,15 @@ def load(name: str = "smollm2", n_layers: int | None = None,
     at `gguf_path` (GGUFError, one line, on a bad file)."""
     if name not in MODELS:
         raise ConfigError(f"model={name!r}: allowed {', '.join(MODELS)}")
-    cfg, params, gguf = load_gguf(gguf_path, n_layers=n_layers)
-    tokenizer = tokenizer_from_gguf(gguf)
+    try:
+        cfg, params, gguf = load_gguf(gguf_path, n_layers=n_layers)
+        tokenizer = tokenizer_from_gguf(gguf)
+    except GGUFError as e:
+        if gguf_path is None:  # the packaged file: no flag to name
+            raise
+        where = repr(str(Path(gguf_path)))  # the reader's messages start with the file
+        said = str(e).removeprefix(where).removeprefix(": ")
+        raise GGUFError(f"gguf={where}: {said}") from None
     params = jax.tree.map(jnp.asarray, params)
     return Pretrained(name, cfg, abstract_graphdef(cfg), params, tokenizer)
 

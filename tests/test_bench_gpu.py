@@ -29,6 +29,10 @@ def test_without_a_gpu_it_skips_in_one_line_and_records_why(tmp_path):
     record = json.loads(out.read_text())
     assert record["skipped"] is True and "backend cpu" in record["reason"]
     assert record["machine"]["backend"] == "cpu" and "load_1min" in record["machine"]
+    proc = cli("bench_gpu", "--json", "--out", str(out))  # --json: a JSON line last, still
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "skipped": True, "reason": record["reason"], "written": str(out)}
 
 
 def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path, monkeypatch):

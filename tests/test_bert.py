@@ -294,6 +294,8 @@ def test_embed_cli_bad_input():
     one_line_error(cli("embed", "--text", " "), "text 0: empty")
     one_line_error(cli("embed", "--text", "caf\udcc3"), "text 0: not valid UTF-8 (byte 0xc3")
     one_line_error(cli("embed", "--quant", "w4", "--text", "a"), "quant='w4'")
+    one_line_error(cli("embed", "--checkpoint", "/nonexistent/minilm", "--text", "a"),
+                   "checkpoint='/nonexistent/minilm': holds no converted encoder")
 
 
 def test_tokenizer_file_errors(tmp_path):
@@ -310,7 +312,8 @@ def test_conversion_never_replaces_a_folder_it_did_not_write(tmp_path, module, f
     other = tmp_path / "run"
     other.mkdir()
     (other / "config.json").write_text("{}")
-    one_line_error(cli(module, flag, str(other)), "holds other files")
+    # The line names the flag the user gave.
+    one_line_error(cli(module, flag, str(other)), f"{flag[2:]}=", "holds other files")
     assert [p.name for p in other.iterdir()] == ["config.json"]
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep")

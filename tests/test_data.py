@@ -69,6 +69,14 @@ def test_user_file_and_folder(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="holds no text"):
         load_corpus(str(empty))
+    # Two files, both hashed to the training side at 5%: the line says what to change.
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (few / name).write_bytes(text)
+    assert not any(is_validation(name, 5) for name in ("a.txt", "b.txt"))
+    with pytest.raises(ValueError, match=r"files found: 2, 5% to validation; .*--val-percent"):
+        load_corpus(str(few), val_percent=5)
 
 
 def test_validation_batches_are_fixed_and_spread():
