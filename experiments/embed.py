@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from experiments.config import ConfigError, Parser, check_devices, check_text, fail
 from experiments.encoder_devices import default_devices
@@ -44,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--convert", default=None, metavar="DIR",
                    help="convert the package's weights to an Orbax checkpoint in DIR and exit")
     return p
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """A text as the similarity lines quote it: long ones cut, with the count of characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -101,9 +105,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         sims = emb @ emb.T
         for i in range(len(args.text)):
             for j in range(i + 1, len(args.text)):
-                print(f"{sims[i, j]:+.4f}  {args.text[i]!r} ~ {args.text[j]!r}")
+                print(f"{sims[i, j]:+.4f}  {_shown(args.text[i])} ~ {_shown(args.text[j])}")
         if len(args.text) == 1:
-            print(f"one text: embedding of dimension {emb.shape[1]}", file=sys.stderr)
+            print(f"one text: embedding of dimension {emb.shape[1]} (--json prints it; two or "
+                  f"more texts print their cosine similarities)")
     return {"embeddings": emb}
 
 
