@@ -3,8 +3,8 @@ variants, and the int8 matmul rate against bf16.
 
   python -m experiments.bench_gpu --json     # on a GPU: writes experiments/results/bench_gpu.json
   python -m experiments.bench_gpu --tiny     # the same code paths on tiny shapes (CPU is fine)
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m experiments.bench_gpu \
-      --parts training,matmuls --variants dp/full/xla,dp/save_dots/cudnn \
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m experiments.bench_gpu \\
+      --parts training,matmuls --variants dp/full/xla,dp/save_dots/cudnn \\
       --out experiments/results/bench_gpu_no_triton.json   # the same without Triton GEMMs
 
 Training: the `1.3b` preset (d_model 2048, 26 layers, d_ff 8192, byte vocabulary: 1.31B
