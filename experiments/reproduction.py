@@ -304,7 +304,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                _m("equivalence", "--model", "smollm2-truncated", "--devices", "2",
                   "--device-counts", "2", "--strategies", "dp,zero3", "--steps", "1",
                   "--json", "--out", "{results}/equivalence_smollm2.json"),
-               ("equivalence_smollm2.json",), 950, 25,
+               ("equivalence_smollm2.json",), 150, 25,
                "every strategy from the pretrained weights against one device"),
     # A fine-tuned run exported in both formats, then scored by transformers (the safetensors
     # folder) and by our loader (the GGUF file): the export_run table. Every step needs the
