@@ -29,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import planner
 from experiments.config import TrainConfig
@@ -102,6 +103,24 @@ class PeakSampler:
 
 def _block(tree) -> None:
     jax.block_until_ready(tree)
+
+
+def runtime_baseline(devices: int) -> dict:
+    """What a first run costs the runtime itself, measured as `check` measures a step: the
+    resident-set growth, per device, of the first run of a program that holds almost nothing (a
+    small vector sharded over every device, doubled and summed across them). Its compiled peak
+    is a few KB; whatever else the run adds (threads, collective buffers) is outside XLA's
+    accounting, as it is for every step. Needs a fresh process, like `check`."""
+    mesh = make_mesh(devices)
+    x = jax.device_put(np.ones(devices * 1024, np.float32),
+                       NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
+    program = jax.jit(lambda v: (v * 2.0).sum()).lower(x).compile()
+    _block(x)
+    base = anonymous_resident()
+    with PeakSampler() as sampler:
+        _block(program(x))
+    return {"devices": devices, "compiled_peak_bytes": hlo.memory_peak(program).peak,
+            "executed_first_run_bytes": (sampler.peak - base) / devices}
 
 
 def check(cfg: CheckConfig, seed: int = 0) -> dict:

@@ -45,11 +45,17 @@ def configs(quick: bool):
 
 
 def worker(spec: str) -> None:
-    """One configuration in this (fresh) process; prints its JSON row."""
-    from experiments.peak_check import CheckConfig, check
+    """One configuration in this (fresh) process; prints its JSON row (for {"baseline": N}:
+    the runtime's own first-run cost on N devices)."""
+    from experiments.peak_check import CheckConfig, check, runtime_baseline
     from parallel.devices import request_cpu_devices
 
-    cfg = CheckConfig(**json.loads(spec))
+    spec = json.loads(spec)
+    if "baseline" in spec:
+        request_cpu_devices(spec["baseline"])
+        print(json.dumps(runtime_baseline(spec["baseline"])))
+        return
+    cfg = CheckConfig(**spec)
     request_cpu_devices(cfg.devices)
     print(json.dumps(check(cfg)))
 
@@ -72,13 +78,20 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     todo = configs(args.quick)
     root = pathlib.Path(__file__).resolve().parent.parent
+
+    def fresh_process(spec: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", PROG, "--worker", json.dumps(spec)],
+                              capture_output=True, text=True, cwd=root,
+                              env={**os.environ, **MMAP_ENV, "PYTHONPATH": str(root)})
+
+    # The runtime's own cost of a first run on these devices, measured the same way (a control:
+    # what no compiled peak can hold).
+    done = fresh_process({"baseline": todo[0].devices})
+    baseline = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     for i, cfg in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {cfg.name} ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", PROG, "--worker", json.dumps(dataclasses.asdict(cfg))],
-            capture_output=True, text=True, cwd=root,
-            env={**os.environ, **MMAP_ENV, "PYTHONPATH": str(root)})
+        proc = fresh_process(dataclasses.asdict(cfg))
         if proc.returncode != 0:
             failures.append({"name": cfg.name, "stderr": proc.stderr.strip()[-2000:]})
             print(f"  failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -91,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": rows, "failures": failures, "max_abs_error": worst, "goal": GOAL,
         "within_goal": worst <= GOAL and not failures,
         "max_abs_executable_vs_planner": max(abs(r["executable_vs_planner"]) for r in rows),
+        "runtime_baseline": baseline,
         "method": "executed peak per device = (anonymous resident memory (RssAnon) growth "
                   "allocating the state and batch + its largest value sampled every ms during "
                   "the first step above the value before it) / devices; one fresh process per "

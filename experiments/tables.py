@@ -632,6 +632,12 @@ def plan_accuracy(d: dict) -> str:
                     f"{r['executable_vs_planner']:+.3%} |")
     met = "met" if d["within_goal"] else "missed"
     rows.append(f"\nLargest |error| {d['max_abs_error']:.1%} (goal ≤ {d['goal']:.0%}: {met}).")
+    if d.get("runtime_baseline"):
+        b = d["runtime_baseline"]
+        rows.append(f"Control, measured the same way: the first run of a program that holds "
+                    f"almost nothing (a small vector summed over the {b['devices']} devices, "
+                    f"compiled peak {b['compiled_peak_bytes'] / 1e3:.1f} KB) grows the resident "
+                    f"set by {b['executed_first_run_bytes'] / 1e6:.2f} MB per device.")
     return "\n".join(rows)
 
 
