@@ -399,6 +399,8 @@ class Parser(argparse.ArgumentParser):
     prints the whole usage."""
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.endswith("expected one argument"):  # argparse reads "-x" as another flag
+            message += "; a value that starts with '-' is given as --flag=VALUE"
         fail(self.prog, f"{message} (see --help)")
 
 

@@ -239,6 +239,21 @@ def test_flag_refusals_come_before_jax_is_imported(tmp_path):
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "o.json").exists()
 
 
+def test_a_value_that_looks_like_a_flag_is_explained(capsys):
+    """argparse takes "-x" after --text for another flag; the one line says how to pass it."""
+    from experiments.config import Parser
+
+    p = Parser(prog="experiments.score")
+    p.add_argument("--text")
+    with pytest.raises(SystemExit) as exit_:
+        p.parse_args(["--text", "-x"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1
+    assert "argument --text: expected one argument; a value that starts with '-' is given as " \
+           "--flag=VALUE (see --help)" in err
+    assert p.parse_args(["--text=-x"]).text == "-x"
+
+
 def test_check_text_names_the_bad_byte_or_code_point():
     from experiments.config import check_text
 
