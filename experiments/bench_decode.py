@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import sys
 
 from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.results_io import results_path, write_result
+from experiments.results_io import command_line, results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -116,16 +114,14 @@ def run(args, names: list[str]) -> dict:
             "repeats": args.repeats, "variants": rows, "changes": changes,
             "block_matvec": matvec,
             "machine": {**describe(), "load_1min_before": load_before,
-                        "load_1min_after": os.getloadavg()[0]},
-            "command": shlex.join(["python", "-m", "experiments.bench_decode", *args.argv])}
+                        "load_1min_after": os.getloadavg()[0]}}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded as run
     try:
         names = check(args)
-        out = run(args, names)
+        out = {**run(args, names), "command": command_line(PROG, argv)}
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     write_result(args.out, out)

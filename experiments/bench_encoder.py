@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import sys
 from pathlib import Path
 
 from experiments.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
 from experiments.encoder_devices import MAX_DEVICES, default_devices
-from experiments.results_io import results_path, write_result
+from experiments.results_io import command_line, results_path, write_result
 from quant.modes import MODES
 
 PROG = "experiments.bench_encoder"
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The interpreter's path is this machine's: the record names the flag's value generically.
     shown = ["PYTHON" if a == args.torch_python else a
              for a in (argv if argv is not None else sys.argv[1:])]
-    out["command"] = shlex.join(["python", "-m", "experiments.bench_encoder", *shown])
+    out["command"] = command_line(PROG, shown)
     dest = args.out if args.out is not None else str(ABLATIONS if args.ablations else OUT)
     if dest:
         write_result(dest, out)

@@ -45,7 +45,7 @@ import jax
 from experiments import accel_bench, plots
 from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.machine import describe
-from experiments.results_io import results_path, write_result
+from experiments.results_io import command_line, results_path, write_result
 from experiments.runtime import backend_refusal
 from model import MODEL_PRESETS, ModelConfig
 from model.config import ATTENTION_IMPLS, REMAT_NAMES
@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out and Path(args.out).resolve() == COMMITTED.resolve() and backend != "gpu":
         fail(PROG, f"out={args.out}: {OUT.name} holds GPU figures only; give another path")
     out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
-           "command": " ".join([*([f"XLA_FLAGS={xla_flags}"] if xla_flags else []),
-                                "python -m experiments.bench_gpu", *argv]),
+           "command": command_line(PROG, argv, {"XLA_FLAGS": xla_flags} if xla_flags else None),
            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if backend != "gpu" and not args.tiny:
         reason = f"no GPU (JAX backend {backend}): the GPU parts are skipped"

@@ -35,7 +35,7 @@ from experiments.config import (
     check_output_folder,
     fail,
 )
-from experiments.results_io import write_result
+from experiments.results_io import command_line, write_result
 
 PROG = "experiments.plan"
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{req.link_gb_s:g} GB/s" + ("" if result["complete"] else
                                             " (search stopped at its time limit)"), file=out)
     if args.out:
-        write_result(args.out, {**result, "command": "python -m " + PROG + " " +
-                                " ".join(sys.argv[1:] if argv is None else argv)})
+        write_result(args.out, {**result, "command": command_line(PROG, argv)})
     if args.json:
         print(json.dumps(result))
     return result

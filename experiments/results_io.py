@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
 # Where results go: the committed experiments/results/, unless SHARDQ_RESULTS_DIR names another
@@ -24,6 +26,15 @@ def project_relative(path: str | Path) -> str:
     outside), so a committed results file never holds the absolute paths of the machine that
     wrote it."""
     return Path(os.path.relpath(Path(path).resolve(), PROJECT_ROOT)).as_posix()
+
+
+def command_line(module: str, argv: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> str:
+    """The command a results file records: `python -m MODULE ARGS`, shell-quoted so that it runs
+    as written (`argv` None: this process's arguments), after the VAR=value settings of `env`."""
+    words = [*(f"{k}={v}" for k, v in (env or {}).items()),
+             "python", "-m", module, *(sys.argv[1:] if argv is None else argv)]
+    return shlex.join(words)
 
 
 def results_path(name: str) -> Path:
