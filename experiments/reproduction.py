@@ -105,6 +105,12 @@ def _m(name: str, *args: str) -> tuple[str, ...]:
     return ("-m", f"experiments.{name}", *args)
 
 
+def _also_quick(argv: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(argv, quick_argv) of a step whose quick form is the same command (its input is already
+    the quick run's smaller one)."""
+    return argv, argv
+
+
 def _load(results: Path, name: str) -> dict:
     return json.loads((results / name).read_text())
 
@@ -319,38 +325,30 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                   "{runs}/ft-export", "--no-progress"),
                (), 240, 20, "the run the export table exports", needs="torch",
                fresh=("{runs}/ft-export",)),
-    Experiment("export_safetensors", _m("export", "--workdir", "{runs}/ft-export", "--format",
-                                        "safetensors", "--out", "{runs}/exports/ft-export",
-                                        "--force",
-                                        "--record", "{results}/export_run_smollm2.json"),
-               _m("export", "--workdir", "{runs}/ft-export", "--format", "safetensors",
-                  "--out", "{runs}/exports/ft-export", "--force",
-                  "--record", "{results}/export_run_smollm2.json"),
+    Experiment("export_safetensors",
+               *_also_quick(_m("export", "--workdir", "{runs}/ft-export", "--format",
+                               "safetensors", "--out", "{runs}/exports/ft-export", "--force",
+                               "--record", "{results}/export_run_smollm2.json")),
                ("export_run_smollm2.json",), 60, 10, "export table: the Hugging Face folder",
                needs="torch", after=("export_train",)),
-    Experiment("export_gguf", _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
-                                 "--out", "{runs}/exports/ft-export-gguf", "--force"),
-               _m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
-                  "--out", "{runs}/exports/ft-export-gguf", "--force"),
+    Experiment("export_gguf",
+               *_also_quick(_m("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
+                               "--out", "{runs}/exports/ft-export-gguf", "--force")),
                (), 60, 10, "export table: the GGUF file", needs="torch",
                after=("export_train",)),
-    Experiment("export_reference", (
-        "experiments/check_export_reference.py", "--dir", "{runs}/exports/ft-export",
-        "--texts-from", "tests/fixtures/smollm2_reference.json",
-        "--out", "{results}/export_run_transformers.json"),
-        ("experiments/check_export_reference.py", "--dir", "{runs}/exports/ft-export",
-         "--texts-from", "tests/fixtures/smollm2_reference.json",
-         "--out", "{results}/export_run_transformers.json"),
-        ("export_run_transformers.json",), 120, 10,
-        "export table: transformers scores the exported folder", needs="torch",
-        after=("export_safetensors",), env=(("HF_HUB_OFFLINE", "1"),)),
-    Experiment("export_parity", _m("parity_smollm2", "--gguf", "{runs}/exports/ft-export-gguf/"
-                                   "model.gguf", "--fixture",
-                                   "{results}/export_run_transformers.json", "--no-long",
-                                   "--out", "{results}/export_run_parity.json"),
-               _m("parity_smollm2", "--gguf", "{runs}/exports/ft-export-gguf/model.gguf",
-                  "--fixture", "{results}/export_run_transformers.json", "--no-long",
-                  "--out", "{results}/export_run_parity.json"),
+    Experiment("export_reference",
+               *_also_quick(("experiments/check_export_reference.py", "--dir",
+                             "{runs}/exports/ft-export", "--texts-from",
+                             "tests/fixtures/smollm2_reference.json",
+                             "--out", "{results}/export_run_transformers.json")),
+               ("export_run_transformers.json",), 120, 10,
+               "export table: transformers scores the exported folder", needs="torch",
+               after=("export_safetensors",), env=(("HF_HUB_OFFLINE", "1"),)),
+    Experiment("export_parity",
+               *_also_quick(_m("parity_smollm2", "--gguf",
+                               "{runs}/exports/ft-export-gguf/model.gguf", "--fixture",
+                               "{results}/export_run_transformers.json", "--no-long",
+                               "--out", "{results}/export_run_parity.json")),
                ("export_run_parity.json",), 150, 10,
                "export table: our loader scores the exported GGUF against transformers",
                needs="torch", after=("export_gguf", "export_reference")),
@@ -504,12 +502,12 @@ def select(names: list[str] | None) -> list[Experiment]:
 
 
 def _backend_is_nvidia_gpu() -> bool:
-    """Whether JAX, started in a subprocess (this runner never starts it), finds a CUDA GPU."""
-    probe = ("import jax; d = jax.devices()[0]; "
-             "print(d.platform == 'gpu' and 'rocm' not in d.client.platform_version.lower())")
+    """Whether JAX, started in a subprocess (this runner never starts it), finds a CUDA GPU
+    (`experiments.runtime.on_nvidia_gpu`, the check the GPU launchers make)."""
+    probe = "from experiments.runtime import on_nvidia_gpu; print(on_nvidia_gpu())"
     try:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=300)
+                             timeout=300, cwd=PROJECT_ROOT)
     except (OSError, subprocess.SubprocessError):
         return False
     return out.stdout.strip().endswith("True")

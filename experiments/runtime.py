@@ -29,13 +29,25 @@ def _prog() -> str:
     return spec.name if spec is not None else os.path.basename(sys.argv[0])
 
 
+def is_nvidia_gpu(backend: str, platform_version: str) -> bool:
+    """Whether a started backend is CUDA's: JAX calls ROCm "gpu" too (its platform version
+    says which)."""
+    return backend == "gpu" and "rocm" not in platform_version.lower()
+
+
+def on_nvidia_gpu() -> bool:
+    """`is_nvidia_gpu` of the backend this process starts (starting it)."""
+    return is_nvidia_gpu(jax.default_backend(),
+                         str(getattr(jax.devices()[0].client, "platform_version", "")))
+
+
 def cudnn_refusal(model: ModelConfig, backend: str, platform_version: str,
                   compute_capability: str | None) -> str | None:
     """Why this backend cannot run `model`'s fused cuDNN attention, or None when it can.
     Decided from what the started backend reports, so that it is testable without a GPU."""
     if model.attention != "cudnn":
         return None
-    if backend != "gpu" or "rocm" in platform_version.lower():
+    if not is_nvidia_gpu(backend, platform_version):
         where = "ROCm" if backend == "gpu" else repr(backend)
         return (f"attention='cudnn': needs an NVIDIA GPU, the JAX backend is {where} "
                 f"(use --attention xla)")
