@@ -59,8 +59,17 @@ SCENARIOS = ("crash_and_resume", "killed_in_first_save", "preemption", "interrup
 
 
 def _losses(workdir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    """{step: loss} of the training rows (evaluation rows are not steps) logged so far; the run
+    may still be writing the file, and a line cut mid-write is not read."""
+    metrics, losses = workdir / "metrics.jsonl", {}
+    for line in metrics.read_text().splitlines() if metrics.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in row:
+            losses[row["step"]] = row["loss"]
+    return losses
 
 
 def _last_trained(workdir: Path) -> int:
@@ -118,21 +127,8 @@ def _wait_for(proc, ready, what: str, poll_s: float = 0.05) -> None:
         time.sleep(poll_s)
 
 
-def _logged_step(metrics: Path) -> int:
-    """The last training step in a metrics file still being written (evaluation rows are not
-    steps; a line cut mid-write is not read)."""
-    step = 0
-    for line in metrics.read_text().splitlines() if metrics.exists() else ():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        step = max(step, row["step"]) if "loss" in row else step
-    return step
-
-
 def _wait_for_steps(proc, workdir: Path, n: int) -> None:
-    _wait_for(proc, lambda: _logged_step(workdir / "metrics.jsonl") >= n, f"step {n}")
+    _wait_for(proc, lambda: _last_trained(workdir) >= n, f"step {n}")
 
 
 def crash_and_resume(root: Path, data: str, ref: Path, cfg, rng) -> dict:

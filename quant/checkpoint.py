@@ -126,10 +126,6 @@ def _kernels_swapped(tree: dict, fn) -> dict:
         is_leaf=lambda x: isinstance(x, P))
 
 
-def _model_json(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def model_differences(written: dict, cfg: ModelConfig) -> list[str]:
     """What makes the model a checkpoint was written for another than `cfg`, one phrase per
     field ("d_model: 64 in the file, 32 here"; which fields count: `differing_fields`)."""
