@@ -10,9 +10,14 @@ the resident set instead of being kept for reuse. Then, for N fake devices:
   inputs  = growth while the state and the batch are allocated (by an already compiled program
             with no temporaries);
   step    = the largest value sampled (every millisecond) during the first step minus the value
-            before it: XLA:CPU allocates an executable's temporaries on its first run and keeps
-            them for the next, so later steps would not show them;
+            before it (a step allocates its temporaries when it starts and frees them when it
+            ends);
   executed peak per device = (inputs + step) / N, the N devices' programs running at once.
+
+Beside the resident set, glibc's own count of the bytes it has handed out (mallinfo2) is
+sampled at the same moments, split at the mmap threshold: the large blocks are XLA's arrays
+and temporaries, what the compiled peak accounts for; the small ones are the runtime's own
+(mostly the closures of work queued on the CPU thread pools), which no compiled peak holds.
 
 It is compared with the compiled peak (argument + output + temp - alias) of the executable that
 ran (default compiler options) and of the planner's compile (its code-generation options).
@@ -20,7 +25,9 @@ ran (default compiler options) and of the planner's compile (its code-generation
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import os
 import re
 import threading
@@ -77,20 +84,60 @@ def anonymous_resident() -> int:
     return 1024 * int(re.search(r"RssAnon:\s+(\d+)", text).group(1))
 
 
-class PeakSampler:
-    """The largest `anonymous_resident()` seen while the block runs (read every `every_s` by a
-    thread; the main thread waits for XLA without holding the GIL)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
 
-    def __init__(self, every_s: float = 0.001):
-        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
+
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33 and later), or None where there is none."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def malloc_in_use() -> tuple[int, int] | None:
+    """(large, small): bytes glibc has handed out and not taken back, in blocks it mmapped
+    (every block of the mmap threshold or more) and in its heaps (every smaller one), summed
+    over all of its arenas; None without glibc. Unlike the resident set, it does not depend on
+    how much freed memory the heaps still hold."""
+    fn = _mallinfo2()
+    if fn is None:
+        return None
+    info = fn()
+    return info.hblkhd, info.uordblks
+
+
+class PeakSampler:
+    """The largest value of `read()` while the block runs (read every `every_s` by a thread;
+    the main thread waits for XLA without holding the GIL), element-wise for a tuple (as
+    `malloc_in_use` returns)."""
+
+    def __init__(self, read=anonymous_resident, every_s: float = 0.001):
+        self.read, self.every_s, self._stop = read, every_s, threading.Event()
+        self.peak = None
+
+    def _sample(self) -> None:
+        value = self.read()
+        if self.peak is None:
+            self.peak = value
+        elif isinstance(value, tuple):
+            self.peak = tuple(max(a, b) for a, b in zip(self.peak, value, strict=True))
+        else:
+            self.peak = max(self.peak, value)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, anonymous_resident())
+            self._sample()
             time.sleep(self.every_s)
 
     def __enter__(self) -> PeakSampler:
-        self.peak = anonymous_resident()
+        self._sample()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -98,7 +145,7 @@ class PeakSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, anonymous_resident())
+        self._sample()
 
 
 def _block(tree) -> None:
@@ -147,19 +194,32 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
         0, model.vocab_size, (cfg.micro_steps, cfg.micro_batch * cfg.devices, cfg.seq_len + 1),
         dtype=np.int32)
 
-    before = anonymous_resident()
+    before, malloc_before = anonymous_resident(), malloc_in_use()
     state = zeros()
     batch = jax.device_put(tokens, run.batch_sharding)
     _block((state, batch))
     inputs = anonymous_resident() - before
-    # The first call: XLA:CPU allocates an executable's temporaries on its first run and keeps
-    # them for later runs, so only the first shows them in the resident set.
+    # One step, sampled from its start: it allocates its temporaries as it begins and gives
+    # them back when it ends.
     base = anonymous_resident()
     with PeakSampler() as sampler:
         state, metrics = executable(state, batch)
         _block((state, metrics))
     step = sampler.peak - base
     executed = (inputs + step) / cfg.devices
+    malloc = {}
+    if malloc_before is not None:
+        # A second step, read through glibc's counts instead (their lock would slow the first
+        # step's sampling): how the step's memory splits between XLA's arrays and temporaries
+        # (blocks of the mmap threshold or more; with the state and the batch, against the
+        # compiled peak) and the runtime's small allocations, which no compiled peak holds.
+        malloc_base = malloc_in_use()
+        with PeakSampler(malloc_in_use) as in_use:
+            state, metrics = executable(state, batch)
+            _block((state, metrics))
+        large, small = in_use.peak
+        malloc = {"executed_large_blocks_peak_bytes": (large - malloc_before[0]) / cfg.devices,
+                  "executed_small_blocks_step_bytes": (small - malloc_base[1]) / cfg.devices}
     return {
         "name": cfg.name, **dataclasses.asdict(cfg),
         "compiled_peak_bytes": compiled.peak, "planner_peak_bytes": planned.peak,
@@ -167,6 +227,7 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
         "executed_peak_bytes": executed,
         "executed_inputs_bytes": inputs / cfg.devices,
         "executed_step_bytes": step / cfg.devices,
+        **malloc,
         "error": planned.peak / executed - 1,
         "executable_vs_planner": compiled.peak / planned.peak - 1,
         "planner_compile_s": round(planner_compile_s, 2),

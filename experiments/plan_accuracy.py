@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         "method": "executed peak per device = (anonymous resident memory (RssAnon) growth "
                   "allocating the state and batch + its largest value sampled every ms during "
                   "the first step above the value before it) / devices; one fresh process per "
-                  "row, glibc mmap threshold 128 KiB; XLA:CPU has no memory statistics",
+                  "row, glibc mmap threshold 128 KiB; XLA:CPU has no memory statistics. Split, "
+                  "in a second step: glibc's bytes in use (mallinfo2), blocks of 128 KiB or "
+                  "more (XLA's arrays and temporaries) and smaller ones (the runtime's)",
         "wall_s": round(time.perf_counter() - start, 1),
         "command": "python -m " + PROG + (" --quick" if args.quick else ""),
     }

@@ -421,11 +421,17 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
         # What planning.md says: the planner's peak is within 10% of the executed one, or below
         # it by the few MB per device a step takes outside XLA's accounting (2.9-4.8 MB on the
         # smallest configuration across runs), which at these sizes can reach 11% (the 10% goal
-        # is then missed, and the table says so).
+        # is then missed, and the table says so); and XLA's own buffers at the peak (glibc's
+        # blocks of 128 KiB or more) match the compiled peak (within 1.2% in the committed run;
+        # the quick grid's small shapes put more of them under 128 KiB, so not held there).
         full_only=("the planner's peak is within 10%, or within 6 MB per device below, of the "
-                   "executed one",
-                   lambda d: all(abs(r["error"]) <= 0.10 or 0 <= r["executed_peak_bytes"]
-                                 - r["planner_peak_bytes"] <= 6e6 for r in d["results"]))),
+                   "executed one, and XLA's buffers at the peak within 3% of the compiled one",
+                   lambda d: all((abs(r["error"]) <= 0.10 or 0 <= r["executed_peak_bytes"]
+                                  - r["planner_peak_bytes"] <= 6e6)
+                                 and abs(r.get("executed_large_blocks_peak_bytes",
+                                               r["compiled_peak_bytes"])
+                                         / r["compiled_peak_bytes"] - 1) <= 0.03
+                                 for r in d["results"]))),
     "quant_table": holds(
         "quant_eval.json", "every int8 mode is within 1% of float",
         lambda d: all(abs(r["rel_to_float"]) <= 0.01 for r in d["rows"])),

@@ -14,7 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 from experiments import planner
@@ -189,3 +191,26 @@ def test_launcher_bad_input_is_one_line_exit_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("experiments.plan: error: device-memory=")
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_peak_samplers_see_a_known_allocation_in_the_right_half():
+    """plan_accuracy's instruments (experiments/peak_check.py) against allocations of known
+    size made inside the block: 64 MB in one array (one mmapped block: the large half of glibc's
+    count, and the resident set once written) and 16 MB in 16,000 one-KB buffers (the small
+    half), both gone again after."""
+    from experiments.peak_check import PeakSampler, anonymous_resident, malloc_in_use
+
+    if malloc_in_use() is None:
+        pytest.skip("no glibc mallinfo2 here")
+    base_rss, (base_large, base_small) = anonymous_resident(), malloc_in_use()
+    with PeakSampler() as rss, PeakSampler(malloc_in_use) as in_use:
+        big = np.ones(64 << 20, np.uint8)
+        small = [bytearray(1024) for _ in range(16_000)]
+        time.sleep(0.05)  # a few samples while both are held
+        del big, small
+    large, small_bytes = in_use.peak
+    assert 64 << 20 <= large - base_large < (64 << 20) + (4 << 20)
+    assert 16_000 * 1024 <= small_bytes - base_small < 16_000 * 1024 + (8 << 20)
+    assert rss.peak - base_rss >= 64 << 20
+    after_large, _ = malloc_in_use()
+    assert after_large - base_large < 4 << 20
