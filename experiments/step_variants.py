@@ -34,22 +34,36 @@ def _xla_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _autodiff_attention(q, k, v):
+    """model.layers.causal_attention with the backward JAX derives from its forward."""
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    return jnp.swapaxes(model.layers._attention_forward(q, k, v)[0], 1, 2)
+
+
 CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("dense_2d", "Dense multiplies [tokens, in] @ [in, out]: one contracting axis in the "
            "weight gradient, no transposed copy of the output gradient",
            ((model.layers, "matmul_2d", _dot_any_rank),)),
     Change("attention_bnth", "attention as batched matmuls over [batch, heads] (heads moved "
-           "once) instead of jax.nn.dot_product_attention's BTNH einsums",
+           "once) instead of jax.nn.dot_product_attention's BTNH einsums (undone, the written-out "
+           "backward below goes too: it is written for this form)",
            ((model.transformer, "causal_attention", _xla_attention),)),
+    Change("attention_backward", "attention's backward written out: the softmax row sum from "
+           "dO * O ([T, H]) instead of dP * P ([T, S]), the scale on dQ and dK, no pass for the "
+           "mask",
+           ((model.transformer, "causal_attention", _autodiff_attention),)),
 )}
 
 
 @contextlib.contextmanager
 def undone(names: tuple[str, ...] | list[str]):
-    """The named changes' earlier implementations in place for the duration."""
+    """The named changes' earlier implementations in place for the duration. They are undone
+    newest first, so where two changes replaced the same function, the oldest version is the
+    one in place."""
     saved = []
+    order = list(CHANGES)
     try:
-        for name in names:
+        for name in sorted(names, key=order.index, reverse=True):
             for module, attr, earlier in CHANGES[name].patches:
                 saved.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, earlier)

@@ -118,17 +118,56 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxNxH: jax.Array,
     The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (scores,
     scaled, masked, softmax, weighted sum), with the heads moved next to the batch once so both
     products are plain batched matmuls over [B, N]: XLA:CPU's generic layout otherwise adds
-    transposes around every product, forward and backward.
+    transposes around every product, forward and backward. The backward is written out
+    (`_attention_bnth`), with fewer passes over the [T, S] scores than autodiff's.
     """
-    T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH))  # B,N,T,H
+    return jnp.swapaxes(_attention_bnth(q, k, v), 1, 2)
+
+
+def _attention_forward(q, k, v):
+    """softmax(mask(q k^T / sqrt(H))) v over [B, N, T, H]; also the probabilities."""
+    T, H = q.shape[2], q.shape[-1]
     scores = jnp.einsum("bnth,bnsh->bnts", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
     causal = jnp.tril(jnp.ones((T, T), jnp.bool_)).reshape(1, 1, T, T)
-    # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf in the backward).
+    # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf anywhere).
     scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.swapaxes(jnp.einsum("bnts,bnsh->bnth", probs, v), 1, 2)
+    return jnp.einsum("bnts,bnsh->bnth", probs, v), probs
+
+
+@jax.custom_vjp
+def _attention_bnth(q, k, v):
+    return _attention_forward(q, k, v)[0]
+
+
+def _attention_bnth_fwd(q, k, v):
+    out, probs = _attention_forward(q, k, v)
+    return out, (q, k, v, out, probs)
+
+
+def _attention_bnth_bwd(residuals, d_out):
+    """The softmax backward dS = P * (dP - rowsum(dP * P)) with rowsum(dP * P) taken as
+    rowsum(dO * O), a pass over [T, H] instead of [T, S] (the identity flash attention uses:
+    dP = dO V^T, so rowsum(dP * P) = rowsum(dO * P V)); the 1/sqrt(H) scale and the mask need no
+    pass of their own (masked probabilities are 0, so their dS is too; the scale goes on the
+    smaller dQ and dK). What autodiff writes instead passes over [T, S] for the product, the
+    row sum, the mask and the scale."""
+    q, k, v, out, probs = residuals
+    f32 = jnp.float32
+    d_v = jnp.einsum("bnts,bnth->bnsh", probs, d_out.astype(probs.dtype),
+                     preferred_element_type=f32)
+    d_probs = jnp.einsum("bnth,bnsh->bnts", d_out, v, preferred_element_type=f32)
+    row = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
+    d_scores = (probs.astype(f32) * (d_probs - row)).astype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    d_q = jnp.einsum("bnts,bnsh->bnth", d_scores, k, preferred_element_type=f32) * scale
+    d_k = jnp.einsum("bnts,bnth->bnsh", d_scores, q, preferred_element_type=f32) * scale
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+
+
+_attention_bnth.defvjp(_attention_bnth_fwd, _attention_bnth_bwd)
 
 
 def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
