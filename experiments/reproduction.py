@@ -422,7 +422,7 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
         # it by the few MB per device a step takes outside XLA's accounting (2.9-4.8 MB on the
         # smallest configuration across runs), which at these sizes can reach 11% (the 10% goal
         # is then missed, and the table says so); and XLA's own buffers at the peak (glibc's
-        # blocks of 128 KiB or more) match the compiled peak (within 1.2% in the committed run;
+        # blocks of 128 KiB or more) match the compiled peak (within 1.6% in the committed run;
         # the quick grid's small shapes put more of them under 128 KiB, so not held there).
         full_only=("the planner's peak is within 10%, or within 6 MB per device below, of the "
                    "executed one, and XLA's buffers at the peak within 3% of the compiled one",
