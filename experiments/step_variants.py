@@ -34,10 +34,9 @@ def _xla_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def _autodiff_attention(q, k, v):
-    """model.layers.causal_attention with the backward JAX derives from its forward."""
-    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-    return jnp.swapaxes(model.layers._attention_forward(q, k, v)[0], 1, 2)
+def _autodiff_attention_bnth(q, k, v):
+    """model.layers' [B, N, T, H] attention with the backward JAX derives from its forward."""
+    return model.layers._attention_forward(q, k, v)[0]
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
@@ -51,19 +50,16 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("attention_backward", "attention's backward written out: the softmax row sum from "
            "dO * O ([T, H]) instead of dP * P ([T, S]), the scale on dQ and dK, no pass for the "
            "mask",
-           ((model.transformer, "causal_attention", _autodiff_attention),)),
+           ((model.layers, "_attention_bnth", _autodiff_attention_bnth),)),
 )}
 
 
 @contextlib.contextmanager
 def undone(names: tuple[str, ...] | list[str]):
-    """The named changes' earlier implementations in place for the duration. They are undone
-    newest first, so where two changes replaced the same function, the oldest version is the
-    one in place."""
+    """The named changes' earlier implementations in place for the duration."""
     saved = []
-    order = list(CHANGES)
     try:
-        for name in sorted(names, key=order.index, reverse=True):
+        for name in names:
             for module, attr, earlier in CHANGES[name].patches:
                 saved.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, earlier)

@@ -622,6 +622,11 @@ def plan_example(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _large_blocks_vs_compiled(row: dict) -> float:
+    """XLA's own buffers at the step's peak (glibc's large blocks) against the compiled peak."""
+    return row["executed_large_blocks_peak_bytes"] / row["compiled_peak_bytes"] - 1
+
+
 def plan_accuracy(d: dict) -> str:
     rows = _head("configuration (8 fake CPU devices)", "planner peak MB", "executed peak MB",
                  "error", "executed − planner MB", "XLA's buffers at the peak vs compiled",
@@ -629,17 +634,16 @@ def plan_accuracy(d: dict) -> str:
     split = [r for r in d["results"] if "executed_large_blocks_peak_bytes" in r]
     for r in d["results"]:
         gap = (r["executed_peak_bytes"] - r["planner_peak_bytes"]) / 1e6
-        large = (f"{r['executed_large_blocks_peak_bytes'] / r['compiled_peak_bytes'] - 1:+.1%}"
-                 if r in split else "—")
-        small = f"{r['executed_small_blocks_step_bytes'] / 1e6:.2f}" if r in split else "—"
+        has_split = "executed_large_blocks_peak_bytes" in r
+        large = f"{_large_blocks_vs_compiled(r):+.1%}" if has_split else "—"
+        small = f"{r['executed_small_blocks_step_bytes'] / 1e6:.2f}" if has_split else "—"
         rows.append(f"| {r['name']} | {r['planner_peak_bytes'] / 1e6:.2f} | "
                     f"{r['executed_peak_bytes'] / 1e6:.2f} | {r['error']:+.1%} | {gap:+.2f} | "
                     f"{large} | {small} | {r['executable_vs_planner']:+.3%} |")
     met = "met" if d["within_goal"] else "missed"
     rows.append(f"\nLargest |error| {d['max_abs_error']:.1%} (goal ≤ {d['goal']:.0%}: {met}).")
     if split:
-        large = [r["executed_large_blocks_peak_bytes"] / r["compiled_peak_bytes"] - 1
-                 for r in split]
+        large = [_large_blocks_vs_compiled(r) for r in split]
         small = [r["executed_small_blocks_step_bytes"] / 1e6 for r in split]
         rows.append(f"Read from glibc's counts in a second step: XLA's own buffers (blocks of "
                     f"128 KiB or more) at the step's peak are within {max(map(abs, large)):.1%} "
