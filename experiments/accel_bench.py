@@ -124,9 +124,7 @@ def attention_parity(batch: int, seq: int, heads: int, kv_heads: int, head_dim: 
         out = jax.jit(attend)(q, k, v)
         return (out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
 
-    xla = forward_and_grads(causal_attention if heads == kv_heads else
-                            lambda q, k, v: jax.nn.dot_product_attention(
-                                q, k, v, is_causal=True, implementation="xla"))
+    xla = forward_and_grads(causal_attention)
     fused = forward_and_grads(fused_causal_attention)
     rel = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                        / float(jnp.max(jnp.abs(a.astype(jnp.float32)))))

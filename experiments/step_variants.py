@@ -34,8 +34,8 @@ def _xla_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def _autodiff_attention_bnth(q, k, v):
-    """model.layers' [B, N, T, H] attention with the backward JAX derives from its forward."""
+def _autodiff_attention_grouped(q, k, v):
+    """model.layers' [B, K, G * T, H] attention with the backward JAX derives from its forward."""
     return model.layers._attention_forward(q, k, v)[0]
 
 
@@ -50,7 +50,7 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("attention_backward", "attention's backward written out: the softmax row sum from "
            "dO * O ([T, H]) instead of dP * P ([T, S]), the scale on dQ and dK, no pass for the "
            "mask",
-           ((model.layers, "_attention_bnth", _autodiff_attention_bnth),)),
+           ((model.layers, "_attention_grouped", _autodiff_attention_grouped),)),
 )}
 
 

@@ -111,63 +111,72 @@ class Embed(nnx.Module):
         return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
 
 
-def causal_attention(q_BxTxNxH: jax.Array, k_BxSxNxH: jax.Array,
-                     v_BxSxNxH: jax.Array) -> jax.Array:
-    """Causal softmax attention (T == S, as many key/value heads as query heads): [B, T, N, H].
+def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
+                     v_BxSxKxH: jax.Array) -> jax.Array:
+    """Causal softmax attention (T == S) with K key/value heads, K dividing the N query heads
+    (K == N: multi-head; K < N: grouped-query, query head n attending with key/value head
+    n // (N / K), as Llama does): [B, T, N, H].
 
     The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (scores,
-    scaled, masked, softmax, weighted sum), with the heads moved next to the batch once so both
-    products are plain batched matmuls over [B, N]: XLA:CPU's generic layout otherwise adds
-    transposes around every product, forward and backward. The backward is written out
-    (`_attention_bnth`), with fewer passes over the [T, S] scores than autodiff's.
+    scaled, masked, softmax, weighted sum), with the heads moved next to the batch once and a
+    group's G = N / K query heads stacked as G * T rows, so both products are plain batched
+    matmuls over [B, K]: XLA:CPU's generic layout otherwise adds transposes around every product,
+    forward and backward, and no key or value is repeated per group. The backward is written
+    out (`_attention_grouped`), with fewer passes over the [T, S] scores than autodiff's.
     """
-    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH))  # B,N,T,H
-    return jnp.swapaxes(_attention_bnth(q, k, v), 1, 2)
+    B, T, N, H = q_BxTxNxH.shape
+    K = k_BxSxKxH.shape[2]
+    q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
+    k, v = (jnp.swapaxes(a, 1, 2) for a in (k_BxSxKxH, v_BxSxKxH))  # B,K,S,H
+    out = _attention_grouped(q, k, v)  # B,K,G*T,H
+    return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def _attention_forward(q, k, v):
-    """softmax(mask(q k^T / sqrt(H))) v over [B, N, T, H]; also the probabilities."""
-    T, H = q.shape[2], q.shape[-1]
-    scores = jnp.einsum("bnth,bnsh->bnts", q, k, preferred_element_type=jnp.float32)
+    """softmax(mask(q k^T / sqrt(H))) v for q [B, K, G * T, H] (row g * T + t: query head g of
+    the group at position t), k and v [B, K, S, H]; also the probabilities [B, K, G * T, S]."""
+    rows, S, H = q.shape[2], k.shape[2], q.shape[-1]
+    scores = jnp.einsum("bkrh,bksh->bkrs", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
-    causal = jnp.tril(jnp.ones((T, T), jnp.bool_)).reshape(1, 1, T, T)
+    causal = jnp.tile(jnp.tril(jnp.ones((S, S), jnp.bool_)), (rows // S, 1))
     # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf anywhere).
     scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnts,bnsh->bnth", probs, v), probs
+    return jnp.einsum("bkrs,bksh->bkrh", probs, v), probs
 
 
 @jax.custom_vjp
-def _attention_bnth(q, k, v):
+def _attention_grouped(q, k, v):
     return _attention_forward(q, k, v)[0]
 
 
-def _attention_bnth_fwd(q, k, v):
+def _attention_grouped_fwd(q, k, v):
     out, probs = _attention_forward(q, k, v)
     return out, (q, k, v, out, probs)
 
 
-def _attention_bnth_bwd(residuals, d_out):
+def _attention_grouped_bwd(residuals, d_out):
     """The softmax backward dS = P * (dP - rowsum(dP * P)) with rowsum(dP * P) taken as
     rowsum(dO * O), a pass over [T, H] instead of [T, S] (the identity flash attention uses:
     dP = dO V^T, so rowsum(dP * P) = rowsum(dO * P V)); the 1/sqrt(H) scale and the mask need no
     pass of their own (masked probabilities are 0, so their dS is too; the scale goes on the
     smaller dQ and dK). What autodiff writes instead passes over [T, S] for the product, the
-    row sum, the mask and the scale."""
+    row sum, the mask and the scale. dK and dV sum over a group's query heads inside their
+    products (the G * T rows are contracted together)."""
     q, k, v, out, probs = residuals
     f32 = jnp.float32
-    d_v = jnp.einsum("bnts,bnth->bnsh", probs, d_out.astype(probs.dtype),
+    d_v = jnp.einsum("bkrs,bkrh->bksh", probs, d_out.astype(probs.dtype),
                      preferred_element_type=f32)
-    d_probs = jnp.einsum("bnth,bnsh->bnts", d_out, v, preferred_element_type=f32)
+    d_probs = jnp.einsum("bkrh,bksh->bkrs", d_out, v, preferred_element_type=f32)
     row = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
     d_scores = (probs.astype(f32) * (d_probs - row)).astype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    d_q = jnp.einsum("bnts,bnsh->bnth", d_scores, k, preferred_element_type=f32) * scale
-    d_k = jnp.einsum("bnts,bnth->bnsh", d_scores, q, preferred_element_type=f32) * scale
+    d_q = jnp.einsum("bkrs,bksh->bkrh", d_scores, k, preferred_element_type=f32) * scale
+    d_k = jnp.einsum("bkrs,bkrh->bksh", d_scores, q, preferred_element_type=f32) * scale
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
-_attention_bnth.defvjp(_attention_bnth_fwd, _attention_bnth_bwd)
+_attention_grouped.defvjp(_attention_grouped_fwd, _attention_grouped_bwd)
 
 
 def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,

@@ -54,17 +54,14 @@ class Attention(nnx.Module):
         q = rotary(split(self.q(x_BxTxD)), positions_BxT, cfg.rope_base)
         k = rotary(split(self.k(x_BxTxD)), positions_BxT, cfg.rope_base)
         v = split(self.v(x_BxTxD))
-        # With GQA, k and v keep kv_heads heads (also in the cache): dot_product_attention lets
-        # query head n attend with key/value head n // (n_heads / kv_heads), as Llama does.
+        # With GQA, k and v keep kv_heads heads (also in the cache): query head n attends with
+        # key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
             with jax.named_scope(ATTENTION_SCOPE):
                 if cfg.attention == "cudnn":
                     out = fused_causal_attention(q, k, v)
-                elif cfg.kv_heads == cfg.n_heads:
-                    out = causal_attention(q, k, v)
                 else:
-                    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                       implementation="xla")
+                    out = causal_attention(q, k, v)
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far

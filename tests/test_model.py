@@ -274,16 +274,19 @@ def test_fused_attention_is_refused_in_one_line_off_a_gpu():
         model(jnp.zeros((1, 8), jnp.int32))
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2)])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_attention_gradients_match_jax_reference_attention(dtype, tol):
+def test_attention_gradients_match_jax_reference_attention(dtype, tol, heads, kv_heads):
     """causal_attention's written-out backward (model/layers.py) against autodiff through
     jax.nn.dot_product_attention, an independent implementation, on random inputs and a random
-    cotangent: outputs and all three gradients, also under jit and remat."""
+    cotangent: outputs and all three gradients, also under jit and remat; multi-head and
+    grouped-query (three query heads per key/value head, whose dK and dV sum over the group)."""
     from model.layers import causal_attention
 
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
-    q, k, v = (jax.random.normal(key, (2, 48, 3, 16)).astype(dtype) for key in keys[:3])
-    weights = jax.random.normal(keys[3], (2, 48, 3, 16))
+    q = jax.random.normal(keys[0], (2, 48, heads, 16)).astype(dtype)
+    k, v = (jax.random.normal(key, (2, 48, kv_heads, 16)).astype(dtype) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (2, 48, heads, 16))
 
     def loss(attention):
         return lambda *qkv: (attention(*qkv).astype(jnp.float32) * weights).sum()
@@ -293,7 +296,7 @@ def test_attention_gradients_match_jax_reference_attention(dtype, tol):
     for attention in (causal_attention, jax.checkpoint(causal_attention)):
         got = jax.jit(jax.grad(loss(attention), argnums=(0, 1, 2)))(q, k, v)
         for g, w in zip(got, want, strict=True):
-            assert g.dtype == w.dtype == jnp.dtype(dtype)
+            assert g.shape == w.shape and g.dtype == w.dtype == jnp.dtype(dtype)
             scale = float(jnp.abs(w.astype(jnp.float32)).max())
             assert float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()) \
                 <= tol * scale
