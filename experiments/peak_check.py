@@ -14,6 +14,9 @@ the resident set instead of being kept for reuse. Then, for N fake devices:
             ends);
   executed peak per device = (inputs + step) / N, the N devices' programs running at once.
 
+The kernel's own high-water mark of the resident set (VmHWM, reset just before the step) is
+read as a check on the sampling: it cannot miss a peak between two samples.
+
 Beside the resident set, glibc's own count of the bytes it has handed out (mallinfo2) is
 sampled at the same moments, split at the mmap threshold: the large blocks are XLA's arrays
 and temporaries, what the compiled peak accounts for; the small ones are the runtime's own
@@ -82,6 +85,22 @@ def anonymous_resident() -> int:
     at any time and which would otherwise move the measurement."""
     text = open("/proc/self/status").read()
     return 1024 * int(re.search(r"RssAnon:\s+(\d+)", text).group(1))
+
+
+def _status_bytes(*fields: str) -> dict[str, int]:
+    text = open("/proc/self/status").read()
+    return {f: 1024 * int(re.search(rf"{f}:\s+(\d+)", text).group(1)) for f in fields}
+
+
+def reset_peak_resident() -> bool:
+    """Reset the kernel's high-water mark of this process's resident set (VmHWM) to the present
+    resident set (Linux: "5" into /proc/self/clear_refs); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class _MallInfo2(ctypes.Structure):
@@ -202,11 +221,22 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
     # One step, sampled from its start: it allocates its temporaries as it begins and gives
     # them back when it ends.
     base = anonymous_resident()
+    # The kernel keeps the exact peak too (VmHWM, reset here), but of the whole resident set:
+    # pages of the shared libraries first touched by this step are taken out again below.
+    watermark = reset_peak_resident()
+    kinds = ("VmRSS", "RssFile", "RssShmem")
+    before_step = _status_bytes(*kinds)
     with PeakSampler() as sampler:
         state, metrics = executable(state, batch)
         _block((state, metrics))
     step = sampler.peak - base
     executed = (inputs + step) / cfg.devices
+    high_water = {}
+    if watermark:
+        after = _status_bytes("VmHWM", *kinds)
+        shared = sum(after[k] - before_step[k] for k in ("RssFile", "RssShmem"))
+        high_water = {"executed_step_high_water_bytes":
+                      (after["VmHWM"] - before_step["VmRSS"] - shared) / cfg.devices}
     malloc = {}
     if malloc_before is not None:
         # A second step, read through glibc's counts instead (their lock would slow the first
@@ -227,6 +257,7 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
         "executed_peak_bytes": executed,
         "executed_inputs_bytes": inputs / cfg.devices,
         "executed_step_bytes": step / cfg.devices,
+        **high_water,
         **malloc,
         "error": planned.peak / executed - 1,
         "executable_vs_planner": compiled.peak / planned.peak - 1,
