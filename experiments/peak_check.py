@@ -83,11 +83,11 @@ def anonymous_resident() -> int:
     """Bytes of this process's anonymous resident memory (RssAnon): the heap and mmapped
     buffers, without the shared libraries' code pages, which the kernel may drop or fault in
     at any time and which would otherwise move the measurement."""
-    text = open("/proc/self/status").read()
-    return 1024 * int(re.search(r"RssAnon:\s+(\d+)", text).group(1))
+    return _status_bytes("RssAnon")["RssAnon"]
 
 
 def _status_bytes(*fields: str) -> dict[str, int]:
+    """The named sizes of /proc/self/status (kB there), in bytes, from one read of it."""
     text = open("/proc/self/status").read()
     return {f: 1024 * int(re.search(rf"{f}:\s+(\d+)", text).group(1)) for f in fields}
 
@@ -220,21 +220,20 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
     inputs = anonymous_resident() - before
     # One step, sampled from its start: it allocates its temporaries as it begins and gives
     # them back when it ends.
-    base = anonymous_resident()
     # The kernel keeps the exact peak too (VmHWM, reset here), but of the whole resident set:
     # pages of the shared libraries first touched by this step are taken out again below.
     watermark = reset_peak_resident()
-    kinds = ("VmRSS", "RssFile", "RssShmem")
-    before_step = _status_bytes(*kinds)
+    shared_kinds = ("RssFile", "RssShmem")
+    before_step = _status_bytes("RssAnon", "VmRSS", *shared_kinds)
     with PeakSampler() as sampler:
         state, metrics = executable(state, batch)
         _block((state, metrics))
-    step = sampler.peak - base
+    step = sampler.peak - before_step["RssAnon"]
     executed = (inputs + step) / cfg.devices
     high_water = {}
     if watermark:
-        after = _status_bytes("VmHWM", *kinds)
-        shared = sum(after[k] - before_step[k] for k in ("RssFile", "RssShmem"))
+        after = _status_bytes("VmHWM", *shared_kinds)
+        shared = sum(after[k] - before_step[k] for k in shared_kinds)
         high_water = {"executed_step_high_water_bytes":
                       (after["VmHWM"] - before_step["VmRSS"] - shared) / cfg.devices}
     malloc = {}
