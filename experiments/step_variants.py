@@ -34,9 +34,14 @@ def _xla_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-def _autodiff_attention_grouped(q, k, v):
-    """model.layers' [B, K, G * T, H] attention with the backward JAX derives from its forward."""
-    return model.layers._attention_forward(q, k, v)[0]
+def _autodiff_attention_blocks(q, k, v, group, block):
+    """model.layers' [B, K, T * G, H] block attention with the backward JAX derives from its
+    forward."""
+    return model.layers._blocks_forward(q, k, v, group, block)[0]
+
+
+def _one_block(length):
+    return length
 
 
 CHANGES: dict[str, Change] = {c.name: c for c in (
@@ -50,7 +55,10 @@ CHANGES: dict[str, Change] = {c.name: c for c in (
     Change("attention_backward", "attention's backward written out: the softmax row sum from "
            "dO * O ([T, H]) instead of dP * P ([T, S]), the scale on dQ and dK, no pass for the "
            "mask",
-           ((model.layers, "_attention_grouped", _autodiff_attention_grouped),)),
+           ((model.layers, "_attention_blocks", _autodiff_attention_blocks),)),
+    Change("attention_blocks", "causal attention in query blocks that skip the key blocks "
+           "above the diagonal (masked to nothing) instead of one [T, S] block per sequence",
+           ((model.layers, "attention_block", _one_block),)),
 )}
 
 

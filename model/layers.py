@@ -7,6 +7,7 @@ metadata; `parallel/` maps them to mesh axes. Nothing here names a mesh axis.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -111,72 +112,111 @@ class Embed(nnx.Module):
         return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
 
 
-def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
-                     v_BxSxKxH: jax.Array) -> jax.Array:
+def attention_block(length: int) -> int:
+    """Query positions per block of `causal_attention` for a sequence of `length`: the power of
+    two nearest sqrt(8 * length) (32 at 128, 64 at 512, 128 at 2048, 256 at 8192). Smaller blocks
+    skip more of the masked half of the scores but pay a fixed cost per block; on XLA:CPU this
+    size was the fastest of the powers of two tried for attention's forward and backward alone at
+    128, 512 and 2048 positions (docs/training_speed.md has what it buys in a training step)."""
+    return 2 ** max(0, round(math.log2(math.sqrt(8 * length))))
+
+
+def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                     block: int | None = None) -> jax.Array:
     """Causal softmax attention (T == S) with K key/value heads, K dividing the N query heads
     (K == N: multi-head; K < N: grouped-query, query head n attending with key/value head
     n // (N / K), as Llama does): [B, T, N, H].
 
     The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)` (scores,
-    scaled, masked, softmax, weighted sum), with the heads moved next to the batch once and a
-    group's G = N / K query heads stacked as G * T rows, so both products are plain batched
-    matmuls over [B, K]: XLA:CPU's generic layout otherwise adds transposes around every product,
-    forward and backward, and no key or value is repeated per group. The backward is written
-    out (`_attention_grouped`), with fewer passes over the [T, S] scores than autodiff's.
+    scaled, masked, softmax, weighted sum), arranged for XLA's plain batched matmuls:
+    - the heads move next to the batch once, and a group's G = N / K query heads are stacked as
+      G rows per position ([B, K, T * G, H], row t * G + g), so no key or value is repeated per
+      group and XLA:CPU adds no transposes around the products, forward or backward;
+    - the queries go in blocks of `block` positions (default `attention_block(T)`), and the
+      block of positions [a, b) only meets the keys [0, b): the key blocks wholly above the
+      diagonal, masked to nothing, are never computed (about half the scores at long T), and a
+      block's [rows, b] scores are small enough to stay in cache through its softmax;
+    - the backward is written out (`_attention_blocks`), with fewer passes over the scores than
+      autodiff's.
     """
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxSxKxH.shape[2]
-    q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, H)
+    group = N // K
+    block = attention_block(T) if block is None else block
+    if block < 1:
+        raise ValueError(f"block: must be a positive number of positions, got {block}")
+    q = q_BxTxNxH.reshape(B, T, K, group, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * group, H)
     k, v = (jnp.swapaxes(a, 1, 2) for a in (k_BxSxKxH, v_BxSxKxH))  # B,K,S,H
-    out = _attention_grouped(q, k, v)  # B,K,G*T,H
-    return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    out = _attention_blocks(q, k, v, group, block)  # B,K,T*G,H
+    return out.reshape(B, K, T, group, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
 
 
-def _attention_forward(q, k, v):
-    """softmax(mask(q k^T / sqrt(H))) v for q [B, K, G * T, H] (row g * T + t: query head g of
-    the group at position t), k and v [B, K, S, H]; also the probabilities [B, K, G * T, S]."""
-    rows, S, H = q.shape[2], k.shape[2], q.shape[-1]
-    scores = jnp.einsum("bkrh,bksh->bkrs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
-    causal = jnp.tile(jnp.tril(jnp.ones((S, S), jnp.bool_)), (rows // S, 1))
-    # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf anywhere).
-    scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkrs,bksh->bkrh", probs, v), probs
+def _spans(length: int, block: int) -> list[tuple[int, int]]:
+    """The query blocks [a, b) of a sequence (the last one may be shorter)."""
+    return [(a, min(a + block, length)) for a in range(0, length, block)]
 
 
-@jax.custom_vjp
-def _attention_grouped(q, k, v):
-    return _attention_forward(q, k, v)[0]
+def _blocks_forward(q, k, v, group, block):
+    """softmax(mask(q k^T / sqrt(H))) v for q [B, K, T * G, H] and k, v [B, K, S, H], block by
+    block; also each block's probabilities [B, K, (b - a) * G, b]."""
+    S, H = k.shape[2], q.shape[-1]
+    outs, probs = [], []
+    for a, b in _spans(S, block):
+        scores = jnp.einsum("bkrh,bksh->bkrs", q[:, :, a * group:b * group], k[:, :, :b],
+                            preferred_element_type=jnp.float32)
+        scores = scores * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
+        # Row r is position a + r // G; it sees keys up to that position. Built in the program
+        # (iota), not as a constant: a long sequence's masks would bloat it.
+        position = a + jnp.arange((b - a) * group) // group
+        causal = jnp.arange(b)[None, :] <= position[:, None]
+        # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf anywhere).
+        scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
+        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkrs,bksh->bkrh", p, v[:, :, :b]))
+        probs.append(p)
+    return jnp.concatenate(outs, axis=2), probs
 
 
-def _attention_grouped_fwd(q, k, v):
-    out, probs = _attention_forward(q, k, v)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention_blocks(q, k, v, group, block):
+    return _blocks_forward(q, k, v, group, block)[0]
+
+
+def _attention_blocks_fwd(q, k, v, group, block):
+    out, probs = _blocks_forward(q, k, v, group, block)
     return out, (q, k, v, out, probs)
 
 
-def _attention_grouped_bwd(residuals, d_out):
-    """The softmax backward dS = P * (dP - rowsum(dP * P)) with rowsum(dP * P) taken as
-    rowsum(dO * O), a pass over [T, H] instead of [T, S] (the identity flash attention uses:
-    dP = dO V^T, so rowsum(dP * P) = rowsum(dO * P V)); the 1/sqrt(H) scale and the mask need no
-    pass of their own (masked probabilities are 0, so their dS is too; the scale goes on the
-    smaller dQ and dK). What autodiff writes instead passes over [T, S] for the product, the
-    row sum, the mask and the scale. dK and dV sum over a group's query heads inside their
-    products (the G * T rows are contracted together)."""
+def _attention_blocks_bwd(group, block, residuals, d_out):
+    """Per query block, the softmax backward dS = P * (dP - rowsum(dP * P)) with rowsum(dP * P)
+    taken as rowsum(dO * O), a pass over [rows, H] instead of [rows, b] (the identity flash
+    attention uses: dP = dO V^T, so rowsum(dP * P) = rowsum(dO * P V)); the 1/sqrt(H) scale and
+    the mask need no pass of their own (masked probabilities are 0, so their dS is too; the scale
+    goes on the smaller dQ and dK). dK and dV sum over a group's query heads inside their
+    products, and over the query blocks that reach each key."""
     q, k, v, out, probs = residuals
     f32 = jnp.float32
-    d_v = jnp.einsum("bkrs,bkrh->bksh", probs, d_out.astype(probs.dtype),
-                     preferred_element_type=f32)
-    d_probs = jnp.einsum("bkrh,bksh->bkrs", d_out, v, preferred_element_type=f32)
-    row = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1, keepdims=True)
-    d_scores = (probs.astype(f32) * (d_probs - row)).astype(q.dtype)
+    S = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
-    d_q = jnp.einsum("bkrs,bksh->bkrh", d_scores, k, preferred_element_type=f32) * scale
-    d_k = jnp.einsum("bkrs,bkrh->bksh", d_scores, q, preferred_element_type=f32) * scale
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+    d_q, d_k, d_v = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+    for (a, b), p in zip(_spans(S, block), probs, strict=True):
+        rows = slice(a * group, b * group)
+        d_o, o, q_rows = d_out[:, :, rows], out[:, :, rows], q[:, :, rows]
+        to_keys = ((0, 0), (0, 0), (0, S - b), (0, 0))  # keys [0, b) -> all S
+        d_v = d_v + jnp.pad(jnp.einsum("bkrs,bkrh->bksh", p, d_o.astype(p.dtype),
+                                       preferred_element_type=f32), to_keys)
+        d_p = jnp.einsum("bkrh,bksh->bkrs", d_o, v[:, :, :b], preferred_element_type=f32)
+        row = jnp.sum(d_o.astype(f32) * o.astype(f32), axis=-1, keepdims=True)
+        d_s = (p.astype(f32) * (d_p - row)).astype(q.dtype)
+        d_q.append(jnp.einsum("bkrs,bksh->bkrh", d_s, k[:, :, :b],
+                              preferred_element_type=f32) * scale)
+        d_k = d_k + jnp.pad(jnp.einsum("bkrs,bkrh->bksh", d_s, q_rows,
+                                       preferred_element_type=f32) * scale, to_keys)
+    return (jnp.concatenate(d_q, axis=2).astype(q.dtype), d_k.astype(k.dtype),
+            d_v.astype(v.dtype))
 
 
-_attention_grouped.defvjp(_attention_grouped_fwd, _attention_grouped_bwd)
+_attention_blocks.defvjp(_attention_blocks_fwd, _attention_blocks_bwd)
 
 
 def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,

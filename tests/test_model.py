@@ -274,14 +274,20 @@ def test_fused_attention_is_refused_in_one_line_off_a_gpu():
         model(jnp.zeros((1, 8), jnp.int32))
 
 
+@pytest.mark.parametrize("block", [None, 7, 48])
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2)])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_attention_gradients_match_jax_reference_attention(dtype, tol, heads, kv_heads):
+def test_attention_gradients_match_jax_reference_attention(dtype, tol, heads, kv_heads, block):
     """causal_attention's written-out backward (model/layers.py) against autodiff through
     jax.nn.dot_product_attention, an independent implementation, on random inputs and a random
     cotangent: outputs and all three gradients, also under jit and remat; multi-head and
-    grouped-query (three query heads per key/value head, whose dK and dV sum over the group)."""
+    grouped-query (three query heads per key/value head, whose dK and dV sum over the group);
+    query blocks of the default size (16 positions at 48), of 7 (the last block shorter), and
+    one block for the whole sequence."""
+    from functools import partial
+
     from model.layers import causal_attention
+    causal_attention = partial(causal_attention, block=block)
 
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     q = jax.random.normal(keys[0], (2, 48, heads, 16)).astype(dtype)
@@ -302,3 +308,16 @@ def test_attention_gradients_match_jax_reference_attention(dtype, tol, heads, kv
                 <= tol * scale
     out = causal_attention(q, k, v).astype(jnp.float32)
     assert float(jnp.abs(out - reference(q, k, v).astype(jnp.float32)).max()) <= tol
+
+
+def test_attention_blocks_follow_the_sequence_length():
+    """The default query block is the power of two nearest sqrt(8 T), and a block size that
+    is not a positive number of positions is refused in one line."""
+    from model.layers import attention_block, causal_attention
+
+    lengths = (1, 48, 128, 512, 2048, 8192)
+    assert [attention_block(t) for t in lengths] == [4, 16, 32, 64, 128, 256]
+    x = jnp.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match=r"^block: must be a positive number of positions, "
+                                         r"got 0$"):
+        causal_attention(x, x, x, block=0)

@@ -55,10 +55,15 @@ def test_operations_are_grouped_by_scope_then_by_dot():
     assert cat(op("jit(f)/not_attention_core_x/mul")) == "norms_rope_elementwise"
 
 
+# The tiny model's whole context: 32 positions go to attention in two query blocks, so undoing
+# the blocks changes the program.
+SEQ = TINY.model.max_len
+
+
 def _lowered_text(undo=()) -> str:
     with step_variants.undone(undo):
         run = build(TINY.model, from_label("dp"), make_mesh(1), make_optimizer(TINY.train),
-                    StepConfig(global_batch=4, seq_len=16))
+                    StepConfig(global_batch=4, seq_len=SEQ))
         return run.step.lower(*run.abstract_args()).as_text()
 
 
@@ -67,7 +72,7 @@ def test_each_optimisation_changes_the_program_but_not_the_numbers():
     for name in step_variants.CHANGES:
         assert _lowered_text((name,)) != text, f"undoing {name} changes nothing: nothing measured"
     assert _lowered_text() == text  # undone() put the current implementations back
-    batches = synthetic_batches(2, 1, 4, 16)
+    batches = synthetic_batches(2, 1, 4, SEQ)
     losses, params = run_steps("dp", 1, batches)
     with step_variants.undone(tuple(step_variants.CHANGES)):
         before_losses, before_params = run_steps("dp", 1, batches)
