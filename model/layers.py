@@ -112,13 +112,22 @@ class Embed(nnx.Module):
         return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
 
 
+# At most this many query blocks per sequence: XLA packs each block's buffers separately, and
+# with more blocks the step's compiled peak grows (the 7.5B plan's zero3_prefetch candidate at
+# 2,048 positions: 26.0 GB in one block, 24.9 in 8 blocks of 256, 27.4 in 16 of 128, 33.7 in 32
+# of 64).
+MAX_ATTENTION_BLOCKS = 8
+
+
 def attention_block(length: int) -> int:
     """Query positions per block of `causal_attention` for a sequence of `length`: the power of
-    two nearest sqrt(8 * length) (32 at 128, 64 at 512, 128 at 2048, 256 at 8192). Smaller blocks
-    skip more of the masked half of the scores but pay a fixed cost per block; on XLA:CPU this
-    size was the fastest of the powers of two tried for attention's forward and backward alone at
-    128, 512 and 2048 positions (docs/training_speed.md has what it buys in a training step)."""
-    return 2 ** max(0, round(math.log2(math.sqrt(8 * length))))
+    two nearest sqrt(8 * length) (32 at 128, 64 at 512), but no fewer than length / 8 (256 at
+    2,048, 1,024 at 8,192). Smaller blocks skip more of the masked half of the scores but pay a
+    fixed cost per block: on XLA:CPU sqrt(8 * length) was the fastest of the powers of two tried
+    for attention's forward and backward alone at 128, 512 and 2,048 positions
+    (docs/training_speed.md has what it buys in a training step)."""
+    nearest = 2 ** max(0, round(math.log2(math.sqrt(8 * length))))
+    return max(nearest, -(-length // MAX_ATTENTION_BLOCKS))
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
@@ -134,8 +143,8 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.
       group and XLA:CPU adds no transposes around the products, forward or backward;
     - the queries go in blocks of `block` positions (default `attention_block(T)`), and the
       block of positions [a, b) only meets the keys [0, b): the key blocks wholly above the
-      diagonal, masked to nothing, are never computed (about half the scores at long T), and a
-      block's [rows, b] scores are small enough to stay in cache through its softmax;
+      diagonal, masked to nothing, are never computed (7/16 of the scores with 8 blocks), and
+      a block's [rows, b] scores are smaller, so more of them stay in cache through the softmax;
     - the backward is written out (`_attention_blocks`), with fewer passes over the scores than
       autodiff's.
     """

@@ -311,12 +311,13 @@ def test_attention_gradients_match_jax_reference_attention(dtype, tol, heads, kv
 
 
 def test_attention_blocks_follow_the_sequence_length():
-    """The default query block is the power of two nearest sqrt(8 T), and a block size that
-    is not a positive number of positions is refused in one line."""
+    """The default query block is the power of two nearest sqrt(8 T) with at most 8 blocks per
+    sequence, and a block size that is not a positive number of positions is refused in one
+    line."""
     from model.layers import attention_block, causal_attention
 
     lengths = (1, 48, 128, 512, 2048, 8192)
-    assert [attention_block(t) for t in lengths] == [4, 16, 32, 64, 128, 256]
+    assert [attention_block(t) for t in lengths] == [4, 16, 32, 64, 256, 1024]
     x = jnp.zeros((1, 8, 2, 4))
     with pytest.raises(ValueError, match=r"^block: must be a positive number of positions, "
                                          r"got 0$"):
