@@ -114,8 +114,7 @@ class Embed(nnx.Module):
 
 # At most this many query blocks per sequence: XLA packs each block's buffers separately, and
 # with more blocks the step's compiled peak grows (the 7.5B plan's zero3_prefetch candidate at
-# 2,048 positions: 26.0 GB in one block, 24.9 in 8 blocks of 256, 27.4 in 16 of 128, 33.7 in 32
-# of 64).
+# 2,048 positions: 26.0 GB in one block, 24.9 in 8 blocks of 256, 28.3 in 16 of 128).
 MAX_ATTENTION_BLOCKS = 8
 
 
