@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from reference_scoring import score  # beside this script (run by path)
+from results_io import write_result  # beside it too: stdlib only, atomic
 
 CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face" \
        "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -74,10 +75,7 @@ def main(argv: list[str] | None = None) -> None:
            "texts": texts, "tokens": ids, "scores": rows}
     if args.texts_from:
         out["full"] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-    tmp.replace(args.out)
+    write_result(args.out, out)
     print(f"wrote {args.out}: {len(texts)} texts, {out['layers']} layers, "
           f"{out['loaded_as']}, {out['tokenizer_class']}", file=sys.stderr)
 

@@ -39,13 +39,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import random
 import sys
 from pathlib import Path
 
 from chat_prompts import PROMPTS  # beside this script (run by path): data only, no JAX
 from reference_scoring import greedy_replies, score
+from results_io import write_result  # beside this script: stdlib only, atomic
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_NEW_TOKENS = 32  # greedy reply length per chat prompt
@@ -187,15 +187,6 @@ def fuzz_texts(n: int = FUZZ_TEXTS, seed: int = FUZZ_SEED) -> list[str]:
     return texts
 
 
-def write_json(path: Path, data: dict, indent: int | None = 1) -> None:
-    """Whole or not at all: written beside, then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    print(f"wrote {path}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="the scores fixture")
@@ -215,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = reference_tokenizer(folder)
     if args.fuzz_out is not None:
         texts = fuzz_texts(args.fuzz_texts)
-        write_json(args.fuzz_out, {
+        write_result(args.fuzz_out, {
             "tokenizer": "transformers' GGUF tokenizer with the smollm pre-tokenizer restored "
                          "(make_smollm2_reference.reference_tokenizer)",
             "versions": {k: importlib.metadata.version(k)
@@ -223,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             "seed": FUZZ_SEED, "texts": texts,
             "tokens": [tok(t, add_special_tokens=False)["input_ids"] for t in texts]},
             indent=None)  # a thousand id lists: one line, not one line per id
+        print(f"wrote {args.fuzz_out}", file=sys.stderr)
     if args.fuzz_only:
         return
 
@@ -256,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         out["chat"][key] = greedy_replies(model, chat_ids, CHAT_NEW_TOKENS, tok.eos_token_id)
         print(f"{key}: {len(ids)} texts and the long one scored, {len(chat_ids)} chat "
               f"replies written", file=sys.stderr)
-    write_json(args.out, out)
+    write_result(args.out, out)
+    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
