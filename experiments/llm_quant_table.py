@@ -9,8 +9,9 @@ stored and the share of parameters whose product runs in int8. Also the float mo
 activation outliers (which Dense inputs, how large against the median channel) on the
 calibration rows (per layer too, drawn into smollm2_quant.png beside the results file), and
 batch-1 greedy decoding tokens/s for float, w8, w8a8 and w8a8-rotated with and without the
-int8 KV cache, the eight timed interleaved in one benchmark. The machine is recorded beside the
-figures.
+int8 KV cache, the eight timed interleaved in one benchmark; smoothquant and auto again with
+SmoothQuant's alpha chosen per layer and site (quant/alpha_search.py). The machine is recorded
+beside the figures.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rotation-seeds", type=int, default=8,
                    help="w8a8-rotated again with the random-sign rotations of seeds 1..N (how "
                         "much its figure owes to the one rotation; 0 skips)")
+    p.add_argument("--no-alpha-search", action="store_true",
+                   help="skip smoothquant and auto again with alpha chosen per layer and site "
+                        "(2 more evaluations)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
         from experiments.machine import describe
+        from quant.alpha_search import ALPHA_GRID
         from quant.convert import QuantConfig
 
         runtime.start(1)
@@ -104,6 +109,17 @@ def main(argv: list[str] | None = None) -> dict:
                 row = pretrained_lm.perplexity(pre, args.tokens, args.window)
                 out["rotation_seeds"].append(
                     {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
+                write_result(args.out, out)
+        searched = [m for m in modes if m in model_flags.SMOOTHING_MODES]
+        if not args.no_alpha_search and searched:
+            out["alpha_search"] = []
+            for mode in tqdm(searched, desc="alpha searched", unit="mode"):
+                pre = pretrained_lm.quantize(float_model, mode, QuantConfig(
+                    mode=mode, alpha_search=True))
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                out["alpha_search"].append({**row, "vs_float_pct": vs_float_pct(row, base),
+                                            "grid": list(ALPHA_GRID),
+                                            "alpha": pre.report["alpha"]})
                 write_result(args.out, out)
         if not args.no_sensitivity and "w8a8" in modes:
             out["w8a8_sensitivity"] = []

@@ -231,7 +231,9 @@ def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
 
 
 def load_from_flags(args) -> Pretrained:
-    return quantize(load(args.model, args.layers, args.gguf), args.quant)
+    qcfg = (QuantConfig(mode=args.quant, alpha_search=True)
+            if getattr(args, "alpha_search", False) else None)
+    return quantize(load(args.model, args.layers, args.gguf), args.quant, qcfg)
 
 
 @dataclasses.dataclass(frozen=True)

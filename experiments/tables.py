@@ -228,6 +228,19 @@ def smollm2_quant(d: dict) -> str:
             removed = 1 - r["vs_float_pct"] / w8a8["vs_float_pct"]
             rows.append(f"| {r['float_group']} | {r['perplexity']:.3f} | "
                         f"{r['vs_float_pct']:+.2f}% | {removed:.0%} |")
+    if d.get("alpha_search"):
+        grid = ", ".join(f"{a:g}" for a in d["alpha_search"][0]["grid"])
+        rows += ["", f"SmoothQuant's alpha chosen per layer and site from {grid} by the int8 "
+                 f"product's error on the calibration rows (`alpha_search`; the rows above use "
+                 f"0.5 everywhere), with the median alpha chosen per site:", "",
+                 *_head("mode", "perplexity", "vs float", "q/k/v (attn_norm)",
+                        "gate/up (mlp_norm)", "o (v → o)", "down (up → down)")]
+        sites = ("blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o", "blocks/mlp/down")
+        for r in d["alpha_search"]:
+            med = " | ".join(f"{statistics.median(r['alpha'][k]):.2f}" if k in r["alpha"]
+                             else "–" for k in sites)
+            rows.append(f"| {r['quant']} (alpha searched) | {r['perplexity']:.3f} | "
+                        f"{r['vs_float_pct']:+.2f}% | {med} |")
     if d.get("rotation_seeds"):
         seeds = d["rotation_seeds"]
         h = next(r for r in d["rows"] if r["quant"] == "w8a8-rotated")

@@ -108,6 +108,22 @@ def eager_layer_runner(sink: Sink):
     return runner
 
 
+def tapped_pass(graphdef, params, batches, sink) -> list[str]:
+    """Run the float model eagerly over the batches ([B, T+1] token rows; the last column is
+    dropped) with every Dense reporting its input and output to `sink` (a `Sink`, or any object
+    with a `layer` attribute, set to the running layer, and `record(name, x, y)`). Returns the
+    tapped Dense paths."""
+    model = nnx.merge(graphdef, params)
+    paths = [p for p, m in linear_modules(model).items() if isinstance(m, Dense)]
+    for p in paths:
+        set_module(model, p, Tap(get_module(model, p), p))
+    runner = eager_layer_runner(sink)
+    with recording(sink):
+        for rows in batches:
+            model(jnp.asarray(rows[:, :-1]), runner=runner)
+    return paths
+
+
 def _stack(per_key: dict, paths, reduce) -> dict:
     """{(path, layer): v} -> {path: array stacked over layers (or the value, unstacked)}."""
     out = {}
@@ -129,15 +145,8 @@ def calibrate(graphdef, params, batches, twins: nnx.Module | None = None,
     (the most such columns in one batch, a count), "rel_err": {path: [layers] or scalar} (only
     with twins)}.
     """
-    model = nnx.merge(graphdef, params)
-    paths = [p for p, m in linear_modules(model).items() if isinstance(m, Dense)]
-    for p in paths:
-        set_module(model, p, Tap(get_module(model, p), p))
     sink = Sink(twins=twins, outlier_threshold=outlier_threshold)
-    runner = eager_layer_runner(sink)
-    with recording(sink):
-        for rows in batches:
-            model(jnp.asarray(rows[:, :-1]), runner=runner)
+    paths = tapped_pass(graphdef, params, batches, sink)
     absmax = _stack(sink.absmax, paths, lambda v: v)
     mean_cols = _stack(sink.outlier_cols, paths, lambda v: float(np.mean(v)))
     stats = {"absmax": absmax,

@@ -21,6 +21,7 @@ selects it and calibration taps it.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,10 @@ from flax import nnx
 
 from model.layers import _lead, param
 from quant import pipeline
+from quant.alpha_search import search_alphas
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, check_finite, get_module, set_module
-from quant.smoothquant import smoothing_factors
+from quant.smoothquant import Site, alpha_of, smoothing_factors
 
 # Dense paths sharing one input -> one smoothing factor per group (applied at run time).
 RUNTIME_GROUPS = (("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"), ("blocks/mlp/up",),
@@ -62,24 +64,38 @@ def _row_absmax(kernel: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=-1)  # [..., in]
 
 
-def fold_encoder(model: nnx.Module, x_absmax: dict, alpha: float) -> dict[str, list]:
-    """Smooth the encoder in place (float function unchanged up to rounding); returns factors."""
-    factors = {}
+def encoder_sites(model: nnx.Module, x_absmax: dict) -> dict[str, Site]:
+    """The encoder's smoothing sites (v -> o, and the run-time groups) by the name
+    `fold_encoder` reports their factors under; from the float weights as they are now."""
+    o = get_module(model, "blocks/attn/o")
+    sites = {"blocks/attn/o": Site(("blocks/attn/o",), partial(
+        smoothing_factors, jnp.asarray(x_absmax["blocks/attn/o"]), _row_absmax(o.kernel[...])))}
+    for group in RUNTIME_GROUPS:
+        w_max = jnp.max(jnp.stack([_row_absmax(get_module(model, p).kernel[...])
+                                   for p in group]), axis=0)
+        sites[group[0]] = Site(group, partial(smoothing_factors,
+                                              jnp.asarray(x_absmax[group[0]]), w_max))
+    return sites
+
+
+def fold_encoder(model: nnx.Module, x_absmax: dict,
+                 alpha: float | dict[str, list[float]]) -> dict[str, list]:
+    """Smooth the encoder in place (float function unchanged up to rounding); returns factors.
+    alpha: one migration strength, or one per layer by site (quant/alpha_search.py)."""
+    sites = encoder_sites(model, x_absmax)
+    factors = {name: site.factors(alpha_of(alpha, name)) for name, site in sites.items()}
     v, o = get_module(model, "blocks/attn/v"), get_module(model, "blocks/attn/o")
-    s = smoothing_factors(x_absmax["blocks/attn/o"], _row_absmax(o.kernel[...]), alpha)
+    s = factors["blocks/attn/o"]
     v.kernel.set_value(v.kernel[...] / s[..., None, :])
     v.bias.set_value(v.bias[...] / s)
     o.kernel.set_value(o.kernel[...] * s[..., None])
-    factors["blocks/attn/o"] = s
     for group in RUNTIME_GROUPS:
+        s = factors[group[0]]
         denses = [get_module(model, p) for p in group]
-        w_max = jnp.max(jnp.stack([_row_absmax(d.kernel[...]) for d in denses]), axis=0)
-        s = smoothing_factors(jnp.asarray(x_absmax[group[0]]), w_max, alpha)
         axes = tuple(denses[0].kernel.get_metadata()["out_sharding"][:-1])  # (layers, in-axis)
         for path, d in zip(group, denses, strict=True):
             d.kernel.set_value(d.kernel[...] * s[..., None])
             set_module(model, path, Smooth(d, 1.0 / s, axes))
-        factors[group[0]] = s
     return {k: jax.device_get(f).tolist() for k, f in factors.items()}
 
 
@@ -94,11 +110,17 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
     batches = pipeline.as_batches(batches)
     stats = calibrate(graphdef, params, batches(), outlier_threshold=qcfg.outlier_threshold)
     model = nnx.merge(graphdef, params)
-    factors = fold_encoder(model, stats["absmax"], qcfg.alpha)
+    alpha = qcfg.alpha
+    if qcfg.alpha_search:
+        alpha = search_alphas(graphdef, params, batches(),
+                              encoder_sites(model, stats["absmax"]), qcfg.weights)
+    factors = fold_encoder(model, stats["absmax"], alpha)
     smoothed_def, smoothed = nnx.split(model)
     done = _AlreadySmoothed(**dataclasses.asdict(qcfg))
     qdef, qparams, plan, report = pipeline.quantize(smoothed_def, nnx.to_pure_dict(smoothed),
                                                     done, batches, error_report)
+    if qcfg.alpha_search:
+        report["alpha"] = alpha
     report["smoothing"] = {k: {"min": float(np.min(v)), "max": float(np.max(v))}
                            for k, v in factors.items()}
     return qdef, qparams, plan, report

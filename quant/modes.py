@@ -42,7 +42,11 @@ class QuantConfig:
     weights: str = _field("channel", "weight scales: channel | tensor")
     clip_search: bool = _field(False, "search the weight clipping ratio that minimises the "
                                       "squared error")
-    alpha: float = _field(0.5, "SmoothQuant migration strength")
+    alpha: float = _field(0.5, "SmoothQuant migration strength (every site, unless "
+                               "alpha_search)")
+    alpha_search: bool = _field(False, "smoothquant, auto: choose alpha per layer and site from "
+                                       "0.3..0.8, by the int8 product's error on the "
+                                       "calibration data (quant/alpha_search.py)")
     outlier_threshold: float = _field(6.0, "w8a8-outlier: |x| at or above which an input "
                                            "column is multiplied in float")
     outlier_capacity: float = _field(0.0625, "w8a8-outlier: largest share of a layer's input "

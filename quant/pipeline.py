@@ -2,7 +2,8 @@
 
 Passes over the calibration data (each a few eager batches):
   1. (smoothquant, auto, w8a8-static) per-channel input ranges of the float model;
-     SmoothQuant folds its factors, static mode turns the ranges into per-layer scales;
+     SmoothQuant folds its factors (with alpha_search, after a pass that picks each site's
+     alpha, quant/alpha_search.py), static mode turns the ranges into per-layer scales;
   2. (auto, or when the error report is asked for: the default) each int8 Dense against its
      float twin on the float model's inputs: the error report, and for auto the layers kept
      in float (the model is then rebuilt with them).
@@ -21,9 +22,10 @@ from flax import nnx
 
 from model.flops import param_bytes
 from quant import auto as auto_precision
+from quant.alpha_search import search_alphas
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
-from quant.smoothquant import fold
+from quant.smoothquant import fold, smoothing_sites
 
 
 class CalibrationBatches:
@@ -64,7 +66,12 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
         stats = calibrate(graphdef, params, batches(), outlier_threshold=qcfg.outlier_threshold)
         if qcfg.smooth:
             model = nnx.merge(graphdef, params)
-            factors = fold(model, stats["absmax"], qcfg.alpha)
+            alpha = qcfg.alpha
+            if qcfg.alpha_search:
+                alpha = search_alphas(graphdef, params, batches(),
+                                      smoothing_sites(model, stats["absmax"]), qcfg.weights)
+                report["alpha"] = alpha
+            factors = fold(model, stats["absmax"], alpha)
             params = nnx.to_pure_dict(nnx.state(model))
             report["smoothing"] = {k: {"min": float(np.min(v)), "max": float(np.max(v))}
                                    for k, v in factors.items()}

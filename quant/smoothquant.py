@@ -18,6 +18,10 @@ input hundreds of times the median) need most.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -71,39 +75,81 @@ def _scale(kernel: nnx.Param, factor: jax.Array) -> None:
     kernel.set_value((k.astype(jnp.float32) * factor).astype(k.dtype))
 
 
-def fold(model: nnx.Module, x_absmax: dict[str, jax.Array], alpha: float) -> dict[str, list]:
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One place a smoothing factor vector is folded (per layer): the Dense layers that read the
+    smoothed input (`consumers`; the first one's calibrated input is the site's), and the
+    factors a migration strength gives, [layers, in] in the consumers' input layout. alpha is a
+    float or an array broadcasting against [layers, in] (one value per layer: [layers, 1])."""
+    consumers: tuple[str, ...]
+    factors: Callable[[float | jax.Array], jax.Array]
+
+
+def smoothing_sites(model: nnx.Module, x_absmax: dict[str, jax.Array]) -> dict[str, Site]:
+    """The decoder's smoothing sites by the name `fold` reports their factors under: the two
+    pre-norms, v -> o, and (SwiGLU) up -> down. Computed from the float weights as they are now:
+    call it before folding."""
+    sites = {}
+    for norm_path, consumers in norm_feeds(model).items():
+        w_max = jnp.max(jnp.stack([_row_absmax(get_module(model, c).kernel[...])
+                                   for c in consumers]), axis=0)
+        sites[norm_path] = Site(consumers, partial(smoothing_factors,
+                                                   jnp.asarray(x_absmax[consumers[0]]), w_max))
+    cfg = model.cfg
+    groups = cfg.n_heads // cfg.kv_heads
+    o = get_module(model, "blocks/attn/o").kernel
+    x_v = _group_max(jnp.asarray(x_absmax["blocks/attn/o"]), groups, cfg.head_dim)
+    w_v = _group_max(_row_absmax(o[...]), groups, cfg.head_dim)
+
+    def o_factors(alpha):  # one factor per v column, repeated for the query heads sharing it
+        return _expand_groups(smoothing_factors(x_v, w_v, alpha), groups, cfg.head_dim)
+
+    sites["blocks/attn/o"] = Site(("blocks/attn/o",), o_factors)
+    if hasattr(model.blocks.mlp, "gate"):  # SwiGLU: down's input is linear in up's output
+        down = get_module(model, "blocks/mlp/down").kernel
+        sites["blocks/mlp/down"] = Site(("blocks/mlp/down",), partial(
+            smoothing_factors, jnp.asarray(x_absmax["blocks/mlp/down"]), _row_absmax(down[...])))
+    return sites
+
+
+def alpha_of(alpha: float | Mapping[str, Sequence[float]], site: str):
+    """The migration strength for a site: a float for every site, or one per layer by site."""
+    if isinstance(alpha, Mapping):
+        return jnp.asarray(alpha[site], jnp.float32)[:, None]  # [layers, 1]
+    return alpha
+
+
+def fold(model: nnx.Module, x_absmax: dict[str, jax.Array],
+         alpha: float | Mapping[str, Sequence[float]]) -> dict[str, list]:
     """Fold the smoothing factors into the model's float parameters (new arrays, same module).
 
     x_absmax[path]: calibrated per-input-channel absmax of each Dense input, [layers, in].
-    Returns the factors (as lists) by the Dense paths they smooth, for the report.
+    alpha: one migration strength, or per site (`smoothing_sites`' names) one per layer
+    (quant/alpha_search.py). Returns the factors (as lists) by site, for the report.
     """
-    factors = {}
-    for norm_path, consumers in norm_feeds(model).items():
+    cfg = model.cfg
+    sites = smoothing_sites(model, x_absmax)
+    factors = {name: site.factors(alpha_of(alpha, name)) for name, site in sites.items()}
+    for norm_path in norm_feeds(model):
+        s = factors[norm_path]
         norm = get_module(model, norm_path)
-        kernels = [get_module(model, c).kernel for c in consumers]
-        w_max = jnp.max(jnp.stack([_row_absmax(k[...]) for k in kernels]), axis=0)
-        s = smoothing_factors(x_absmax[consumers[0]], w_max, alpha)
         dt = norm.scale[...].dtype
         norm.scale.set_value((norm.scale[...].astype(jnp.float32) / s).astype(dt))
-        for k in kernels:
-            _scale(k, s[..., :, None])
-        factors[norm_path] = s
+        for c in sites[norm_path].consumers:
+            _scale(get_module(model, c).kernel, s[..., :, None])
 
-    cfg = model.cfg
     groups = cfg.n_heads // cfg.kv_heads
     v, o = get_module(model, "blocks/attn/v").kernel, get_module(model, "blocks/attn/o").kernel
-    x_v = _group_max(jnp.asarray(x_absmax["blocks/attn/o"]), groups, cfg.head_dim)
-    w_v = _group_max(_row_absmax(o[...]), groups, cfg.head_dim)
-    s_v = smoothing_factors(x_v, w_v, alpha)  # [layers, kv_heads * head_dim]
+    s_o = factors["blocks/attn/o"]
+    # v's columns: the first query head of each group holds its kv head's factors
+    s_v = s_o.reshape(*s_o.shape[:-1], cfg.kv_heads, groups, cfg.head_dim)[..., 0, :]
+    s_v = s_v.reshape(*s_o.shape[:-1], -1)
     _scale(v, 1.0 / s_v[..., None, :])
-    _scale(o, _expand_groups(s_v, groups, cfg.head_dim)[..., :, None])
+    _scale(o, s_o[..., :, None])
     factors["blocks/attn/o"] = s_v
 
-    if hasattr(model.blocks.mlp, "gate"):  # SwiGLU: down's input is linear in up's output
-        up = get_module(model, "blocks/mlp/up").kernel
-        down = get_module(model, "blocks/mlp/down").kernel
-        s = smoothing_factors(x_absmax["blocks/mlp/down"], _row_absmax(down[...]), alpha)
-        _scale(up, 1.0 / s[..., None, :])
-        _scale(down, s[..., :, None])
-        factors["blocks/mlp/down"] = s
+    if "blocks/mlp/down" in sites:
+        s = factors["blocks/mlp/down"]
+        _scale(get_module(model, "blocks/mlp/up").kernel, 1.0 / s[..., None, :])
+        _scale(get_module(model, "blocks/mlp/down").kernel, s[..., :, None])
     return {k: jax.device_get(f).tolist() for k, f in factors.items()}

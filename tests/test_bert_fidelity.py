@@ -48,17 +48,24 @@ def test_w8a8_close_to_float(setup, n_devices):
     assert np.min(np.sum(got * emb, axis=1)) >= 0.995
 
 
-def test_smoothing_fold_keeps_the_float_function(setup):
+@pytest.mark.parametrize("alpha", [0.5, "searched"])
+def test_smoothing_fold_keeps_the_float_function(setup, alpha):
     from flax import nnx
 
+    from quant.alpha_search import search_alphas
     from quant.calibrate import calibrate
-    from quant.encoder import Smooth, calibration_rows, fold_encoder
+    from quant.encoder import Smooth, calibration_rows, encoder_sites, fold_encoder
 
     graphdef, params, tok, texts, calib, ref = setup
     batches = calibration_rows(tok.encode(calib)[0], 16)
     stats = calibrate(graphdef, params, batches)
     model = nnx.merge(graphdef, params)
-    fold_encoder(model, stats["absmax"], alpha=0.5)
+    if alpha == "searched":  # one alpha per layer and site, as QuantConfig.alpha_search folds
+        alpha = search_alphas(graphdef, params, batches, encoder_sites(model, stats["absmax"]))
+        assert set(alpha) == {"blocks/attn/o", "blocks/attn/q", "blocks/mlp/up",
+                              "blocks/mlp/down"}
+        assert all(len(v) == len(stats["absmax"]["blocks/attn/q"]) for v in alpha.values())
+    fold_encoder(model, stats["absmax"], alpha=alpha)
     assert isinstance(model.blocks.mlp.down, Smooth)
     sdef, sstate = nnx.split(model)
     emb = encode(make_encode_fn(sdef), nnx.to_pure_dict(sstate), tok, texts)

@@ -26,6 +26,7 @@ from model.layers import Dense
 from parallel.mesh import make_mesh
 from quant import checkpoint as qckpt
 from quant import quantizers as qz
+from quant.alpha_search import ALPHA_GRID
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan, quantized_fraction
 from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
@@ -315,6 +316,23 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
         assert_smoothed(params, q)
     # w8a8-outlier: this model has no input column over the threshold (its outputs equal
     # w8a8's); test_outlier_split_takes_planted_columns_out_of_the_int8_product plants some.
+
+
+@pytest.mark.parametrize("mode", ["smoothquant", "auto"])
+def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode):
+    """QuantConfig.alpha_search: the pipeline folds one alpha per layer and site (the report
+    says which) and the int8 model tracks float as with one alpha; the search's own choice is
+    tested against the int8 Dense in tests/test_smollm2.py."""
+    graphdef, params = float_model
+    g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode, alpha_search=True),
+                                  batches[:2])
+    assert set(report["alpha"]) == {"blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o"}
+    assert all(len(v) == CFG.n_layers and set(v) <= set(ALPHA_GRID)
+               for v in report["alpha"].values())
+    tokens = batches[-1][:, :-1]
+    ref, out = logits(graphdef, params, tokens), logits(g, q, tokens)
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.02
+    assert_smoothed(params, q)
 
 
 @pytest.mark.parametrize("mode,report,reads", [

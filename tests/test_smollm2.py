@@ -31,9 +31,10 @@ from parallel.mesh import make_mesh  # noqa: E402
 from parallel.state import place_model_params  # noqa: E402
 from parallel.strategies import get_strategy  # noqa: E402
 from quant import checkpoint as qckpt  # noqa: E402
-from quant.calibrate import calibrate  # noqa: E402
-from quant.convert import QuantConfig  # noqa: E402
-from quant.smoothquant import fold  # noqa: E402
+from quant.alpha_search import ALPHA_GRID, search_alphas  # noqa: E402
+from quant.calibrate import calibrate, tapped_pass  # noqa: E402
+from quant.convert import QuantConfig, get_module, make_plan, quantize_dense  # noqa: E402
+from quant.smoothquant import fold, smoothing_sites  # noqa: E402
 from quant.stored import quantize_with_meta, save_atomic  # noqa: E402
 from tests.helpers import cli, one_line_error  # noqa: E402
 
@@ -112,13 +113,24 @@ def test_truncated_model_matches_transformers(truncated):
             assert abs(row["mean_nll"] - ref["mean_nll"]) <= 1e-4, text
 
 
-def test_smoothquant_folds_are_exact_through_gqa_and_swiglu(truncated):
+SITE_CONSUMERS = {"blocks/attn_norm": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
+                  "blocks/mlp_norm": ("blocks/mlp/gate", "blocks/mlp/up"),
+                  "blocks/attn/o": ("blocks/attn/o",), "blocks/mlp/down": ("blocks/mlp/down",)}
+
+
+@pytest.mark.parametrize("alpha", ["one", "per_layer"])
+def test_smoothquant_folds_are_exact_through_gqa_and_swiglu(truncated, alpha):
     rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 64)
     stats = calibrate(truncated.graphdef, jax.device_get(truncated.params), rows)
     model = nnx.merge(truncated.graphdef, truncated.params)
     x = jnp.asarray(rows[0][:, :-1])
     before = model(x)
-    factors = fold(model, stats["absmax"], alpha=0.5)
+    n = truncated.cfg.n_layers
+    # per layer: a different migration strength in every layer and site, as alpha_search gives
+    alpha = 0.5 if alpha == "one" else {
+        site: [ALPHA_GRID[(i + j) % len(ALPHA_GRID)] for j in range(n)]
+        for i, site in enumerate(SITE_CONSUMERS)}
+    factors = fold(model, stats["absmax"], alpha=alpha)
     cfg = truncated.cfg
     assert np.shape(factors["blocks/attn/o"]) == (cfg.n_layers, cfg.kv_heads * cfg.head_dim)
     assert np.shape(factors["blocks/mlp/down"]) == (cfg.n_layers, cfg.d_ff)
@@ -126,6 +138,54 @@ def test_smoothquant_folds_are_exact_through_gqa_and_swiglu(truncated):
         assert np.ptp(np.asarray(factors[name])) > 0.1, name  # the fold did something
     after = model(x)
     np.testing.assert_allclose(after, before, atol=2e-4 * float(jnp.max(jnp.abs(before))))
+
+
+def test_alpha_search_picks_each_sites_smallest_int8_error(truncated):
+    """alpha_search's choice per site and layer, checked through the real int8 Dense: for every
+    alpha of the grid, each of the site's Dense layers is smoothed by that alpha's factors and
+    converted by quant/convert.py (int8 kernel, per-token int8 input, the int8 dot), and run on
+    the float model's own inputs divided by the factors; the alpha chosen must have the smallest
+    summed relative squared error against the float product, layer by layer."""
+    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 64)
+    graphdef, params = truncated.graphdef, jax.device_get(truncated.params)
+    stats = calibrate(graphdef, params, rows)
+    model = nnx.merge(graphdef, params)
+    sites = smoothing_sites(model, stats["absmax"])
+    chosen = search_alphas(graphdef, params, rows, sites)
+    assert set(chosen) == set(SITE_CONSUMERS)
+
+    class Inputs:  # a calibration sink keeping each Dense's input per layer
+        layer, seen = None, {}
+
+        def record(self, name, x, y):
+            self.seen.setdefault((name, self.layer), []).append(x.reshape(-1, x.shape[-1]))
+
+    inputs = Inputs()
+    tapped_pass(graphdef, params, rows, inputs)
+    qcfg = QuantConfig(mode="w8a8")
+    plan = make_plan(qcfg, model)
+    n = truncated.cfg.n_layers
+    for name, site in sites.items():
+        assert site.consumers == SITE_CONSUMERS[name]
+        errs = np.zeros((len(ALPHA_GRID), n))
+        for i, a in enumerate(ALPHA_GRID):
+            s = site.factors(a)  # [layers, in]
+            for c in site.consumers:
+                dense = get_module(model, c)
+                w = dense.kernel[...]
+                smoothed = nnx.clone(dense)  # the model keeps its float kernel
+                smoothed.kernel.set_value(w * s[..., None])
+                twin_def, twin_state = nnx.split(quantize_dense(smoothed, plan[c], qcfg))
+                for j in range(n):
+                    x = jnp.concatenate(inputs.seen[site.consumers[0], j])
+                    twin = nnx.merge(twin_def, jax.tree.map(lambda t, j=j: t[j], twin_state))
+                    ref = x @ w[j]
+                    got = twin(x * (1.0 / s[j])[None, :])
+                    errs[i, j] += float(jnp.sum((got - ref) ** 2) / jnp.sum(ref ** 2))
+        picked = errs[[ALPHA_GRID.index(a) for a in chosen[name]], np.arange(n)]
+        np.testing.assert_allclose(picked, errs.min(axis=0), rtol=1e-3, err_msg=name)
+    # it chooses: not one alpha for every site and layer
+    assert len({a for v in chosen.values() for a in v}) > 1, chosen
 
 
 def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
@@ -331,6 +391,8 @@ def test_score_cli(tmp_path):
     ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
     ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
     ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
+    ("score", ["--text", "a", "--quant", "w8a8", "--alpha-search"],
+     "alpha_search: only with --quant smoothquant or auto (got 'w8a8')"),
 ])
 def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
     one_line_error(cli(module, *args), fragment)
