@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib.metadata
-import json
 import os
 import sys
 from pathlib import Path
+
+from results_io import write_result  # beside this script (run by path): stdlib only, atomic
 
 SHORT = [
     "Hello!", "Yes.", "ok", "A man is eating food.", "A man is eating a piece of bread.",
@@ -116,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "sentences": texts, "token_counts": lengths, "shape": list(emb.shape),
         "embeddings_f32_b64": base64.b64encode(emb.tobytes()).decode("ascii"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n")
+    write_result(args.out, out)  # atomic: an interrupted run leaves the old fixture whole
     print(f"wrote {args.out}: {len(texts)} sentences, max {max(lengths)} tokens",
           file=sys.stderr)
 
