@@ -9,7 +9,8 @@ another folder for --quick (the environment variable SHARDQ_RESULTS_DIR points e
 launcher's default output there, and the commands below name it explicitly where a launcher
 takes --out/--record). After each experiment its results files get a "provenance" entry
 (machine, software versions, date, command), and reproduce.json in the folder records every
-experiment's command, status, wall time and output tail.
+experiment's command, status, wall time and output tail (and keeps, under "earlier", the
+latest record of each experiment an earlier run there ran and this one did not).
 """
 
 from __future__ import annotations
@@ -689,6 +690,29 @@ def run_all(experiments: list[Experiment], *, quick: bool, results: Path, runs: 
                "failed": [r["name"] for r in rows if r["passed"] is False],
                "skipped": {r["name"]: r["skipped"] for r in rows if r.get("skipped")},
                "wall_s": round(time.perf_counter() - start, 1),
-               "experiments": rows, **machine}
+               "experiments": rows, **machine,
+               "earlier": earlier_records(results / "reproduce.json", rows, quick)}
     write_result(results / "reproduce.json", summary)
     return summary
+
+
+def earlier_records(log: Path, rows: list[dict], quick: bool) -> list[dict]:
+    """The latest record of every experiment that the folder's previous reproduce.json holds
+    (its own run's or its "earlier" ones) and this run did not run, each with the commit and
+    the machine of its run: a run of a few experiments (`--only`) keeps the log of the others,
+    whose results files it leaves in place. Nothing from a log of the other kind (quick or
+    full), or one that is unreadable."""
+    try:
+        old = json.loads(log.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or old.get("quick") != quick:
+        return []
+    ran = {r["name"] for r in rows}
+    own = [{"git_commit": old.get("git_commit"), "machine": old.get("machine"), **r}
+           for r in old.get("experiments", []) if isinstance(r, dict)]
+    kept: dict[str, dict] = {}
+    for r in own + [r for r in old.get("earlier", []) if isinstance(r, dict)]:
+        if r.get("name") not in ran:
+            kept.setdefault(r.get("name"), r)  # the previous run's record before older ones
+    return list(kept.values())

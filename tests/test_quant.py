@@ -324,7 +324,7 @@ def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode="smoothqua
     tested against the int8 Dense in tests/test_smollm2.py."""
     graphdef, params = float_model
     g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode, alpha_search=True),
-                                  batches[:2])
+                                  batches[:2], error_report=False)
     assert set(report["alpha"]) == {"blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o"}
     assert all(len(v) == CFG.n_layers and set(v) <= set(ALPHA_GRID)
                for v in report["alpha"].values())

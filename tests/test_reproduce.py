@@ -185,6 +185,27 @@ def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
     assert any("FAILED" in line for line in lines)
 
 
+def test_a_partial_run_keeps_the_log_of_the_experiments_it_did_not_run(tmp_path):
+    write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
+                   "'ok.json'), 'w').write(json.dumps({'x': 1}))")
+    a = reproduction.Experiment("a", write, write, ("ok.json",), 1, 1, "a table")
+    b = reproduction.Experiment("b", write, write, ("ok.json",), 1, 1, "a table")
+    quiet = dict(results=tmp_path / "r", runs=tmp_path / "w", say=lambda line: None)
+    reproduction.run_all([a, b], quick=True, **quiet)
+    first = json.loads((tmp_path / "r" / "reproduce.json").read_text())
+    summary = reproduction.run_all([b], quick=True, **quiet)  # as `--only b`
+    assert [r["name"] for r in summary["experiments"]] == ["b"]
+    assert [r["name"] for r in summary["earlier"]] == ["a"]
+    kept = summary["earlier"][0]
+    assert kept["date"] == first["experiments"][0]["date"]
+    assert kept["git_commit"] == first["git_commit"] and kept["machine"] == first["machine"]
+    # carried on through later partial runs; a run of it replaces it; a full run's log is
+    # another kind and is not mixed in
+    assert [r["name"] for r in reproduction.run_all([b], quick=True, **quiet)["earlier"]] == ["a"]
+    assert [r["name"] for r in reproduction.run_all([a], quick=True, **quiet)["earlier"]] == ["b"]
+    assert reproduction.run_all([a], quick=False, **quiet)["earlier"] == []
+
+
 def test_every_claim_holds_on_the_committed_results():
     """The claims the runner checks after each experiment hold for the committed results (a
     claim written against the wrong field or sense would fail here)."""
