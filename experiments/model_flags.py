@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 from experiments.config import ConfigError
-from quant.modes import ALL_MODES, MODES
+from quant.modes import ALL_MODES, MODES, QuantConfig
 
 MODELS = ("smollm2",)
-SMOOTHING_MODES = tuple(m for m, flags in MODES.items() if flags[1])  # SmoothQuant's folds
+SMOOTHING_MODES = tuple(m for m in MODES if QuantConfig(mode=m).smooth)  # SmoothQuant's folds
 
 
 def add_model_flags(p, quant: bool = True) -> None:

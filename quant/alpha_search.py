@@ -102,3 +102,12 @@ def search_alphas(graphdef, params, batches, sites: dict[str, Site], weights: st
         rel = np.sum(sink.err[name] / np.maximum(sink.ref[name], 1e-30)[None], axis=-1)
         chosen[name] = [float(grid[i]) for i in np.argmin(rel, axis=0)]  # [layers]
     return chosen
+
+
+def site_alphas(qcfg, graphdef, params, batches, sites: dict[str, Site]
+                ) -> float | dict[str, list[float]]:
+    """What a SmoothQuant fold takes as alpha under `qcfg` (a QuantConfig): its one `alpha`, or
+    with `alpha_search` one per layer by site, searched here on the float model."""
+    if not qcfg.alpha_search:
+        return qcfg.alpha
+    return search_alphas(graphdef, params, batches, sites, qcfg.weights)

@@ -21,19 +21,17 @@ selects it and calibration taps it.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from model.layers import _lead, param
 from quant import pipeline
-from quant.alpha_search import search_alphas
+from quant.alpha_search import site_alphas
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, check_finite, get_module, set_module
-from quant.smoothquant import Site, alpha_of, smoothing_factors
+from quant.smoothquant import Site, alpha_of, input_site
 
 # Dense paths sharing one input -> one smoothing factor per group (applied at run time).
 RUNTIME_GROUPS = (("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"), ("blocks/mlp/up",),
@@ -60,22 +58,11 @@ class _AlreadySmoothed(QuantConfig):
         return False
 
 
-def _row_absmax(kernel: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=-1)  # [..., in]
-
-
 def encoder_sites(model: nnx.Module, x_absmax: dict) -> dict[str, Site]:
     """The encoder's smoothing sites (v -> o, and the run-time groups) by the name
     `fold_encoder` reports their factors under; from the float weights as they are now."""
-    o = get_module(model, "blocks/attn/o")
-    sites = {"blocks/attn/o": Site(("blocks/attn/o",), partial(
-        smoothing_factors, jnp.asarray(x_absmax["blocks/attn/o"]), _row_absmax(o.kernel[...])))}
-    for group in RUNTIME_GROUPS:
-        w_max = jnp.max(jnp.stack([_row_absmax(get_module(model, p).kernel[...])
-                                   for p in group]), axis=0)
-        sites[group[0]] = Site(group, partial(smoothing_factors,
-                                              jnp.asarray(x_absmax[group[0]]), w_max))
-    return sites
+    groups = (("blocks/attn/o",), *RUNTIME_GROUPS)
+    return {group[0]: input_site(model, group, x_absmax) for group in groups}
 
 
 def fold_encoder(model: nnx.Module, x_absmax: dict,
@@ -110,10 +97,7 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
     batches = pipeline.as_batches(batches)
     stats = calibrate(graphdef, params, batches(), outlier_threshold=qcfg.outlier_threshold)
     model = nnx.merge(graphdef, params)
-    alpha = qcfg.alpha
-    if qcfg.alpha_search:
-        alpha = search_alphas(graphdef, params, batches(),
-                              encoder_sites(model, stats["absmax"]), qcfg.weights)
+    alpha = site_alphas(qcfg, graphdef, params, batches(), encoder_sites(model, stats["absmax"]))
     factors = fold_encoder(model, stats["absmax"], alpha)
     smoothed_def, smoothed = nnx.split(model)
     done = _AlreadySmoothed(**dataclasses.asdict(qcfg))

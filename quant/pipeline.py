@@ -22,7 +22,7 @@ from flax import nnx
 
 from model.flops import param_bytes
 from quant import auto as auto_precision
-from quant.alpha_search import search_alphas
+from quant.alpha_search import site_alphas
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, apply_plan, check_finite, make_plan
 from quant.smoothquant import fold, smoothing_sites
@@ -66,10 +66,9 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
         stats = calibrate(graphdef, params, batches(), outlier_threshold=qcfg.outlier_threshold)
         if qcfg.smooth:
             model = nnx.merge(graphdef, params)
-            alpha = qcfg.alpha
+            alpha = site_alphas(qcfg, graphdef, params, batches(),
+                                smoothing_sites(model, stats["absmax"]))
             if qcfg.alpha_search:
-                alpha = search_alphas(graphdef, params, batches(),
-                                      smoothing_sites(model, stats["absmax"]), qcfg.weights)
                 report["alpha"] = alpha
             factors = fold(model, stats["absmax"], alpha)
             params = nnx.to_pure_dict(nnx.state(model))

@@ -85,16 +85,22 @@ class Site:
     factors: Callable[[float | jax.Array], jax.Array]
 
 
+def input_site(model: nnx.Module, consumers: tuple[str, ...],
+               x_absmax: dict[str, jax.Array]) -> Site:
+    """The site smoothing the one input the `consumers` share (their kernels' rows take s): the
+    input's calibrated absmax against the largest kernel row over them."""
+    w_max = jnp.max(jnp.stack([_row_absmax(get_module(model, c).kernel[...])
+                               for c in consumers]), axis=0)
+    return Site(tuple(consumers), partial(smoothing_factors,
+                                          jnp.asarray(x_absmax[consumers[0]]), w_max))
+
+
 def smoothing_sites(model: nnx.Module, x_absmax: dict[str, jax.Array]) -> dict[str, Site]:
     """The decoder's smoothing sites by the name `fold` reports their factors under: the two
     pre-norms, v -> o, and (SwiGLU) up -> down. Computed from the float weights as they are now:
     call it before folding."""
-    sites = {}
-    for norm_path, consumers in norm_feeds(model).items():
-        w_max = jnp.max(jnp.stack([_row_absmax(get_module(model, c).kernel[...])
-                                   for c in consumers]), axis=0)
-        sites[norm_path] = Site(consumers, partial(smoothing_factors,
-                                                   jnp.asarray(x_absmax[consumers[0]]), w_max))
+    sites = {norm_path: input_site(model, consumers, x_absmax)
+             for norm_path, consumers in norm_feeds(model).items()}
     cfg = model.cfg
     groups = cfg.n_heads // cfg.kv_heads
     o = get_module(model, "blocks/attn/o").kernel
@@ -106,9 +112,7 @@ def smoothing_sites(model: nnx.Module, x_absmax: dict[str, jax.Array]) -> dict[s
 
     sites["blocks/attn/o"] = Site(("blocks/attn/o",), o_factors)
     if hasattr(model.blocks.mlp, "gate"):  # SwiGLU: down's input is linear in up's output
-        down = get_module(model, "blocks/mlp/down").kernel
-        sites["blocks/mlp/down"] = Site(("blocks/mlp/down",), partial(
-            smoothing_factors, jnp.asarray(x_absmax["blocks/mlp/down"]), _row_absmax(down[...])))
+        sites["blocks/mlp/down"] = input_site(model, ("blocks/mlp/down",), x_absmax)
     return sites
 
 
