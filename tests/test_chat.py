@@ -19,7 +19,7 @@ from experiments import pretrained_lm, reply_stability, tables  # noqa: E402
 from experiments.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
-from tests.helpers import cli, one_line_error  # noqa: E402
+from tests.helpers import child_env, cli, one_line_error  # noqa: E402
 
 LAYERS = 2
 PROMPT = PROMPTS[0].text
@@ -145,12 +145,11 @@ def test_streamed_text_is_whole_characters_and_adds_up_to_the_reply(truncated):
 
 def test_ctrl_c_stops_the_stream_without_a_traceback():
     """SIGINT while the reply streams: the line is ended, exit status 130, no traceback."""
-    import os
     import signal
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--prompt", PROMPT,
          "--max-new-tokens", "4000"],
@@ -218,11 +217,10 @@ def test_a_multi_turn_conversation_is_the_models_chatml():
 def test_interactive_stdin_that_is_not_utf8_is_one_line(io_encoding):
     """A turn read from stdin that is not UTF-8 is refused in one line, exit 2: whether Python
     hands the byte over as a surrogate (its default for stdin here) or raises on it."""
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONIOENCODING")}
+    env = child_env(drop=("PYTHONIOENCODING",))
     if io_encoding:
         env["PYTHONIOENCODING"] = io_encoding
     proc = subprocess.run(
@@ -240,7 +238,7 @@ def test_a_closed_stdin_ends_the_conversation():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--interactive",
          "--prompt", "Hi", "--max-new-tokens", "3"], cwd=Path(__file__).parent.parent, env=env,

@@ -3,7 +3,6 @@ a disk that fills up mid-save lose nothing."""
 
 import dataclasses
 import json
-import os
 import resource
 import shutil
 import signal
@@ -25,7 +24,7 @@ from experiments.restore import restore_params
 from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
 from parallel.sharded_run import build
 from parallel.strategies import get_strategy
-from tests.helpers import ROOT, TINY, max_tree_diff
+from tests.helpers import ROOT, TINY, child_env, max_tree_diff
 
 
 def tiny(tmp_path, **train):
@@ -115,7 +114,7 @@ def _train_cli(workdir, data, *extra):
             "tiny", "--data", data, "--no-progress", *extra]
 
 
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = child_env()
 
 
 def _logged_steps(metrics):

@@ -3,7 +3,9 @@ random and extreme input without crashing outside their documented errors, and n
 silent NaN."""
 
 import argparse
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,13 +72,27 @@ _values = st.floats(min_value=-2.0**126, max_value=2.0**126, allow_nan=False, al
                     width=32)
 
 
+# The quantizers run jitted, as inside the model: one compile per drawn shape instead of one
+# per operation and shape when run op by op (most of this file's time went to those).
+@partial(jax.jit, static_argnames="granularity")
+def _weight_round_trip(w, granularity):
+    scale = qz.weight_scale(w, granularity)
+    q = qz.quantize(w, scale)
+    return scale, q, qz.dequantize(q, scale)
+
+
+@partial(jax.jit, static_argnames="mode")
+def _activation_round_trip(x, mode):
+    scale = qz.token_scale(x) if mode == "token" else qz.tensor_scale(x).reshape(1, 1)
+    return scale, qz.round_trip(x.astype(jnp.float32), scale)
+
+
 @FAST
 @given(w=hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=3, max_side=12),
                     elements=_values), granularity=st.sampled_from(["channel", "tensor"]))
 def test_weight_quantizer_bounds_the_error_and_never_makes_nan(w, granularity):
-    scale = qz.weight_scale(jnp.asarray(w), granularity)
-    q = qz.quantize(jnp.asarray(w), scale)
-    back = np.asarray(qz.dequantize(q, scale), np.float64)
+    scale, q, back = _weight_round_trip(jnp.asarray(w), granularity)
+    back = np.asarray(back, np.float64)
     assert q.dtype == jnp.int8 and np.all(np.abs(np.asarray(q, np.int32)) <= 127)
     assert np.all(np.isfinite(np.asarray(scale))) and np.all(np.asarray(scale) > 0)
     # Symmetric absmax rounding: at most half a step per element (plus float slack).
@@ -90,9 +106,8 @@ def test_weight_quantizer_bounds_the_error_and_never_makes_nan(w, granularity):
                     elements=st.floats(-6e4, 6e4, allow_nan=False, width=16)),
        mode=st.sampled_from(["token", "tensor"]))
 def test_activation_quantizers_on_extreme_rows(x, mode):
-    xj = jnp.asarray(x)
-    scale = qz.token_scale(xj) if mode == "token" else qz.tensor_scale(xj).reshape(1, 1)
-    back = np.asarray(qz.round_trip(xj.astype(jnp.float32), scale), np.float64)
+    scale, back = _activation_round_trip(jnp.asarray(x), mode)
+    back = np.asarray(back, np.float64)
     assert np.all(np.isfinite(back))
     step = np.broadcast_to(np.asarray(scale, np.float64), x.shape)
     assert np.all(np.abs(back - x.astype(np.float64)) <= 0.5 * step * (1 + 1e-3) + 1e-30)

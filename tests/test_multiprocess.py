@@ -12,9 +12,9 @@ import pytest
 from experiments.config import load_config
 from experiments.restore import restore_params
 from experiments.trainer import train_and_evaluate
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = child_env()
 
 
 def losses(workdir):
