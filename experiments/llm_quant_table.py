@@ -5,7 +5,8 @@
 
 For the float model and each mode of quant/convert.py: perplexity on the validation topics of
 `pydoc_data` (as `experiments.perplexity`), its change against float, the parameter bytes as
-stored and the share of parameters whose product runs in int8. Also the float model's
+stored and the share of parameters whose product runs in int8 (`--corpus docstrings`: on the
+standard library's docstrings instead, experiments/eval_text.py). Also the float model's
 activation outliers (which Dense inputs, how large against the median channel) on the
 calibration rows (per layer too, drawn into smollm2_quant.png beside the results file), and
 batch-1 greedy decoding tokens/s for float, w8, w8a8 and w8a8-rotated with and without the
@@ -17,11 +18,12 @@ beside the figures.
 from __future__ import annotations
 
 import argparse
+import platform
 from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments import model_flags
+from experiments import eval_text, model_flags
 from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.plots import activation_profile
 from experiments.results_io import results_path, write_result
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
     p.add_argument("--window", type=int, default=512)
+    model_flags.add_corpus_flag(p)
     p.add_argument("--new-tokens", type=int, default=64, help="decoding benchmark length")
     p.add_argument("--no-sensitivity", action="store_true",
                    help="skip w8a8 with each group of layers left float (4 more evaluations)")
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_flags.check_model_flags(args)
         modes = model_flags.parse_modes(args.modes)
         model_flags.check_window_flags(args.tokens, args.window)
+        eval_text.check_corpus(args.corpus)
         if args.rotation_seeds < 0:
             raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
         if args.new_tokens < 1:
@@ -73,10 +77,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
-        pretrained_lm.validation_ids(float_model, args.tokens, args.window)  # refuses a
-        # --tokens beyond the validation text before anything is written
+        pretrained_lm.validation_ids(float_model, args.tokens, args.window, args.corpus)
+        # (refuses a --tokens beyond the text before anything is written)
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
         out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+               "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
                "machine": describe(),
                "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
                "decoding": []}
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         for_speed = []
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
             pre = pretrained_lm.quantize(float_model, mode)
-            row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+            row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
             out["rows"].append(row)
             if mode in SPEED_MODES:
                 for_speed.append(pre)
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                              unit="seed"):
                 pre = pretrained_lm.quantize(float_model, "w8a8-rotated", QuantConfig(
                     mode="w8a8-rotated", rotation_seed=seed))
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
                 out["rotation_seeds"].append(
                     {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
                 write_result(args.out, out)
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
             for mode in tqdm(searched, desc="alpha searched", unit="mode"):
                 pre = pretrained_lm.quantize(float_model, mode, QuantConfig(
                     mode=mode, alpha_search=True))
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
                 out["alpha_search"].append({**row, "vs_float_pct": vs_float_pct(row, base),
                                             "grid": list(ALPHA_GRID),
                                             "alpha": pre.report["alpha"]})
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     unit="group"):
                 pre = pretrained_lm.quantize(float_model, "w8a8", QuantConfig(
                     mode="w8a8", rules=pretrained_lm.rules_without(name)))
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
                 out["w8a8_sensitivity"].append(
                     {"float_group": name, "float_paths": list(paths), **row,
                      "vs_float_pct": vs_float_pct(row, base)})

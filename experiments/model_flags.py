@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from experiments import eval_text
 from experiments.config import ConfigError
 from quant.modes import ALL_MODES, MODES, QuantConfig
 
@@ -50,6 +51,12 @@ def check_gguf_path(path: str) -> None:
     if not os.path.isfile(path):
         what = "a folder, not a file" if os.path.isdir(path) else "no such file"
         raise ConfigError(f"gguf={path!r}: {what}")
+
+
+def add_corpus_flag(p) -> None:
+    p.add_argument("--corpus", default="pydoc",
+                   help=f"the text perplexity reads: {', '.join(eval_text.CORPORA)} (default "
+                        "pydoc: its validation topics; experiments/eval_text.py)")
 
 
 def check_window_flags(tokens: int, window: int) -> None:

@@ -2,11 +2,14 @@
 
   python -m experiments.perplexity --model smollm2 --json
   python -m experiments.perplexity --model smollm2 --quant w8a8 --json --tokens 8192
+  python -m experiments.perplexity --model smollm2 --quant smoothquant --corpus docstrings --json
 
 The text: the validation topics of the standard library's `pydoc_data/topics.py` (split by a
 hash of the topic name, `experiments/pydoc_corpus.py`), in name order, tokenized once; the
 first --tokens tokens are read in non-overlapping windows of --window tokens and every position
-after a window's first is scored. The last line with --json: {"model", "quant", "tokens",
+after a window's first is scored. `--corpus docstrings` reads another text instead, the
+standard library's docstrings (`experiments/eval_text.py`). The last line with --json:
+{"model", "quant", "corpus", "tokens",
 "scored", "window", "nll", "perplexity", "param_bytes", "quantized_fraction"}.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments import model_flags
+from experiments import eval_text, model_flags
 from experiments.config import ConfigError, Parser, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
@@ -30,20 +33,22 @@ def main(argv: list[str] | None = None) -> dict:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
-                   help=f"validation tokens to read (default {DEFAULT_TOKENS})")
+                   help=f"tokens of the text to read (default {DEFAULT_TOKENS})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per window (default {DEFAULT_WINDOW})")
+    model_flags.add_corpus_flag(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = p.parse_args(argv)
     try:
         model_flags.check_model_flags(args)
         model_flags.check_window_flags(args.tokens, args.window)
+        eval_text.check_corpus(args.corpus)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
-        row = pretrained_lm.perplexity(pre, args.tokens, args.window)
+        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     if args.json:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import pydoc_corpus
+from experiments import eval_text, pydoc_corpus
 from experiments.config import ConfigError
 from experiments.model_flags import MODELS
 from model import DecoderLM, ModelConfig
@@ -200,23 +200,25 @@ def score_texts(pre: Pretrained, texts: list[str]) -> list[dict]:
     return score_ids(pre, [pre.tokenizer.encode(t) for t in texts])
 
 
-def validation_ids(pre: Pretrained, tokens: int, window: int) -> np.ndarray:
+def validation_ids(pre: Pretrained, tokens: int, window: int,
+                   corpus: str = "pydoc") -> np.ndarray:
     """The token ids perplexity reads: the first whole windows of `window` tokens among the
-    first `tokens` tokens of the validation topics (ConfigError, one line, if they don't fit)."""
+    first `tokens` tokens of the corpus (`eval_text`: pydoc's validation topics by default;
+    ConfigError, one line, if they don't fit)."""
     if window < 2 or window > pre.cfg.max_len:
         raise ConfigError(f"window={window}: must be in 2..{pre.cfg.max_len}")
-    ids = np.asarray(pre.tokenizer.encode(pydoc_corpus.split_text("validation")), np.int32)
+    ids = np.asarray(pre.tokenizer.encode(eval_text.text(corpus)), np.int32)
     if not window <= tokens <= len(ids):
-        raise ConfigError(f"tokens={tokens}: must be in {window}..{len(ids)} (the validation "
-                          f"topics hold {len(ids)} tokens)")
+        raise ConfigError(f"tokens={tokens}: must be in {window}..{len(ids)} (the {corpus} "
+                          f"text holds {len(ids)} tokens)")
     return ids[:tokens // window * window]
 
 
-def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
-    """NLL and perplexity on the first `tokens` tokens of the validation topics, read in
-    non-overlapping windows of `window` tokens (each window's first token has no context and is
-    not scored, so `tokens - windows` positions are)."""
-    ids = validation_ids(pre, tokens, window)
+def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc") -> dict:
+    """NLL and perplexity on the first `tokens` tokens of the corpus (pydoc's validation topics
+    by default), read in non-overlapping windows of `window` tokens (each window's first token
+    has no context and is not scored, so `tokens - windows` positions are)."""
+    ids = validation_ids(pre, tokens, window, corpus)
     fn = make_score_fn(pre.graphdef, mesh_of(pre.params))
     total, count, windows = 0.0, 0, len(ids) // window
     for start in range(0, len(ids), window):
@@ -224,8 +226,8 @@ def perplexity(pre: Pretrained, tokens: int, window: int) -> dict:
         total -= float(np.sum(np.asarray(picked, np.float64)))
         count += window - 1
     nll = total / count
-    return {"model": pre.name, "quant": pre.quant, "tokens": windows * window, "scored": count,
-            "window": window, "nll": nll, "perplexity": math.exp(nll),
+    return {"model": pre.name, "quant": pre.quant, "corpus": corpus, "tokens": windows * window,
+            "scored": count, "window": window, "nll": nll, "perplexity": math.exp(nll),
             "param_bytes": param_bytes(pre.params),
             "quantized_fraction": pre.quantized_fraction}
 

