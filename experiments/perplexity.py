@@ -9,8 +9,8 @@ hash of the topic name, `experiments/pydoc_corpus.py`), in name order, tokenized
 first --tokens tokens are read in non-overlapping windows of --window tokens and every position
 after a window's first is scored. `--corpus docstrings` reads another text instead, the
 standard library's docstrings (`experiments/eval_text.py`). The last line with --json:
-{"model", "quant", "corpus", "tokens",
-"scored", "window", "nll", "perplexity", "param_bytes", "quantized_fraction"}.
+{"model", "quant", "corpus", "tokens", "scored", "window", "nll", "perplexity", "param_bytes",
+"quantized_fraction"}.
 """
 
 from __future__ import annotations

@@ -318,7 +318,8 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
     # w8a8's); test_outlier_split_takes_planted_columns_out_of_the_int8_product plants some.
 
 
-def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode="smoothquant"):
+@pytest.mark.parametrize("mode", ["smoothquant", "auto"])
+def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode):
     """QuantConfig.alpha_search: the pipeline folds one alpha per layer and site (the report
     says which) and the int8 model tracks float as with one alpha; the search's own choice is
     tested against the int8 Dense in tests/test_smollm2.py."""
