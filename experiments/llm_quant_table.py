@@ -10,15 +10,17 @@ standard library's docstrings instead, experiments/eval_text.py). Also the float
 activation outliers (which Dense inputs, how large against the median channel) on the
 calibration rows (per layer too, drawn into smollm2_quant.png beside the results file), and
 batch-1 greedy decoding tokens/s for float, w8, w8a8 and w8a8-rotated with and without the
-int8 KV cache, the eight timed interleaved in one benchmark; smoothquant and auto again with
-SmoothQuant's alpha chosen per layer and site (quant/alpha_search.py). The machine is recorded
-beside the figures.
+int8 KV cache, the eight timed interleaved in one benchmark. smoothquant and auto choose
+SmoothQuant's alpha per layer and site (quant/alpha_search.py; the rows record the choice) and
+run again with the paper's one alpha, 0.5, at every site. The machine is recorded beside the
+figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,7 +30,7 @@ from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.plots import activation_profile
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.modes import MODES, QuantError
+from quant.modes import MODES, PAPER_ALPHA, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
@@ -54,9 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rotation-seeds", type=int, default=8,
                    help="w8a8-rotated again with the random-sign rotations of seeds 1..N (how "
                         "much its figure owes to the one rotation; 0 skips)")
-    p.add_argument("--no-alpha-search", action="store_true",
-                   help="skip smoothquant and auto again with alpha chosen per layer and site "
-                        "(2 more evaluations)")
+    p.add_argument("--no-paper-alpha", action="store_true",
+                   help=f"skip smoothquant and auto again with the paper's alpha {PAPER_ALPHA:g} "
+                        f"at every site (2 more evaluations)")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     try:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
         out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
                "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
-               "machine": describe(),
+               "machine": describe(), "alpha_grid": list(ALPHA_GRID),
                "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
                "decoding": []}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the plot comes first
@@ -93,8 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
             "validation")[:400])
         for_speed = []
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+            t0 = time.perf_counter()
             pre = pretrained_lm.quantize(float_model, mode)
+            quantize_s = time.perf_counter() - t0
             row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
+            if mode != "none":
+                row["quantize_s"] = quantize_s  # calibration and the alpha search included
+            if pre.report and "alpha" in pre.report:  # searched: per site, one per layer
+                row["alpha"] = pre.report["alpha"]
             out["rows"].append(row)
             if mode in SPEED_MODES:
                 for_speed.append(pre)
@@ -115,16 +123,18 @@ def main(argv: list[str] | None = None) -> dict:
                 out["rotation_seeds"].append(
                     {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
                 write_result(args.out, out)
-        searched = [m for m in modes if m in model_flags.SMOOTHING_MODES]
-        if not args.no_alpha_search and searched:
-            out["alpha_search"] = []
-            for mode in tqdm(searched, desc="alpha searched", unit="mode"):
+        smoothed = [m for m in modes if m in model_flags.SMOOTHING_MODES]
+        if not args.no_paper_alpha and smoothed:
+            out["paper_alpha"] = []
+            for mode in tqdm(smoothed, desc=f"alpha {PAPER_ALPHA:g}", unit="mode"):
+                t0 = time.perf_counter()
                 pre = pretrained_lm.quantize(float_model, mode, QuantConfig(
-                    mode=mode, alpha_search=True))
+                    mode=mode, alpha=PAPER_ALPHA))
+                quantize_s = time.perf_counter() - t0
                 row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
-                out["alpha_search"].append({**row, "vs_float_pct": vs_float_pct(row, base),
-                                            "grid": list(ALPHA_GRID),
-                                            "alpha": pre.report["alpha"]})
+                row["quantize_s"] = quantize_s
+                out["paper_alpha"].append({**row, "vs_float_pct": vs_float_pct(row, base),
+                                           "alpha": PAPER_ALPHA})
                 write_result(args.out, out)
         if not args.no_sensitivity and "w8a8" in modes:
             out["w8a8_sensitivity"] = []

@@ -22,9 +22,10 @@ def add_model_flags(p, quant: bool = True) -> None:
     p.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}")
     if quant:
         p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
-        p.add_argument("--alpha-search", action="store_true",
-                       help=f"{', '.join(SMOOTHING_MODES)}: choose SmoothQuant's alpha per "
-                            f"layer and site on the calibration data (quant/alpha_search.py)")
+        p.add_argument("--alpha", type=float, default=None,
+                       help=f"{', '.join(SMOOTHING_MODES)}: SmoothQuant's migration strength "
+                            f"at every site, e.g. the paper's 0.5 (default: chosen per layer "
+                            f"and site on the calibration data, quant/alpha_search.py)")
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--gguf", default=None, metavar="PATH",
@@ -37,9 +38,13 @@ def check_model_flags(args) -> None:
         raise ConfigError(f"model={args.model!r}: allowed {', '.join(MODELS)}")
     if getattr(args, "quant", "none") not in ALL_MODES:
         raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
-    if getattr(args, "alpha_search", False) and args.quant not in SMOOTHING_MODES:
-        raise ConfigError(f"alpha_search: only with --quant {' or '.join(SMOOTHING_MODES)} "
-                          f"(got {args.quant!r})")
+    alpha = getattr(args, "alpha", None)
+    if alpha is not None:
+        if args.quant not in SMOOTHING_MODES:
+            raise ConfigError(f"alpha: only with --quant {' or '.join(SMOOTHING_MODES)} "
+                              f"(got {args.quant!r})")
+        if not 0.0 <= alpha <= 1.0:  # also refuses nan
+            raise ConfigError(f"alpha={alpha}: must be in [0, 1]")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     if args.gguf is not None:

@@ -233,8 +233,8 @@ def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc")
 
 
 def load_from_flags(args) -> Pretrained:
-    qcfg = (QuantConfig(mode=args.quant, alpha_search=True)
-            if getattr(args, "alpha_search", False) else None)
+    qcfg = (QuantConfig(mode=args.quant, alpha=args.alpha)
+            if getattr(args, "alpha", None) is not None else None)
     return quantize(load(args.model, args.layers, args.gguf), args.quant, qcfg)
 
 

@@ -5,9 +5,10 @@
 Quantises the run in each mode (writing WORKDIR/quant/MODE like `experiments.quantize`),
 evaluates it on the run's validation batches, and writes the table to
 experiments/results/quant_eval.json (one row per mode, the float model first). Besides the
-modes, three variants: naive per-tensor W8A8 (per-tensor weights *and* activations), w8a8 with
-the embedding and output head quantised too (the smallest checkpoint), and the outlier split
-with room for a quarter of the input columns in float.
+modes, four variants: naive per-tensor W8A8 (per-tensor weights *and* activations), w8a8 with
+the embedding and output head quantised too (the smallest checkpoint), the outlier split with
+room for a quarter of the input columns in float, and smoothquant with the paper's one alpha
+(0.5) at every site instead of the alpha chosen per layer and site.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from experiments.results_io import project_relative, results_path, write_result
 from experiments.trainer import make_eval_fn
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
+from quant.modes import PAPER_ALPHA
 from quant.pipeline import dense_bytes, param_bytes
 from quant.stored import quantize_with_meta, save_atomic
 
@@ -40,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True)
     p.add_argument("--calib-batches", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--alpha", type=float, default=None,
+                   help="SmoothQuant's migration strength at every site (default: chosen per "
+                        "layer and site, quant/alpha_search.py)")
     p.add_argument("--modes", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--out", default=str(OUT))
     return p
@@ -53,7 +57,9 @@ def variants(args) -> list[tuple[str, str, dict]]:
     rows += [("w8a8-tensor-naive", "w8a8-tensor", {"weights": "tensor"}),
              ("w8a8+head+embed", "w8a8", {"rules": ("blocks/*", "head", "embed")}),
              # small's last MLP input has ~100 of 512 columns over the threshold: room for all
-             ("w8a8-outlier-cap0.25", "w8a8-outlier", {"outlier_capacity": 0.25})]
+             ("w8a8-outlier-cap0.25", "w8a8-outlier", {"outlier_capacity": 0.25}),
+             # the paper's recipe beside the searched default
+             (f"smoothquant-alpha{PAPER_ALPHA:g}", "smoothquant", {"alpha": PAPER_ALPHA})]
     if args.modes:
         keep = set(args.modes.split(","))
         rows = [r for r in rows if r[0] in keep]
@@ -71,6 +77,11 @@ def most_outlier_cols(layer_rows: list[dict]) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    try:  # before the backend starts
+        QuantConfig(mode="smoothquant", alpha=args.alpha,
+                    calib_batches=args.calib_batches).validate()
+    except QuantError as e:
+        fail(PROG, str(e))
     runtime.start(None)
     try:
         model = restore_params(args.workdir)
@@ -117,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "over_capacity": [f"{r['module']}/{r['layer']}" for r in report["layers"]
                                        if r.get("over_capacity")],
                      "quantize_seconds": quant_s})
+        if qcfg.smooth:  # per site one alpha per layer when searched
+            rows[-1]["alpha"] = report.get("alpha", qcfg.alpha)
         print(json.dumps(rows[-1]), flush=True)
     table = {"workdir": project_relative(args.workdir), "step": step,
              "preset": cfg.preset, "calib_batches": args.calib_batches, "alpha": args.alpha,

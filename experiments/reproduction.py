@@ -378,6 +378,14 @@ EXPERIMENTS: tuple[Experiment, ...] = (
 )
 
 
+def _ppl(d: dict, quant: str) -> float:
+    """A mode's perplexity in a SmolLM2 table (KeyError when it is not there)."""
+    for r in d["rows"]:
+        if r["quant"] == quant:
+            return r["perplexity"]
+    raise KeyError(quant)
+
+
 CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
     "main_job": holds(
         "main_job.json", "the reloaded checkpoint evaluates to the trained loss",
@@ -439,6 +447,14 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
     "quant_table": holds(
         "quant_eval.json", "every int8 mode is within 1% of float",
         lambda d: all(abs(r["rel_to_float"]) <= 0.01 for r in d["rows"])),
+    "llm_quant_table": holds(
+        "smollm2_quant.json", "every mode was measured (finite perplexities)",
+        lambda d: all(math.isfinite(r["perplexity"]) for r in d["rows"]),
+        full_only=("smoothquant, auto and w8a8-rotated are within 1% of float, and smoothquant "
+                   "is no worse than plain per-token w8a8",
+                   lambda d: all(r["vs_float_pct"] <= 1.0 for r in d["rows"]
+                                 if r["quant"] in ("smoothquant", "auto", "w8a8-rotated"))
+                   and _ppl(d, "smoothquant") <= _ppl(d, "w8a8"))),
     "parity_smollm2": holds(
         "smollm2_parity.json", "token ids and next tokens are identical, mean NLLs within "
         "1e-4 nats, chat prompt ids identical and greedy replies identical but at near ties",

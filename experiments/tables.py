@@ -184,8 +184,10 @@ def int8_bench(d: dict) -> str:
 
 def smollm2_quant(d: dict) -> str:
     m = d["machine"]
+    text = {"pydoc": "validation tokens of `pydoc_data`",
+            "docstrings": "tokens of the standard library's docstrings"}[d.get("corpus", "pydoc")]
     rows = [f"{d['model']} ({d['layers']} layers), perplexity on {d['rows'][0]['tokens']:,} "
-            f"validation tokens of `pydoc_data` (windows of {d['rows'][0]['window']}):", "",
+            f"{text} (windows of {d['rows'][0]['window']}):", "",
             *_head("mode", "perplexity", "vs float", "param bytes", "int8 share")]
     for r in d["rows"]:
         rows.append(f"| {r['quant']} | {r['perplexity']:.3f} | {r['vs_float_pct']:+.2f}% | "
@@ -228,19 +230,27 @@ def smollm2_quant(d: dict) -> str:
             removed = 1 - r["vs_float_pct"] / w8a8["vs_float_pct"]
             rows.append(f"| {r['float_group']} | {r['perplexity']:.3f} | "
                         f"{r['vs_float_pct']:+.2f}% | {removed:.0%} |")
-    if d.get("alpha_search"):
-        grid = ", ".join(f"{a:g}" for a in d["alpha_search"][0]["grid"])
-        rows += ["", f"SmoothQuant's alpha chosen per layer and site from {grid} by the int8 "
-                 f"product's error on the calibration rows (`alpha_search`; the rows above use "
-                 f"0.5 everywhere), with the median alpha chosen per site:", "",
-                 *_head("mode", "perplexity", "vs float", "q/k/v (attn_norm)",
-                        "gate/up (mlp_norm)", "o (v → o)", "down (up → down)")]
+    searched = [r for r in d["rows"] if "alpha" in r]
+    if searched:
+        grid = ", ".join(f"{a:g}" for a in d["alpha_grid"])
+        rows += ["", f"SmoothQuant's alpha, chosen per layer and site from {grid} by the int8 "
+                 f"product's error on the calibration rows (quant/alpha_search.py); the median "
+                 f"of the {d['layers']} layers' choices per site:", "",
+                 *_head("mode", "q/k/v (attn_norm)", "gate/up (mlp_norm)", "o (v → o)",
+                        "down (up → down)")]
         sites = ("blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o", "blocks/mlp/down")
-        for r in d["alpha_search"]:
+        for r in searched:
             med = " | ".join(f"{statistics.median(r['alpha'][k]):.2f}" if k in r["alpha"]
                              else "–" for k in sites)
-            rows.append(f"| {r['quant']} (alpha searched) | {r['perplexity']:.3f} | "
-                        f"{r['vs_float_pct']:+.2f}% | {med} |")
+            rows.append(f"| {r['quant']} | {med} |")
+    if d.get("paper_alpha"):
+        rows += ["", f"The same modes with the SmoothQuant paper's one alpha, "
+                 f"{d['paper_alpha'][0]['alpha']:g}, at every site (`--alpha "
+                 f"{d['paper_alpha'][0]['alpha']:g}`):", "",
+                 *_head("mode", "perplexity", "vs float")]
+        for r in d["paper_alpha"]:
+            rows.append(f"| {r['quant']} (alpha {r['alpha']:g}) | {r['perplexity']:.3f} | "
+                        f"{r['vs_float_pct']:+.2f}% |")
     if d.get("rotation_seeds"):
         seeds = d["rotation_seeds"]
         h = next(r for r in d["rows"] if r["quant"] == "w8a8-rotated")

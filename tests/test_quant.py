@@ -319,13 +319,14 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
 
 
 @pytest.mark.parametrize("mode", ["smoothquant", "auto"])
-def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode):
-    """QuantConfig.alpha_search: the pipeline folds one alpha per layer and site (the report
-    says which) and the int8 model tracks float as with one alpha; the search's own choice is
-    tested against the int8 Dense in tests/test_smollm2.py."""
+def test_alpha_is_searched_unless_one_is_given(float_model, batches, mode):
+    """By default the pipeline folds one alpha per layer and site (the report says which) and
+    the int8 model tracks float; `alpha=0.5` folds the paper's one alpha instead (nothing
+    searched, other factors). The search's own choice is tested against the int8 Dense in
+    tests/test_smollm2.py."""
     graphdef, params = float_model
-    g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode, alpha_search=True),
-                                  batches[:2], error_report=False)
+    g, q, plan, report = quantize(graphdef, params, QuantConfig(mode=mode), batches[:2],
+                                  error_report=False)
     assert set(report["alpha"]) == {"blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o"}
     assert all(len(v) == CFG.n_layers and set(v) <= set(ALPHA_GRID)
                for v in report["alpha"].values())
@@ -333,6 +334,30 @@ def test_alpha_search_runs_in_the_pipeline(float_model, batches, mode):
     ref, out = logits(graphdef, params, tokens), logits(g, q, tokens)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.02
     assert_smoothed(params, q)
+
+    _, fixed, _, fixed_report = quantize(graphdef, params, QuantConfig(mode=mode, alpha=0.5),
+                                         batches[:2], error_report=False)
+    assert "alpha" not in fixed_report
+    assert_smoothed(params, fixed)
+    expected = fold(nnx.merge(graphdef, params),
+                    calibrate(graphdef, params, batches[:2])["absmax"], alpha=0.5)
+    s = np.asarray(params["blocks"]["mlp_norm"]["scale"]) / np.asarray(
+        fixed["blocks"]["mlp_norm"]["scale"])
+    np.testing.assert_allclose(s, np.asarray(expected["blocks/mlp_norm"]), rtol=1e-5)
+    searched_s = np.asarray(params["blocks"]["mlp_norm"]["scale"]) / np.asarray(
+        q["blocks"]["mlp_norm"]["scale"])
+    if set(report["alpha"]["blocks/mlp_norm"]) != {0.5}:  # the search chose otherwise somewhere
+        assert not np.allclose(searched_s, s, rtol=1e-5)
+
+
+def test_configs_written_with_the_alpha_search_flag_still_load():
+    """Before alpha=None meant "searched", a stored quant_config had `alpha_search`."""
+    old = {**QuantConfig(mode="smoothquant").to_json(), "alpha": 0.5}
+    assert QuantConfig.from_json({**old, "alpha_search": True}).alpha is None
+    assert QuantConfig.from_json({**old, "alpha_search": False}).alpha == 0.5
+    assert QuantConfig.from_json({**old, "alpha": 0.7, "alpha_search": False}).alpha == 0.7
+    with pytest.raises(QuantError, match=r"alpha=1.5: must be in \[0, 1\]"):
+        QuantConfig(mode="smoothquant", alpha=1.5).validate()
 
 
 @pytest.mark.parametrize("mode,report,reads", [

@@ -6,6 +6,7 @@ against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -240,6 +241,20 @@ def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch)
         pretrained_lm.quantize(truncated, "smoothquant", QuantConfig(mode="smoothquant"))
 
 
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_the_alpha_flag_reaches_the_quantisation_config(monkeypatch, truncated, alpha):
+    """The launchers' --alpha (experiments/model_flags.py) is the config's one alpha; without
+    it the config's default holds, which searches (QuantConfig.alpha_search)."""
+    seen = []
+    monkeypatch.setattr(pretrained_lm, "load", lambda *a: truncated)
+    monkeypatch.setattr(pretrained_lm, "quantize",
+                        lambda pre, mode, qcfg=None: seen.append(qcfg or QuantConfig(mode=mode)))
+    pretrained_lm.load_from_flags(argparse.Namespace(
+        model="smollm2", layers=None, gguf=None, quant="smoothquant", alpha=alpha))
+    assert seen[0].mode == "smoothquant" and seen[0].alpha == alpha
+    assert seen[0].alpha_search == (alpha is None)
+
+
 def test_greedy_replies_agree_between_float_and_int8(truncated):
     """Fed float's greedy reply to each chat prompt (teacher forcing, so one early flip does not
     derail the rest), the int8 model's greedy choice must be the float model's at most
@@ -411,8 +426,10 @@ def test_score_cli(tmp_path):
     ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
     ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
     ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
-    ("score", ["--text", "a", "--quant", "w8a8", "--alpha-search"],
-     "alpha_search: only with --quant smoothquant or auto (got 'w8a8')"),
+    ("score", ["--text", "a", "--quant", "w8a8", "--alpha", "0.5"],
+     "alpha: only with --quant smoothquant or auto (got 'w8a8')"),
+    ("score", ["--text", "a", "--quant", "smoothquant", "--alpha", "nan"],
+     "alpha=nan: must be in [0, 1]"),
 ])
 def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
     one_line_error(cli(module, *args), fragment)
