@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
              "disk_bytes": float_disk}]
     for name, mode, over in variants(args):
         t0 = time.perf_counter()
-        qcfg = QuantConfig(**{"mode": mode, "calib_batches": args.calib_batches,
-                              "alpha": args.alpha, **over})
+        alpha = {"alpha": args.alpha} if QuantConfig(mode=mode).smooth else {}
+        qcfg = QuantConfig(**{"mode": mode, "calib_batches": args.calib_batches, **alpha,
+                              **over})
         try:
             graphdef, qparams, plan, report, meta = quantize_with_meta(
                 model.graphdef, params, qcfg, calib_rows, cfg.model, calibration,

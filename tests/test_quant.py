@@ -356,8 +356,14 @@ def test_configs_written_with_the_alpha_search_flag_still_load():
     assert QuantConfig.from_json({**old, "alpha_search": True}).alpha is None
     assert QuantConfig.from_json({**old, "alpha_search": False}).alpha == 0.5
     assert QuantConfig.from_json({**old, "alpha": 0.7, "alpha_search": False}).alpha == 0.7
+    w8a8 = {**QuantConfig(mode="w8a8").to_json(), "alpha": 0.5}  # every mode stored one then
+    assert QuantConfig.from_json(w8a8).alpha is None
+    QuantConfig.from_json(w8a8).validate()
     with pytest.raises(QuantError, match=r"alpha=1.5: must be in \[0, 1\]"):
         QuantConfig(mode="smoothquant", alpha=1.5).validate()
+    with pytest.raises(QuantError, match="alpha=0.5: only for the modes that smooth "
+                                         r"\(smoothquant, auto\), not w8a8"):
+        QuantConfig(mode="w8a8", alpha=0.5).validate()
 
 
 @pytest.mark.parametrize("mode,report,reads", [

@@ -70,6 +70,7 @@ def test_outliers_beyond_the_capacity_are_warned_about(trained):
     (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "1..1024"]),
     (["--mode", "w8a8", "--calib-batches", "1025"], ["calib_batches=1025", "1..1024"]),
     (["--mode", "smoothquant", "--alpha", "1.5"], ["alpha=1.5", "[0, 1]"]),
+    (["--mode", "w8a8", "--alpha", "0.5"], ["alpha=0.5", "only for the modes that smooth"]),
     (["--mode", "w8a8", "--include", "nothing/*"], ["select no module"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(trained, args, fragments):
