@@ -2,8 +2,8 @@
 
 Passes over the calibration data (each a few eager batches):
   1. (smoothquant, auto, w8a8-static) per-channel input ranges of the float model;
-     SmoothQuant folds its factors (with alpha_search, after a pass that picks each site's
-     alpha, quant/alpha_search.py), static mode turns the ranges into per-layer scales;
+     SmoothQuant folds its factors (unless one alpha is given, after a pass that picks each
+     site's alpha, quant/alpha_search.py), static mode turns the ranges into per-layer scales;
   2. (auto, or when the error report is asked for: the default) each int8 Dense against its
      float twin on the float model's inputs: the error report, and for auto the layers kept
      in float (the model is then rebuilt with them).

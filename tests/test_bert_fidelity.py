@@ -60,7 +60,7 @@ def test_smoothing_fold_keeps_the_float_function(setup, alpha):
     batches = calibration_rows(tok.encode(calib)[0], 16)
     stats = calibrate(graphdef, params, batches)
     model = nnx.merge(graphdef, params)
-    if alpha == "searched":  # one alpha per layer and site, as QuantConfig.alpha_search folds
+    if alpha == "searched":  # one alpha per layer and site, as QuantConfig folds by default
         alpha = search_alphas(graphdef, params, batches, encoder_sites(model, stats["absmax"]))
         assert set(alpha) == {"blocks/attn/o", "blocks/attn/q", "blocks/mlp/up",
                               "blocks/mlp/down"}

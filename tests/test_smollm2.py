@@ -127,7 +127,7 @@ def test_smoothquant_folds_are_exact_through_gqa_and_swiglu(truncated, alpha):
     x = jnp.asarray(rows[0][:, :-1])
     before = model(x)
     n = truncated.cfg.n_layers
-    # per layer: a different migration strength in every layer and site, as alpha_search gives
+    # per layer: a different migration strength in every layer and site, as the search gives
     alpha = 0.5 if alpha == "one" else {
         site: [ALPHA_GRID[(i + j) % len(ALPHA_GRID)] for j in range(n)]
         for i, site in enumerate(SITE_CONSUMERS)}
