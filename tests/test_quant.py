@@ -24,6 +24,7 @@ from model.flops import param_bytes
 from model.generate import default_per_layer, generate
 from model.layers import Dense
 from parallel.mesh import make_mesh
+from quant import alpha_search
 from quant import checkpoint as qckpt
 from quant import quantizers as qz
 from quant.alpha_search import ALPHA_GRID
@@ -348,6 +349,17 @@ def test_alpha_is_searched_unless_one_is_given(float_model, batches, mode):
         q["blocks"]["mlp_norm"]["scale"])
     if set(report["alpha"]["blocks/mlp_norm"]) != {0.5}:  # the search chose otherwise somewhere
         assert not np.allclose(searched_s, s, rtol=1e-5)
+
+
+def test_the_search_joins_calibration_batches_of_one_shape(monkeypatch):
+    """Fewer, larger calls (quant/alpha_search.py: MERGE_TOKENS): consecutive batches of one
+    row shape are joined in order, up to the cap; a batch of another shape starts a new one."""
+    monkeypatch.setattr(alpha_search, "MERGE_TOKENS", 40)
+    rows = [np.full((2, 9), i) for i in range(3)] + [np.full((1, 5), 7), np.full((1, 5), 8)]
+    merged = alpha_search._merged(rows)
+    assert [m.shape for m in merged] == [(4, 9), (2, 9), (2, 5)]
+    np.testing.assert_array_equal(np.concatenate([m.ravel() for m in merged]),
+                                  np.concatenate([r.ravel() for r in rows]))
 
 
 def test_configs_written_with_the_alpha_search_flag_still_load():
