@@ -30,7 +30,7 @@ from experiments.config import ConfigError, Parser, check_output_file, fail
 from experiments.plots import activation_profile
 from experiments.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.modes import MODES, PAPER_ALPHA, QuantError
+from quant.modes import MODES, PAPER_ALPHA, SMOOTHING_MODES, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
@@ -93,14 +93,19 @@ def main(argv: list[str] | None = None) -> dict:
                            f"{len(calib)} calibration rows")
         prompt = float_model.tokenizer.encode(pretrained_lm.pydoc_corpus.split_text(
             "validation")[:400])
-        for_speed = []
-        for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+
+        def evaluate(mode: str, qcfg: QuantConfig | None = None) -> tuple:
+            """`mode`'s model and its perplexity row, with the quantisation's seconds
+            (calibration and the alpha search included)."""
             t0 = time.perf_counter()
-            pre = pretrained_lm.quantize(float_model, mode)
+            pre = pretrained_lm.quantize(float_model, mode, qcfg)
             quantize_s = time.perf_counter() - t0
             row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
-            if mode != "none":
-                row["quantize_s"] = quantize_s  # calibration and the alpha search included
+            return pre, (row if mode == "none" else {**row, "quantize_s": quantize_s})
+
+        for_speed = []
+        for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+            pre, row = evaluate(mode)
             if pre.report and "alpha" in pre.report:  # searched: per site, one per layer
                 row["alpha"] = pre.report["alpha"]
             out["rows"].append(row)
@@ -117,22 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
             out["rotation_seeds"] = []
             for seed in tqdm(range(1, args.rotation_seeds + 1), desc="w8a8-rotated seeds",
                              unit="seed"):
-                pre = pretrained_lm.quantize(float_model, "w8a8-rotated", QuantConfig(
-                    mode="w8a8-rotated", rotation_seed=seed))
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
+                _, row = evaluate("w8a8-rotated", QuantConfig(mode="w8a8-rotated",
+                                                              rotation_seed=seed))
                 out["rotation_seeds"].append(
                     {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
                 write_result(args.out, out)
-        smoothed = [m for m in modes if m in model_flags.SMOOTHING_MODES]
+        smoothed = [m for m in modes if m in SMOOTHING_MODES]
         if not args.no_paper_alpha and smoothed:
             out["paper_alpha"] = []
             for mode in tqdm(smoothed, desc=f"alpha {PAPER_ALPHA:g}", unit="mode"):
-                t0 = time.perf_counter()
-                pre = pretrained_lm.quantize(float_model, mode, QuantConfig(
-                    mode=mode, alpha=PAPER_ALPHA))
-                quantize_s = time.perf_counter() - t0
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
-                row["quantize_s"] = quantize_s
+                _, row = evaluate(mode, QuantConfig(mode=mode, alpha=PAPER_ALPHA))
                 out["paper_alpha"].append({**row, "vs_float_pct": vs_float_pct(row, base),
                                            "alpha": PAPER_ALPHA})
                 write_result(args.out, out)
@@ -141,9 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
             groups = pretrained_lm.SENSITIVITY_GROUPS
             for name, paths in tqdm(groups.items(), desc="w8a8 with a group float",
                                     unit="group"):
-                pre = pretrained_lm.quantize(float_model, "w8a8", QuantConfig(
+                _, row = evaluate("w8a8", QuantConfig(
                     mode="w8a8", rules=pretrained_lm.rules_without(name)))
-                row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
                 out["w8a8_sensitivity"].append(
                     {"float_group": name, "float_paths": list(paths), **row,
                      "vs_float_pct": vs_float_pct(row, base)})

@@ -10,10 +10,9 @@ import os
 
 from experiments import eval_text
 from experiments.config import ConfigError
-from quant.modes import ALL_MODES, MODES, QuantConfig
+from quant.modes import ALL_MODES, MODES, SMOOTHING_MODES, QuantConfig, QuantError
 
 MODELS = ("smollm2",)
-SMOOTHING_MODES = tuple(m for m in MODES if QuantConfig(mode=m).smooth)  # SmoothQuant's folds
 
 
 def add_model_flags(p, quant: bool = True) -> None:
@@ -43,8 +42,10 @@ def check_model_flags(args) -> None:
         if args.quant not in SMOOTHING_MODES:
             raise ConfigError(f"alpha: only with --quant {' or '.join(SMOOTHING_MODES)} "
                               f"(got {args.quant!r})")
-        if not 0.0 <= alpha <= 1.0:  # also refuses nan
-            raise ConfigError(f"alpha={alpha}: must be in [0, 1]")
+        try:  # the range (nan refused too) is the config's own check
+            QuantConfig(mode=args.quant, alpha=alpha).validate()
+        except QuantError as e:
+            raise ConfigError(str(e)) from None
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     if args.gguf is not None:

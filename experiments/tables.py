@@ -244,9 +244,9 @@ def smollm2_quant(d: dict) -> str:
                              else "–" for k in sites)
             rows.append(f"| {r['quant']} | {med} |")
     if d.get("paper_alpha"):
-        rows += ["", f"The same modes with the SmoothQuant paper's one alpha, "
-                 f"{d['paper_alpha'][0]['alpha']:g}, at every site (`--alpha "
-                 f"{d['paper_alpha'][0]['alpha']:g}`):", "",
+        alpha = d["paper_alpha"][0]["alpha"]
+        rows += ["", f"The same modes with the SmoothQuant paper's one alpha, {alpha:g}, at "
+                 f"every site (`--alpha {alpha:g}`):", "",
                  *_head("mode", "perplexity", "vs float")]
         for r in d["paper_alpha"]:
             rows.append(f"| {r['quant']} (alpha {r['alpha']:g}) | {r['perplexity']:.3f} | "

@@ -18,6 +18,7 @@ MODES: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "w8a8-rotated": ("token", False, False, False, True),
 }
 ALL_MODES = ("none",) + tuple(MODES)
+SMOOTHING_MODES = tuple(m for m, spec in MODES.items() if spec[1])  # SmoothQuant's folds
 
 
 class QuantError(ValueError):
@@ -67,9 +68,9 @@ class QuantConfig:
             raise QuantError(f"mode={self.mode!r}: allowed {', '.join(ALL_MODES)}")
         if self.weights not in ("channel", "tensor"):
             raise QuantError(f"weights={self.weights!r}: allowed channel, tensor")
-        if self.alpha is not None and not MODES[self.mode][1]:
+        if self.alpha is not None and self.mode not in SMOOTHING_MODES:
             raise QuantError(f"alpha={self.alpha}: only for the modes that smooth "
-                             f"({', '.join(m for m in MODES if MODES[m][1])}), not {self.mode}")
+                             f"({', '.join(SMOOTHING_MODES)}), not {self.mode}")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise QuantError(f"alpha={self.alpha}: must be in [0, 1] (or unset: searched)")
         if not self.outlier_threshold > 0:
@@ -118,8 +119,8 @@ class QuantConfig:
         if "alpha_search" in d:  # written when alpha was always a number, the search a flag
             d = {**d, "alpha": None if d["alpha_search"] else d.get("alpha", PAPER_ALPHA)}
             del d["alpha_search"]
-        if not MODES.get(d.get("mode"), (None, True))[1]:  # versions before stored 0.5 for all
-            d = {**d, "alpha": None}
+        if d.get("mode") in MODES and d["mode"] not in SMOOTHING_MODES:
+            d = {**d, "alpha": None}  # versions before stored 0.5 for every mode
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(QuantConfig)})
         if unknown:
             raise QuantError(f"quant_config: unknown field(s) {', '.join(unknown)}; written by a "
