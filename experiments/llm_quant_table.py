@@ -5,8 +5,10 @@
 
 For the float model and each mode of quant/convert.py: perplexity on the validation topics of
 `pydoc_data` (as `experiments.perplexity`), its change against float, the parameter bytes as
-stored and the share of parameters whose product runs in int8 (`--corpus docstrings`: on the
-standard library's docstrings instead, experiments/eval_text.py). Also the float model's
+stored, the share of parameters whose product runs in int8 and how far the int8 model's
+next-token distributions lie from float's at the same positions (mean KL(float || int8) and the
+share of positions with the same most likely token; `--corpus docstrings`: all on the standard
+library's docstrings instead, experiments/eval_text.py). Also the float model's
 activation outliers (which Dense inputs, how large against the median channel) on the
 calibration rows (per layer too, drawn into smollm2_quant.png beside the results file), and
 batch-1 greedy decoding tokens/s for float, w8, w8a8 and w8a8-rotated with and without the
@@ -96,11 +98,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         def evaluate(mode: str, qcfg: QuantConfig | None = None) -> tuple:
             """`mode`'s model and its perplexity row, with the quantisation's seconds
-            (calibration and the alpha search included)."""
+            (calibration and the alpha search included) and an int8 model's divergence from
+            the float one (KL, top-1 agreement: pretrained_lm.perplexity)."""
             t0 = time.perf_counter()
             pre = pretrained_lm.quantize(float_model, mode, qcfg)
             quantize_s = time.perf_counter() - t0
-            row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
+            row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus,
+                                           reference=None if mode == "none" else float_model)
             return pre, (row if mode == "none" else {**row, "quantize_s": quantize_s})
 
         for_speed = []

@@ -3,6 +3,7 @@
   python -m experiments.perplexity --model smollm2 --json
   python -m experiments.perplexity --model smollm2 --quant w8a8 --json --tokens 8192
   python -m experiments.perplexity --model smollm2 --quant smoothquant --corpus docstrings --json
+  python -m experiments.perplexity --model smollm2 --quant w8a8 --vs-float --json
 
 The text: the validation topics of the standard library's `pydoc_data/topics.py` (split by a
 hash of the topic name, `experiments/pydoc_corpus.py`), in name order, tokenized once; the
@@ -10,7 +11,12 @@ first --tokens tokens are read in non-overlapping windows of --window tokens and
 after a window's first is scored. `--corpus docstrings` reads another text instead, the
 standard library's docstrings (`experiments/eval_text.py`). The last line with --json:
 {"model", "quant", "corpus", "tokens", "scored", "window", "nll", "perplexity", "param_bytes",
-"quantized_fraction"}.
+"quantized_fraction"}. --vs-float (with an int8 --quant) runs the float model beside the int8
+one and adds "divergence": {"reference", "kl_mean", "kl_median", "kl_p99", "kl_max",
+"top1_agree"}, KL(float || int8) of the next-token distributions in nats over the scored
+positions and the share of them where both models' most likely next token is the same (what
+greedy decoding follows) -- a closer look than the perplexity change, which errors of either
+sign can cancel in.
 """
 
 from __future__ import annotations
@@ -37,18 +43,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per window (default {DEFAULT_WINDOW})")
     model_flags.add_corpus_flag(p)
+    p.add_argument("--vs-float", action="store_true",
+                   help="also measure the int8 model's divergence from the float model "
+                        "(KL, top-1 agreement); needs an int8 --quant")
     p.add_argument("--json", action="store_true", help="print the result as JSON last")
     args = p.parse_args(argv)
     try:
         model_flags.check_model_flags(args)
         model_flags.check_window_flags(args.tokens, args.window)
         eval_text.check_corpus(args.corpus)
+        if args.vs_float and args.quant == "none":
+            raise ConfigError("vs_float: needs an int8 --quant (got none): it compares an "
+                              "int8 model with the float one")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 
         runtime.start(1)
-        pre = pretrained_lm.load_from_flags(args)
-        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus)
+        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
+        pre = pretrained_lm.quantize(float_model, args.quant,
+                                     pretrained_lm.quant_config_from_flags(args))
+        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus,
+                                       reference=float_model if args.vs_float else None)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     if args.json:
@@ -56,6 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"{row['model']} {row['quant']}: perplexity {row['perplexity']:.3f} "
               f"(nll {row['nll']:.4f} nats over {row['scored']} tokens)")
+        if "divergence" in row:
+            d = row["divergence"]
+            print(f"vs float: KL mean {d['kl_mean']:.5f} nats (median {d['kl_median']:.5f}, "
+                  f"99th percentile {d['kl_p99']:.4f}), same top-1 token at "
+                  f"{d['top1_agree']:.2%} of positions")
     return row
 
 

@@ -214,28 +214,84 @@ def validation_ids(pre: Pretrained, tokens: int, window: int,
     return ids[:tokens // window * window]
 
 
-def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc") -> dict:
+@functools.lru_cache(maxsize=8)
+def make_divergence_fn(graphdef: nnx.GraphDef, ref_graphdef: nnx.GraphDef, mesh=None,
+                       ref_mesh=None):
+    """jit(params, ref_params, tokens [1, T]) -> (log p of each next token [T - 1], and at the
+    same T - 1 positions the KL divergence KL(reference || model) of the next-token
+    distributions in nats and whether both models' most likely next token agree). Only these
+    three vectors leave the device, not the two [T, vocab] log-probability arrays."""
+    logprobs = make_logprob_fn(graphdef, mesh)
+    ref_logprobs = make_logprob_fn(ref_graphdef, ref_mesh)
+
+    @jax.jit
+    def fn(params, ref_params, tokens):
+        logq = logprobs(params, tokens)[:-1]
+        logp = ref_logprobs(ref_params, tokens)[:-1]
+        picked = jnp.take_along_axis(logq, tokens[0, 1:, None], axis=-1)[:, 0]
+        kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+        return picked, kl, jnp.argmax(logp, axis=-1) == jnp.argmax(logq, axis=-1)
+
+    return fn
+
+
+def divergence_summary(kl: np.ndarray, agree: np.ndarray, reference: str) -> dict:
+    """How far a model's next-token distributions lie from a reference model's over the scored
+    positions (the statistics llama.cpp's `perplexity --kl-divergence` reports): KL(reference ||
+    model) in nats, mean, median, 99th percentile and largest, and the share of positions whose
+    most likely next token is the reference's (what greedy decoding follows)."""
+    return {"reference": reference, "kl_mean": float(np.mean(kl)),
+            "kl_median": float(np.median(kl)), "kl_p99": float(np.percentile(kl, 99)),
+            "kl_max": float(np.max(kl)), "top1_agree": float(np.mean(agree))}
+
+
+def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc",
+               reference: Pretrained | None = None) -> dict:
     """NLL and perplexity on the first `tokens` tokens of the corpus (pydoc's validation topics
     by default), read in non-overlapping windows of `window` tokens (each window's first token
-    has no context and is not scored, so `tokens - windows` positions are)."""
+    has no context and is not scored, so `tokens - windows` positions are). With a `reference`
+    model (the float one of an int8 model), the row also holds "divergence": how far this
+    model's next-token distributions lie from the reference's at the same positions
+    (`divergence_summary`); the reference runs again window by window beside it, so nothing
+    of vocabulary size is held for the whole text."""
     ids = validation_ids(pre, tokens, window, corpus)
-    fn = make_score_fn(pre.graphdef, mesh_of(pre.params))
-    total, count, windows = 0.0, 0, len(ids) // window
+    mesh = mesh_of(pre.params)
+    if reference is None:
+        score = make_score_fn(pre.graphdef, mesh)
+    else:
+        diverge = make_divergence_fn(pre.graphdef, reference.graphdef, mesh,
+                                     mesh_of(reference.params))
+    total, count, windows, kls, agrees = 0.0, 0, len(ids) // window, [], []
     for start in range(0, len(ids), window):
-        picked, _ = fn(pre.params, ids[None, start:start + window])
+        tok = ids[None, start:start + window]
+        if reference is None:
+            picked, _ = score(pre.params, tok)
+        else:
+            picked, kl, agree = diverge(pre.params, reference.params, tok)
+            kls.append(np.asarray(kl, np.float64))
+            agrees.append(np.asarray(agree))
         total -= float(np.sum(np.asarray(picked, np.float64)))
         count += window - 1
     nll = total / count
-    return {"model": pre.name, "quant": pre.quant, "corpus": corpus, "tokens": windows * window,
-            "scored": count, "window": window, "nll": nll, "perplexity": math.exp(nll),
-            "param_bytes": param_bytes(pre.params),
-            "quantized_fraction": pre.quantized_fraction}
+    row = {"model": pre.name, "quant": pre.quant, "corpus": corpus, "tokens": windows * window,
+           "scored": count, "window": window, "nll": nll, "perplexity": math.exp(nll),
+           "param_bytes": param_bytes(pre.params),
+           "quantized_fraction": pre.quantized_fraction}
+    if reference is not None:
+        row["divergence"] = divergence_summary(np.concatenate(kls), np.concatenate(agrees),
+                                               reference.quant)
+    return row
+
+
+def quant_config_from_flags(args) -> QuantConfig | None:
+    """The launchers' --alpha as a QuantConfig (None: the mode's defaults)."""
+    return (QuantConfig(mode=args.quant, alpha=args.alpha)
+            if getattr(args, "alpha", None) is not None else None)
 
 
 def load_from_flags(args) -> Pretrained:
-    qcfg = (QuantConfig(mode=args.quant, alpha=args.alpha)
-            if getattr(args, "alpha", None) is not None else None)
-    return quantize(load(args.model, args.layers, args.gguf), args.quant, qcfg)
+    return quantize(load(args.model, args.layers, args.gguf), args.quant,
+                    quant_config_from_flags(args))
 
 
 @dataclasses.dataclass(frozen=True)

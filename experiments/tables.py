@@ -182,16 +182,30 @@ def int8_bench(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _divergence(r: dict) -> str:
+    """A row's mean KL from float and top-1 agreement as two cells ('–' where not measured:
+    the float row, and files written before the measurement existed)."""
+    dv = r.get("divergence")
+    return f"{dv['kl_mean']:.4f} | {dv['top1_agree']:.1%}" if dv else "– | –"
+
+
 def smollm2_quant(d: dict) -> str:
     m = d["machine"]
     text = {"pydoc": "validation tokens of `pydoc_data`",
             "docstrings": "tokens of the standard library's docstrings"}[d.get("corpus", "pydoc")]
     rows = [f"{d['model']} ({d['layers']} layers), perplexity on {d['rows'][0]['tokens']:,} "
             f"{text} (windows of {d['rows'][0]['window']}):", "",
-            *_head("mode", "perplexity", "vs float", "param bytes", "int8 share")]
+            *_head("mode", "perplexity", "vs float", "KL from float (mean, nats)",
+                   "same top-1 token as float", "param bytes", "int8 share")]
     for r in d["rows"]:
         rows.append(f"| {r['quant']} | {r['perplexity']:.3f} | {r['vs_float_pct']:+.2f}% | "
-                    f"{r['param_bytes']:,} | {r['quantized_fraction']:.3f} |")
+                    f"{_divergence(r)} | {r['param_bytes']:,} | "
+                    f"{r['quantized_fraction']:.3f} |")
+    if any("divergence" in r for r in d["rows"]):
+        rows += ["", "KL from float: KL(float ‖ int8) of the next-token distributions at the "
+                 "scored positions, averaged; same top-1: the share of those positions where "
+                 "both models' most likely next token is the same (what greedy decoding "
+                 "follows)."]
     out = d["outliers"]
     cal = out["calibration"]
     rows += ["", f"Largest activations (float model, {cal['rows']} calibration rows of "
@@ -247,10 +261,11 @@ def smollm2_quant(d: dict) -> str:
         alpha = d["paper_alpha"][0]["alpha"]
         rows += ["", f"The same modes with the SmoothQuant paper's one alpha, {alpha:g}, at "
                  f"every site (`--alpha {alpha:g}`):", "",
-                 *_head("mode", "perplexity", "vs float")]
+                 *_head("mode", "perplexity", "vs float", "KL from float (mean, nats)",
+                        "same top-1 token as float")]
         for r in d["paper_alpha"]:
             rows.append(f"| {r['quant']} (alpha {r['alpha']:g}) | {r['perplexity']:.3f} | "
-                        f"{r['vs_float_pct']:+.2f}% |")
+                        f"{r['vs_float_pct']:+.2f}% | {_divergence(r)} |")
     if d.get("rotation_seeds"):
         seeds = d["rotation_seeds"]
         h = next(r for r in d["rows"] if r["quant"] == "w8a8-rotated")

@@ -405,6 +405,45 @@ def test_perplexity_reads_the_corpus_it_is_given(truncated):
         pretrained_lm.validation_ids(truncated, n + 1, 512, "docstrings")
 
 
+def test_divergence_from_float_matches_a_float64_recomputation(truncated):
+    """perplexity's divergence against a reference model: KL(float || int8) and top-1 agreement
+    at the scored positions equal a float64 NumPy recomputation from both models' log-
+    probabilities; the NLL is the row's without a reference; a model against itself diverges
+    by nothing."""
+    q = pretrained_lm.quantize(truncated, "w8a8")
+    row = pretrained_lm.perplexity(q, 1024, 512, reference=truncated)
+    dv = row.pop("divergence")
+    assert row == pretrained_lm.perplexity(q, 1024, 512)
+    ids = pretrained_lm.validation_ids(q, 1024, 512)
+    kl, agree = [], []
+    for start in (0, 512):
+        tok = ids[None, start:start + 512]
+        logq = np.asarray(pretrained_lm.make_logprob_fn(q.graphdef)(q.params, tok),
+                          np.float64)[:-1]
+        logp = np.asarray(pretrained_lm.make_logprob_fn(truncated.graphdef)(
+            truncated.params, tok), np.float64)[:-1]
+        kl.append(np.sum(np.exp(logp) * (logp - logq), axis=-1))
+        agree.append(logp.argmax(-1) == logq.argmax(-1))
+    kl, agree = np.concatenate(kl), np.concatenate(agree)
+    assert len(kl) == row["scored"] == 1022
+    assert dv["reference"] == "none" and dv["top1_agree"] == np.mean(agree)
+    assert 0 < dv["kl_median"] <= dv["kl_mean"] < dv["kl_p99"] <= dv["kl_max"]
+    for key, value in (("kl_mean", kl.mean()), ("kl_median", np.median(kl)),
+                       ("kl_p99", np.percentile(kl, 99)), ("kl_max", kl.max())):
+        assert dv[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+    same = pretrained_lm.perplexity(truncated, 1024, 512, reference=truncated)["divergence"]
+    assert same["top1_agree"] == 1.0 and abs(same["kl_max"]) <= 1e-6
+
+
+def test_perplexity_cli_measures_the_divergence_from_float():
+    proc = cli("perplexity", "--layers", "2", "--quant", "w8a8", "--tokens", "512",
+               "--vs-float", "--json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["quant"] == "w8a8" and row["scored"] == 511
+    assert row["divergence"]["kl_mean"] > 0 and 0 < row["divergence"]["top1_agree"] <= 1
+
+
 def test_score_cli(tmp_path):
     proc = cli("score", "--layers", "2", "--json", "--text", "Hello, world!", "--text", "A")
     assert proc.returncode == 0, proc.stderr
@@ -425,6 +464,7 @@ def test_score_cli(tmp_path):
     ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
     ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
     ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
+    ("perplexity", ["--vs-float"], "vs_float: needs an int8 --quant (got none)"),
     ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
     ("score", ["--text", "a", "--quant", "w8a8", "--alpha", "0.5"],
      "alpha: only with --quant smoothquant or auto (got 'w8a8')"),
