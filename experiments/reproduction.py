@@ -448,8 +448,12 @@ CLAIMS: dict[str, Callable[[Path, bool], str | None]] = {
         "quant_eval.json", "every int8 mode is within 1% of float",
         lambda d: all(abs(r["rel_to_float"]) <= 0.01 for r in d["rows"])),
     "llm_quant_table": holds(
-        "smollm2_quant.json", "every mode was measured (finite perplexities)",
-        lambda d: all(math.isfinite(r["perplexity"]) for r in d["rows"]),
+        "smollm2_quant.json", "every mode was measured (finite perplexities, and each int8 "
+        "mode's divergence from float: a mean KL of at least 0, a top-1 agreement in [0, 1])",
+        lambda d: all(math.isfinite(r["perplexity"]) and (
+            r["quant"] == "none" or (r["divergence"]["kl_mean"] >= 0
+                                     and 0 <= r["divergence"]["top1_agree"] <= 1))
+            for r in d["rows"]),
         full_only=("smoothquant, auto and w8a8-rotated are within 1% of float, and smoothquant "
                    "is no worse than plain per-token w8a8",
                    lambda d: all(r["vs_float_pct"] <= 1.0 for r in d["rows"]
