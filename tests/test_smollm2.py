@@ -407,32 +407,25 @@ def test_perplexity_reads_the_corpus_it_is_given(truncated):
 
 def test_divergence_from_float_matches_a_float64_recomputation(truncated):
     """perplexity's divergence against a reference model: KL(float || int8) and top-1 agreement
-    at the scored positions equal a float64 NumPy recomputation from both models' log-
-    probabilities; the NLL is the row's without a reference; a model against itself diverges
-    by nothing."""
+    at the scored positions, and the NLL beside them, equal a float64 NumPy recomputation from
+    both models' log-probabilities (one window: the compilations are the cost here)."""
     q = pretrained_lm.quantize(truncated, "w8a8")
-    row = pretrained_lm.perplexity(q, 1024, 512, reference=truncated)
-    dv = row.pop("divergence")
-    assert row == pretrained_lm.perplexity(q, 1024, 512)
-    ids = pretrained_lm.validation_ids(q, 1024, 512)
-    kl, agree = [], []
-    for start in (0, 512):
-        tok = ids[None, start:start + 512]
-        logq = np.asarray(pretrained_lm.make_logprob_fn(q.graphdef)(q.params, tok),
-                          np.float64)[:-1]
-        logp = np.asarray(pretrained_lm.make_logprob_fn(truncated.graphdef)(
-            truncated.params, tok), np.float64)[:-1]
-        kl.append(np.sum(np.exp(logp) * (logp - logq), axis=-1))
-        agree.append(logp.argmax(-1) == logq.argmax(-1))
-    kl, agree = np.concatenate(kl), np.concatenate(agree)
-    assert len(kl) == row["scored"] == 1022
-    assert dv["reference"] == "none" and dv["top1_agree"] == np.mean(agree)
+    row = pretrained_lm.perplexity(q, 512, 512, reference=truncated)
+    dv = row["divergence"]
+    tok = pretrained_lm.validation_ids(q, 512, 512)[None]
+    logq = np.asarray(pretrained_lm.make_logprob_fn(q.graphdef)(q.params, tok), np.float64)
+    logp = np.asarray(pretrained_lm.make_logprob_fn(truncated.graphdef)(truncated.params, tok),
+                      np.float64)
+    logq, logp = logq[:-1], logp[:-1]  # the last position predicts past the window
+    kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)
+    assert len(kl) == row["scored"] == 511
+    assert row["nll"] == pytest.approx(-np.mean(logq[np.arange(511), tok[0, 1:]]), rel=1e-6)
+    assert dv["reference"] == "none"
+    assert dv["top1_agree"] == np.mean(logp.argmax(-1) == logq.argmax(-1)) < 1
     assert 0 < dv["kl_median"] <= dv["kl_mean"] < dv["kl_p99"] <= dv["kl_max"]
     for key, value in (("kl_mean", kl.mean()), ("kl_median", np.median(kl)),
                        ("kl_p99", np.percentile(kl, 99)), ("kl_max", kl.max())):
         assert dv[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
-    same = pretrained_lm.perplexity(truncated, 1024, 512, reference=truncated)["divergence"]
-    assert same["top1_agree"] == 1.0 and abs(same["kl_max"]) <= 1e-6
 
 
 def test_perplexity_cli_measures_the_divergence_from_float():
