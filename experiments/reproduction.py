@@ -231,7 +231,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("llm_quant_table", _m("llm_quant_table", "--out", "{results}/smollm2_quant.json"),
                _m("llm_quant_table", "--layers", "4", "--modes", "w8a8", "--tokens", "512",
                   "--new-tokens", "8", "--out", "{results}/smollm2_quant.json"),
-               ("smollm2_quant.json", "smollm2_quant.png"), 900, 30,
+               ("smollm2_quant.json", "smollm2_quant.png"), 1000, 30,
                "SmolLM2 int8 perplexity table and activation plot"),
     Experiment("chat_replies", _m("chat_replies", "--out", "{results}/smollm2_chat_replies.json"),
                _m("chat_replies", "--layers", "2", "--modes", "w8a8", "--prompts", "2",
