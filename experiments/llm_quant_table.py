@@ -153,8 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     for r in out["rows"]:
+        dv = r.get("divergence")
         print(f"{r['quant']:>13}  ppl {r['perplexity']:8.3f}  {r['vs_float_pct']:+6.2f}%  "
-              f"{r['param_bytes'] / 1e6:7.1f} MB")
+              f"{r['param_bytes'] / 1e6:7.1f} MB"
+              + (f"  KL {dv['kl_mean']:.4f}  top-1 {dv['top1_agree']:.1%}" if dv else ""))
     return out
 
 

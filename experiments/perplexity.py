@@ -12,7 +12,7 @@ after a window's first is scored. `--corpus docstrings` reads another text inste
 standard library's docstrings (`experiments/eval_text.py`). The last line with --json:
 {"model", "quant", "corpus", "tokens", "scored", "window", "nll", "perplexity", "param_bytes",
 "quantized_fraction"}. --vs-float (with an int8 --quant) runs the float model beside the int8
-one and adds "divergence": {"reference", "kl_mean", "kl_median", "kl_p99", "kl_max",
+one (both in memory, about twice the scoring time) and adds "divergence": {"reference", "kl_mean", "kl_median", "kl_p99", "kl_max",
 "top1_agree"}, KL(float || int8) of the next-token distributions in nats over the scored
 positions and the share of them where both models' most likely next token is the same (what
 greedy decoding follows) -- a closer look than the perplexity change, which errors of either
@@ -27,7 +27,7 @@ import json
 from experiments import eval_text, model_flags
 from experiments.config import ConfigError, Parser, fail
 from model.gguf import GGUFError
-from quant.modes import QuantError
+from quant.modes import MODES, QuantError
 
 PROG = "experiments.perplexity"
 DEFAULT_TOKENS = 8192
@@ -53,17 +53,19 @@ def main(argv: list[str] | None = None) -> dict:
         model_flags.check_window_flags(args.tokens, args.window)
         eval_text.check_corpus(args.corpus)
         if args.vs_float and args.quant == "none":
-            raise ConfigError("vs_float: needs an int8 --quant (got none): it compares an "
-                              "int8 model with the float one")
+            raise ConfigError(f"vs_float: only with an int8 --quant, one of {', '.join(MODES)} "
+                              f"(got {args.quant!r})")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         from experiments import pretrained_lm, runtime
 
         runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
-        pre = pretrained_lm.quantize(float_model, args.quant,
-                                     pretrained_lm.quant_config_from_flags(args))
-        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus,
-                                       reference=float_model if args.vs_float else None)
+        if args.vs_float:  # both models in memory, the float one run again beside the other
+            reference = pretrained_lm.load(args.model, args.layers, args.gguf)
+            pre = pretrained_lm.quantize(reference, args.quant,
+                                         pretrained_lm.quant_config_from_flags(args))
+        else:
+            reference, pre = None, pretrained_lm.load_from_flags(args)
+        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus, reference)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     if args.json:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import eval_text, pydoc_corpus
+from experiments import divergence, eval_text, pydoc_corpus
 from experiments.config import ConfigError
 from experiments.model_flags import MODELS
 from model import DecoderLM, ModelConfig
@@ -227,22 +227,10 @@ def make_divergence_fn(graphdef: nnx.GraphDef, ref_graphdef: nnx.GraphDef, mesh=
     @jax.jit
     def fn(params, ref_params, tokens):
         logq = logprobs(params, tokens)[:-1]
-        logp = ref_logprobs(ref_params, tokens)[:-1]
         picked = jnp.take_along_axis(logq, tokens[0, 1:, None], axis=-1)[:, 0]
-        kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
-        return picked, kl, jnp.argmax(logp, axis=-1) == jnp.argmax(logq, axis=-1)
+        return picked, *divergence.per_position(ref_logprobs(ref_params, tokens)[:-1], logq)
 
     return fn
-
-
-def divergence_summary(kl: np.ndarray, agree: np.ndarray, reference: str) -> dict:
-    """How far a model's next-token distributions lie from a reference model's over the scored
-    positions (the statistics llama.cpp's `perplexity --kl-divergence` reports): KL(reference ||
-    model) in nats, mean, median, 99th percentile and largest, and the share of positions whose
-    most likely next token is the reference's (what greedy decoding follows)."""
-    return {"reference": reference, "kl_mean": float(np.mean(kl)),
-            "kl_median": float(np.median(kl)), "kl_p99": float(np.percentile(kl, 99)),
-            "kl_max": float(np.max(kl)), "top1_agree": float(np.mean(agree))}
 
 
 def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc",
@@ -252,8 +240,8 @@ def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc",
     has no context and is not scored, so `tokens - windows` positions are). With a `reference`
     model (the float one of an int8 model), the row also holds "divergence": how far this
     model's next-token distributions lie from the reference's at the same positions
-    (`divergence_summary`); the reference runs again window by window beside it, so nothing
-    of vocabulary size is held for the whole text."""
+    (`experiments.divergence.summary`); the reference runs again window by window beside it,
+    so nothing of vocabulary size is held for the whole text."""
     ids = validation_ids(pre, tokens, window, corpus)
     mesh = mesh_of(pre.params)
     if reference is None:
@@ -278,7 +266,7 @@ def perplexity(pre: Pretrained, tokens: int, window: int, corpus: str = "pydoc",
            "param_bytes": param_bytes(pre.params),
            "quantized_fraction": pre.quantized_fraction}
     if reference is not None:
-        row["divergence"] = divergence_summary(np.concatenate(kls), np.concatenate(agrees),
+        row["divergence"] = divergence.summary(np.concatenate(kls), np.concatenate(agrees),
                                                reference.quant)
     return row
 

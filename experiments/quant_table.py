@@ -3,7 +3,9 @@
   python -m experiments.quant_table --workdir runs/main
 
 Quantises the run in each mode (writing WORKDIR/quant/MODE like `experiments.quantize`),
-evaluates it on the run's validation batches, and writes the table to
+evaluates it on the run's validation batches (the loss, and how far its next-token
+distributions lie from the float model's: mean KL(float || int8) and the share of positions
+with the same most likely byte, `experiments/divergence.py`), and writes the table to
 experiments/results/quant_eval.json (one row per mode, the float model first). Besides the
 modes, four variants: naive per-tensor W8A8 (per-tensor weights *and* activations), w8a8 with
 the embedding and output head quantised too (the smallest checkpoint), the outlier split with
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from experiments import runtime
+from experiments import divergence, runtime
 from experiments.config import ConfigError, Parser, fail
 from experiments.restore import calibration_rows, restore_params, validation_rows
 from experiments.results_io import project_relative, results_path, write_result
@@ -111,11 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
         out = save_atomic(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
         quant_s = time.perf_counter() - t0
         loss = make_eval_fn(graphdef, model.mesh, val)(qparams)
+        diverged = divergence.make_batch_divergence_fn(graphdef, model.graphdef, model.mesh,
+                                                       val)(qparams, params)
         qb, fb = dense_bytes(qparams, plan)
         disk = qckpt.disk_bytes(out / "ckpt")
         rows.append({"mode": name, "quant_mode": mode, "val_loss": loss,
                      "bits_per_byte": loss / math.log(2),
-                     "rel_to_float": (loss - float_loss) / float_loss,
+                     "rel_to_float": (loss - float_loss) / float_loss, "divergence": diverged,
                      "param_bytes": param_bytes(qparams),
                      "quantized_fraction": quantized_fraction(params, plan),
                      "dense_bytes_ratio": qb / fb, "disk_bytes": disk,

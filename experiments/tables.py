@@ -148,14 +148,17 @@ def zero_release(d: dict) -> str:
 def quant_eval(d: dict) -> str:
     rows = [f"`{d['preset']}` checkpoint at step {d['step']} ({d['workdir'].split('/')[-1]}), "
             f"{d['eval_tokens']:,} validation tokens, {d['calib_batches']} calibration batches:",
-            "", *_head("mode", "val loss", "bits/byte", "vs float", "param bytes",
-                       "Dense bytes / fp32", "on disk vs fp32")]
+            "", *_head("mode", "val loss", "bits/byte", "vs float", "KL from float (mean, nats)",
+                       "same top-1 byte as float", "param bytes", "Dense bytes / fp32",
+                       "on disk vs fp32")]
     for r in d["rows"]:
         dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
         disk = r.get("disk_ratio_vs_fp32")
         disk = "baseline" if disk is None else f"{disk:.2f}× smaller"
+        dv = r.get("divergence")
+        dv = f"{dv['kl_mean']:.2e} | {dv['top1_agree']:.2%}" if dv else "– | –"
         rows.append(f"| {r['mode']} | {r['val_loss']:.5f} | {r['bits_per_byte']:.4f} | "
-                    f"{r['rel_to_float'] * 100:+.3f}% | {r['param_bytes']:,} | {dense} | "
+                    f"{r['rel_to_float'] * 100:+.3f}% | {dv} | {r['param_bytes']:,} | {dense} | "
                     f"{disk} |")
     return "\n".join(rows)
 

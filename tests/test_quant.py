@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from experiments import divergence
 from model import DecoderLM
 from model.cached_attention import CACHE_BLOCK
 from model.flops import param_bytes
@@ -317,6 +318,32 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
         assert_smoothed(params, q)
     # w8a8-outlier: this model has no input column over the threshold (its outputs equal
     # w8a8's); test_outlier_split_takes_planted_columns_out_of_the_int8_product plants some.
+
+
+def test_the_byte_tables_divergence_matches_a_float64_recomputation(float_model, batches):
+    """quant_table's distance from float (experiments/divergence.py) over validation batches:
+    KL(float || int8) and top-1 agreement per position equal a float64 NumPy recomputation
+    from both models' logits; the float model against itself diverges by nothing."""
+    graphdef, params = float_model
+    g, q, _, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:2])
+    val = [batches[-1]]
+    diverge = divergence.make_batch_divergence_fn(g, graphdef, make_mesh(1), val)
+    got = diverge(q, params)
+    tokens = batches[-1][:, :-1]
+    logq, logp = (np.asarray(jax.nn.log_softmax(logits(gd, pr, tokens)), np.float64)
+                  for gd, pr in ((g, q), (graphdef, params)))
+    kl = np.sum(np.exp(logp) * (logp - logq), axis=-1).ravel()
+    assert kl.size == tokens.size and got["reference"] == "none"
+    # two programs compiled apart: a last-bit tie may flip one position's argmax
+    assert got["top1_agree"] == pytest.approx(np.mean(logp.argmax(-1) == logq.argmax(-1)),
+                                              abs=1.5 / kl.size)
+    for key, value in (("kl_mean", kl.mean()), ("kl_median", np.median(kl)),
+                       ("kl_p99", np.percentile(kl, 99)), ("kl_max", kl.max())):
+        assert got[key] == pytest.approx(value, rel=1e-3, abs=1e-7), key
+    assert got["kl_mean"] > 0
+    same = divergence.make_batch_divergence_fn(graphdef, graphdef, make_mesh(1), val)(
+        params, params)
+    assert same["top1_agree"] == 1.0 and abs(same["kl_max"]) <= 1e-6
 
 
 @pytest.mark.parametrize("mode", ["smoothquant", "auto"])

@@ -421,7 +421,10 @@ def test_divergence_from_float_matches_a_float64_recomputation(truncated):
     assert len(kl) == row["scored"] == 511
     assert row["nll"] == pytest.approx(-np.mean(logq[np.arange(511), tok[0, 1:]]), rel=1e-6)
     assert dv["reference"] == "none"
-    assert dv["top1_agree"] == np.mean(logp.argmax(-1) == logq.argmax(-1)) < 1
+    # two programs compiled apart: a last-bit tie may flip one position's argmax
+    assert dv["top1_agree"] == pytest.approx(np.mean(logp.argmax(-1) == logq.argmax(-1)),
+                                             abs=1.5 / 511)
+    assert dv["top1_agree"] < 1
     assert 0 < dv["kl_median"] <= dv["kl_mean"] < dv["kl_p99"] <= dv["kl_max"]
     for key, value in (("kl_mean", kl.mean()), ("kl_median", np.median(kl)),
                        ("kl_p99", np.percentile(kl, 99)), ("kl_max", kl.max())):
@@ -457,7 +460,7 @@ def test_score_cli(tmp_path):
     ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
     ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
     ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
-    ("perplexity", ["--vs-float"], "vs_float: needs an int8 --quant (got none)"),
+    ("perplexity", ["--vs-float"], "vs_float: only with an int8 --quant, one of w8, "),
     ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
     ("score", ["--text", "a", "--quant", "w8a8", "--alpha", "0.5"],
      "alpha: only with --quant smoothquant or auto (got 'w8a8')"),
