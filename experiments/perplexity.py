@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> dict:
         from experiments import pretrained_lm, runtime
 
         runtime.start(1)
-        if args.vs_float:  # both models in memory, the float one run again beside the other
-            reference = pretrained_lm.load(args.model, args.layers, args.gguf)
-            pre = pretrained_lm.quantize(reference, args.quant,
-                                         pretrained_lm.quant_config_from_flags(args))
-        else:
-            reference, pre = None, pretrained_lm.load_from_flags(args)
+        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
+        pre = pretrained_lm.quantize(float_model, args.quant,
+                                     pretrained_lm.quant_config_from_flags(args))
+        # kept (and run again beside the int8 model) only for --vs-float
+        reference = float_model if args.vs_float else None
+        del float_model
         row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus, reference)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])

@@ -145,6 +145,13 @@ def zero_release(d: dict) -> str:
     return "\n".join(rows)
 
 
+def _divergence(r: dict, kl: str = ".4f", top1: str = ".1%") -> str:
+    """A row's mean KL from float and top-1 agreement as two cells ('–' where not measured:
+    the float row, and files written before the measurement existed)."""
+    dv = r.get("divergence")
+    return f"{dv['kl_mean']:{kl}} | {dv['top1_agree']:{top1}}" if dv else "– | –"
+
+
 def quant_eval(d: dict) -> str:
     rows = [f"`{d['preset']}` checkpoint at step {d['step']} ({d['workdir'].split('/')[-1]}), "
             f"{d['eval_tokens']:,} validation tokens, {d['calib_batches']} calibration batches:",
@@ -155,11 +162,9 @@ def quant_eval(d: dict) -> str:
         dense = "—" if r.get("dense_bytes_ratio") is None else f"{r['dense_bytes_ratio']:.3f}"
         disk = r.get("disk_ratio_vs_fp32")
         disk = "baseline" if disk is None else f"{disk:.2f}× smaller"
-        dv = r.get("divergence")
-        dv = f"{dv['kl_mean']:.2e} | {dv['top1_agree']:.2%}" if dv else "– | –"
         rows.append(f"| {r['mode']} | {r['val_loss']:.5f} | {r['bits_per_byte']:.4f} | "
-                    f"{r['rel_to_float'] * 100:+.3f}% | {dv} | {r['param_bytes']:,} | {dense} | "
-                    f"{disk} |")
+                    f"{r['rel_to_float'] * 100:+.3f}% | {_divergence(r, '.2e', '.2%')} | "
+                    f"{r['param_bytes']:,} | {dense} | {disk} |")
     return "\n".join(rows)
 
 
@@ -183,13 +188,6 @@ def int8_bench(d: dict) -> str:
                     f"{r['tokens_per_s']:,.0f} | {r['speedup_vs_float']:.2f} | "
                     f"{r['param_bytes']:,} |")
     return "\n".join(rows)
-
-
-def _divergence(r: dict) -> str:
-    """A row's mean KL from float and top-1 agreement as two cells ('–' where not measured:
-    the float row, and files written before the measurement existed)."""
-    dv = r.get("divergence")
-    return f"{dv['kl_mean']:.4f} | {dv['top1_agree']:.1%}" if dv else "– | –"
 
 
 def smollm2_quant(d: dict) -> str:
