@@ -61,9 +61,14 @@ def test_a_dead_process_stops_the_job_quickly(tmp_path):
         cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
-    while not (metrics.exists() and metrics.stat().st_size > 0) and time.time() < deadline:
+    while (not (metrics.exists() and metrics.stat().st_size > 0) and time.time() < deadline
+           and launcher.poll() is None):
         time.sleep(0.5)
-    assert metrics.exists(), "training never started"
+    if not metrics.exists():  # say why: in one loaded CI run it never started, and nothing told
+        launcher.kill()
+        _, err = launcher.communicate()
+        pytest.fail(f"training never started (launcher status {launcher.returncode}): "
+                    f"{err[-3000:]}")
     children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 2
