@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 
-from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.results_io import command_line, results_path, write_result
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.reporting.results_io import command_line, results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -86,9 +86,9 @@ def check(args) -> list[str]:
 
 def run(args, names: list[str]) -> dict:
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments import pretrained_lm
-    from experiments.block_matvec import matvec_check
-    from experiments.machine import describe
+    from experiments.pretrained import llm as pretrained_lm
+    from experiments.speed.block_matvec import matvec_check
+    from experiments.speed.machine import describe
     from quant.convert import QuantConfig
 
     load_before = os.getloadavg()[0]

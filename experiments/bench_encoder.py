@@ -6,12 +6,12 @@ against PyTorch (transformers float, torch.ao.quantization.quantize_dynamic int8
   python -m experiments.bench_encoder --modes w8a8 --sentences 128 --rounds 2 --out ''
 
 Texts: --sentences deterministic texts of varied length (1 to 4 stdlib docstring sentences
-joined; experiments/encoder_bench.py: bench_sentences), batch --batch. Per variant: sentences/s
+joined; experiments/speed/encoder.py: bench_sentences), batch --batch. Per variant: sentences/s
 (median of --rounds end-to-end passes, all variants interleaved round by round), a breakdown of
 one pass (tokenisation, compilation per padded shape, host->device, compute, device->host) and
 the cosine of its embeddings to our float ones (mean/min). --torch-python runs
-experiments/torch_encoder_reference.py with that interpreter (a separate venv with torch and
-transformers) as a server and times its float and int8 passes in the same rounds; the JSON then
+experiments/reference/torch_encoder_reference.py with that interpreter (a separate venv with torch
+and transformers) as a server and times its float and int8 passes in the same rounds; the JSON then
 holds its figures and the ratios ours / theirs (float vs float, each int8 mode vs torch int8).
 $SHARDQ_TORCH_PYTHON is its default (experiments.reproduce passes no flag); without either, no
 torch side is measured. Records the machine and the 1-minute load average.
@@ -20,7 +20,7 @@ Writes experiments/results/bench_encoder.json (--out '' skips writing).
   python -m experiments.bench_encoder --ablations --json   # before/after of each speed change
 
 --ablations measures each change to the encoding path against its previous form in one process,
-interleaved (experiments/encoder_bench.py: ablation_*), and the embed CLI's marginal speed as a
+interleaved (experiments/speed/encoder.py: ablation_*), and the embed CLI's marginal speed as a
 user runs it; writes experiments/results/encoder_ablations.json.
 """
 
@@ -33,9 +33,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
-from experiments.encoder_devices import MAX_DEVICES, default_devices
-from experiments.results_io import command_line, results_path, write_result
+from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
+from experiments.pretrained.encoder_devices import MAX_DEVICES, default_devices
+from experiments.reporting.results_io import command_line, results_path, write_result
 from quant.modes import MODES
 
 PROG = "experiments.bench_encoder"
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments import runtime
-    from experiments.encoder_bench import ablations, bench_sentences, run
+    from experiments.cli import runtime
+    from experiments.speed.encoder import ablations, bench_sentences, run
 
     runtime.start(max(8, devices) if args.ablations else devices)  # 8: the dp ablation's mesh
 

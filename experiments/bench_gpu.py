@@ -42,11 +42,12 @@ from pathlib import Path
 
 import jax
 
-from experiments import accel_bench, plots
-from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.machine import describe
-from experiments.results_io import command_line, results_path, write_result
-from experiments.runtime import backend_refusal
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.cli.runtime import backend_refusal
+from experiments.reporting import plots
+from experiments.reporting.results_io import command_line, results_path, write_result
+from experiments.speed import gpu as accel_bench
+from experiments.speed.machine import describe
 from model import MODEL_PRESETS, ModelConfig
 from model.config import ATTENTION_IMPLS, REMAT_NAMES
 from parallel.strategies import LABELS as STRATEGY_LABELS

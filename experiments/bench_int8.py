@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.config import Parser, fail
-from experiments.machine import host_cpu
-from experiments.results_io import results_path, write_result
+from experiments.cli.config import Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.speed.machine import host_cpu
 from model import MODEL_PRESETS, DecoderLM
 from model.generate import generate
 from quant import quantizers as qz

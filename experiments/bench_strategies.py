@@ -19,10 +19,10 @@ import time
 import jax
 from tqdm import tqdm
 
-from experiments import runtime
-from experiments.config import PRESETS, Parser, fail
-from experiments.results_io import results_path, write_result
-from experiments.trainer import global_batch, init_sharded_state, prepare
+from experiments.cli import runtime
+from experiments.cli.config import PRESETS, Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.training.trainer import global_batch, init_sharded_state, prepare
 from parallel.strategies import LABELS, from_label
 
 PROG = "experiments.bench_strategies"

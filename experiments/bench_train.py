@@ -5,10 +5,10 @@ peak, where the step's time goes, and (optionally) PyTorch eager on the same mod
   python -m experiments.bench_train --preset small --devices 8 --json
   python -m experiments.bench_train --devices 1 --torch-python REFVENV/bin/python
 
-Times the trainer's jitted step (experiments.trainer.prepare -> parallel/sharded_run.py), the
-median of --rounds x --steps timed steps after --warmup, each step waiting for its loss. With
---torch-python (default $SHARDQ_TORCH_PYTHON), experiments/torch_train_reference.py runs under
-that interpreter between our rounds (ours, torch, ours, torch, ...) and the ratio of the two
+Times the trainer's jitted step (experiments.training.trainer.prepare -> parallel/sharded_run.py),
+the median of --rounds x --steps timed steps after --warmup, each step waiting for its loss. With
+--torch-python (default $SHARDQ_TORCH_PYTHON), experiments/reference/torch_train_reference.py runs
+under that interpreter between our rounds (ours, torch, ours, torch, ...) and the ratio of the two
 medians is recorded. Writes the entry for this device count into
 experiments/results/bench_train.json (--out); the other device counts' entries there are kept.
 """
@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from experiments import runtime
-from experiments.config import PRESETS, TORCH_PYTHON_ENV, ConfigError, Parser, fail
-from experiments.results_io import results_path, write_result
+from experiments.cli import runtime
+from experiments.cli.config import PRESETS, TORCH_PYTHON_ENV, ConfigError, Parser, fail
+from experiments.reporting.results_io import results_path, write_result
 
 PROG = "experiments.bench_train"
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.torch_python is not None and not os.access(args.torch_python, os.X_OK):
         fail(PROG, f"torch_python={args.torch_python!r}: not an executable file")
     runtime.start(args.devices)
-    from experiments import train_speed  # after the device count is set
+    from experiments.speed import training as train_speed  # after the device count is set
 
     base = PRESETS[args.preset]
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, devices=args.devices))

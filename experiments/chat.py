@@ -23,8 +23,8 @@ import math
 import sys
 import time
 
-from experiments import model_flags
-from experiments.config import ConfigError, Parser, check_text, fail
+from experiments.cli import model_flags
+from experiments.cli.config import ConfigError, Parser, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
         import jax
 
-        from experiments import pretrained_lm, runtime
+        from experiments.cli import runtime
+        from experiments.pretrained import llm as pretrained_lm
 
         runtime.start(1)
         pre = pretrained_lm.load_from_flags(args)
@@ -123,7 +124,7 @@ def reply(pre, args, messages: list[dict[str, str]], key) -> dict:
     """Stream the assistant's reply to `messages` (printed unless --json) and return its row."""
     import numpy as np
 
-    from experiments import pretrained_lm
+    from experiments.pretrained import llm as pretrained_lm
     from model.generate import stream
     from model.tokenizer import StreamDecoder
     from quant.kv_cache import init_int8_cache

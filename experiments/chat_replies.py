@@ -3,8 +3,8 @@
   python -m experiments.chat_replies          # writes results/smollm2_chat_replies.json
   python -m experiments.chat_replies --modes w8a8,auto --max-new-tokens 40 --seeds 4
 
-Per mode (float first): for each prompt of experiments/chat_prompts.py's PROMPTS (the first
---prompts of them; all by default) and each
+Per mode (float first): for each prompt of experiments/pretrained/chat_prompts.py's PROMPTS (the
+first --prompts of them; all by default) and each
 --max-new-tokens, the greedy reply `experiments.chat` prints, whether it mentions the expected
 answer, and how many of its first tokens equal float's reply. Then, for --spread-prompt, the
 probability of float's first reply token and the argmax when the float embedding table is
@@ -19,10 +19,10 @@ import math
 
 from tqdm import tqdm
 
-from experiments import model_flags
-from experiments.chat_prompts import PROMPTS
-from experiments.config import ConfigError, Parser, check_output_file, check_text, fail
-from experiments.results_io import results_path, write_result
+from experiments.cli import model_flags
+from experiments.cli.config import ConfigError, Parser, check_output_file, check_text, fail
+from experiments.pretrained.chat_prompts import PROMPTS
+from experiments.reporting.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, QuantError
 
@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
         check_text("spread_prompt", args.spread_prompt)
         check_output_file("out", args.out)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments import pretrained_lm, reply_stability, runtime
-        from experiments.machine import describe
+        from experiments.cli import runtime
+        from experiments.pretrained import llm as pretrained_lm
+        from experiments.pretrained import reply_stability
+        from experiments.speed.machine import describe
 
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)

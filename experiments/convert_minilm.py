@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.config import ConfigError, Parser, fail
-from experiments.minilm_layout import check_out
+from experiments.cli.config import ConfigError, Parser, fail
+from experiments.pretrained.minilm_layout import check_out
 
 PROG = "experiments.convert_minilm"
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         check_out(args.out)  # before JAX starts, and before anything is read
     except ConfigError as e:
         fail(PROG, str(e))
-    from experiments.minilm import convert
+    from experiments.pretrained.minilm import convert
     from model.hf_bert import CheckpointError
 
     try:

@@ -13,8 +13,8 @@ mean-pooled over the real tokens. --quant MODE quantises the blocks' Dense layer
 quant/convert.py; calibrating modes use built-in stdlib sentences). --strategy zero3 places the
 parameters sharded over the mesh (logical axes -> parallel/rules.py), dp replicates them; either
 way each batch of texts is split over the devices. Texts are batched by length and padded to a
-few bucket lengths (experiments/minilm.py: BUCKETS), so a long list compiles a handful of shapes.
-Texts over 512 tokens are truncated with a warning; an empty text is an error.
+few bucket lengths (experiments/pretrained/minilm.py: BUCKETS), so a long list compiles a handful
+of shapes. Texts over 512 tokens are truncated with a warning; an empty text is an error.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.config import ConfigError, Parser, check_devices, check_text, fail
-from experiments.encoder_devices import default_devices
-from experiments.minilm_layout import check_out
+from experiments.cli.config import ConfigError, Parser, check_devices, check_text, fail
+from experiments.pretrained.encoder_devices import default_devices
+from experiments.pretrained.minilm_layout import check_out
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.embed"
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments import runtime
-    from experiments.minilm import (
+    from experiments.cli import runtime
+    from experiments.pretrained.minilm import (
         convert,
         encode,
         load_encoder,

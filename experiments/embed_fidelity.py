@@ -25,9 +25,9 @@ import platform
 
 import numpy as np
 
-from experiments import runtime
-from experiments.config import Parser, fail
-from experiments.minilm import (
+from experiments.cli import runtime
+from experiments.cli.config import Parser, fail
+from experiments.pretrained.minilm import (
     encode,
     load_encoder,
     make_encode_fn,
@@ -37,7 +37,7 @@ from experiments.minilm import (
     stdlib_sentences,
     throughput,
 )
-from experiments.results_io import results_path, write_result
+from experiments.reporting.results_io import results_path, write_result
 from quant.convert import MODES
 from quant.encoder import calibration_rows
 from quant.pipeline import param_bytes

@@ -23,12 +23,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from experiments import runtime
-from experiments.config import PRESETS, Parser, fail
-from experiments.data import SequenceSampler, load_corpus, pack
-from experiments.optim import make_optimizer
-from experiments.pretrained_init import truncated_model
-from experiments.results_io import results_path, write_result
+from experiments.cli import runtime
+from experiments.cli.config import PRESETS, Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.training.data import SequenceSampler, load_corpus, pack
+from experiments.training.optim import make_optimizer
+from experiments.training.pretrained_init import truncated_model
 from parallel.sharded_run import max_tree_diff, run_label
 from parallel.strategies import LABELS
 

@@ -20,7 +20,7 @@ import functools
 import json
 import math
 
-from experiments.config import ConfigError, Parser, check_devices, fail, load_config
+from experiments.cli.config import ConfigError, Parser, check_devices, fail, load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked: a refusal never
     # waits for it.
-    from experiments import runtime
-    from experiments.restore import calibration_rows, restore_params, validation_rows
-    from experiments.trainer import make_eval_fn
+    from experiments.cli import runtime
+    from experiments.training.restore import calibration_rows, restore_params, validation_rows
+    from experiments.training.trainer import make_eval_fn
     from model.flops import param_bytes
     from quant.stored import load_or_quantize
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.results_io import write_result
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.reporting.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
         if args.step is not None and args.model is not None:
             raise ConfigError("step: only with --workdir (a pretrained model has no steps)")
-        from experiments import exporter, runtime
+        from experiments.cli import runtime
+        from experiments.pretrained import exporter
 
         exporter.check_out(args.out, args.force)
         if args.record is not None:

@@ -38,14 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments import checkpoint as ckpt
-from experiments import integrity, runtime, trainer
-from experiments.config import PRESETS, Parser, fail
-from experiments.guards import NonFiniteError
-from experiments.integrity import MANIFESTS
-from experiments.restore import restore_params
-from experiments.results_io import results_path, write_result
-from experiments.trainer import train_and_evaluate
+from experiments.cli import runtime
+from experiments.cli.config import PRESETS, Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.training import checkpoint as ckpt
+from experiments.training import integrity, trainer
+from experiments.training.guards import NonFiniteError
+from experiments.training.integrity import MANIFESTS
+from experiments.training.restore import restore_params
+from experiments.training.trainer import train_and_evaluate
 from parallel.sharded_run import max_tree_diff
 
 PROG = "experiments.fault_injection"

@@ -3,11 +3,11 @@
   python -m experiments.finetune --json                     # the documented defaults
   python -m experiments.finetune --steps 48 --lr 5e-5 --workdir runs/ft2 --json
 
-The `smollm2` preset of experiments/config.py (every field a flag, as for `train`): the GGUF's
+The `smollm2` preset of experiments/cli/config.py (every field a flag, as for `train`): the GGUF's
 weights placed one tensor at a time straight into their ZeRO-3 shards, the training topics of
 `pydoc_data` tokenized with the model's tokenizer, bf16 working weights and compute with fp32
 master weights and Adam moments, full remat, context 128, 8 sequences per step, 24 steps of
-AdamW (warm-up 2, cosine to 10%). It is the ordinary trainer (`experiments/trainer.py`:
+AdamW (warm-up 2, cosine to 10%). It is the ordinary trainer (`experiments/training/trainer.py`:
 checkpoints, exact --resume, the non-finite guard, SIGTERM), so this launcher only adds the
 measurements: validation loss and perplexity on the held-out topics before and after, tokens/s,
 the per-device model state read from the compiled step, the host memory peak of loading, and a
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import jax
 
-from experiments import plots, runtime
-from experiments.config import (
+from experiments.cli import runtime
+from experiments.cli.config import (
     ConfigError,
     Parser,
     add_override_flags,
@@ -36,10 +36,11 @@ from experiments.config import (
     config_from_args,
     fail,
 )
-from experiments.guards import RunStopped
-from experiments.machine import describe
-from experiments.results_io import project_relative, results_path, write_result
-from experiments.trainer import prepare, train_and_evaluate
+from experiments.reporting import plots
+from experiments.reporting.results_io import project_relative, results_path, write_result
+from experiments.speed.machine import describe
+from experiments.training.guards import RunStopped
+from experiments.training.trainer import prepare, train_and_evaluate
 from parallel import hlo
 
 PROG = "experiments.finetune"

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from experiments.config import Parser
+from experiments.cli.config import Parser
 
 PROG = "experiments.launch_local"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments import model_flags, pretrained_lm, runtime
-from experiments.config import (
+from experiments.cli import model_flags, runtime
+from experiments.cli.config import (
     ConfigError,
     Parser,
     check_devices,
@@ -35,7 +35,8 @@ from experiments.config import (
     check_replaceable_folder,
     fail,
 )
-from experiments.results_io import project_relative, results_path, write_result
+from experiments.pretrained import llm as pretrained_lm
+from experiments.reporting.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
 from parallel.mesh import make_mesh

@@ -8,7 +8,7 @@ For the float model and each mode of quant/convert.py: perplexity on the validat
 stored, the share of parameters whose product runs in int8 and how far the int8 model's
 next-token distributions lie from float's at the same positions (mean KL(float || int8) and the
 share of positions with the same most likely token; `--corpus docstrings`: all on the standard
-library's docstrings instead, experiments/eval_text.py). Also the float model's
+library's docstrings instead, experiments/pretrained/eval_text.py). Also the float model's
 activation outliers (which Dense inputs, how large against the median channel) on the
 calibration rows (per layer too, drawn into smollm2_quant.png beside the results file), and
 batch-1 greedy decoding tokens/s for float, w8, w8a8 and w8a8-rotated with and without the
@@ -27,10 +27,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments import eval_text, model_flags
-from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.plots import activation_profile
-from experiments.results_io import results_path, write_result
+from experiments.cli import model_flags
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.pretrained import eval_text
+from experiments.reporting.plots import activation_profile
+from experiments.reporting.results_io import results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, PAPER_ALPHA, SMOOTHING_MODES, QuantError
 
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"new_tokens={args.new_tokens}: must be a positive integer")
         check_output_file("out", args.out)
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments import pretrained_lm, runtime
-        from experiments.machine import describe
+        from experiments.cli import runtime
+        from experiments.pretrained import llm as pretrained_lm
+        from experiments.speed.machine import describe
         from quant.alpha_search import ALPHA_GRID
         from quant.convert import QuantConfig
 

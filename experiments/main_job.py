@@ -17,8 +17,8 @@ from pathlib import Path
 
 import jax
 
-from experiments import runtime
-from experiments.config import (
+from experiments.cli import runtime
+from experiments.cli.config import (
     ConfigError,
     Parser,
     add_override_flags,
@@ -27,11 +27,11 @@ from experiments.config import (
     config_from_args,
     fail,
 )
-from experiments.guards import RunStopped
-from experiments.plots import loss_curve
-from experiments.restore import restore_params, validation_rows
-from experiments.results_io import write_result
-from experiments.trainer import make_eval_fn, train_and_evaluate
+from experiments.reporting.plots import loss_curve
+from experiments.reporting.results_io import write_result
+from experiments.training.guards import RunStopped
+from experiments.training.restore import restore_params, validation_rows
+from experiments.training.trainer import make_eval_fn, train_and_evaluate
 from model.flops import param_bytes
 
 PROG = "experiments.main_job"

@@ -4,10 +4,10 @@
   python -m experiments.parity_smollm2 --gguf exports/ft-gguf/model.gguf --fixture F --out G
 
 `--gguf` scores another Llama GGUF (e.g. a fine-tuned run exported with `experiments.export
---format gguf`) against a fixture that experiments/check_export_reference.py wrote from the same
-run's safetensors export: the export checked end to end in transformers.
+--format gguf`) against a fixture that experiments/reference/check_export_reference.py wrote from
+the same run's safetensors export: the export checked end to end in transformers.
 
-Reads the fixture experiments/make_smollm2_reference.py wrote (tests/fixtures/
+Reads the fixture experiments/reference/make_smollm2_reference.py wrote (tests/fixtures/
 smollm2_reference.json: token ids, mean NLL and greedy next token per text from transformers),
 tokenizes and scores the same texts with the project's tokenizer and float32 model, and
 records how far apart they are; then the same for the fixture's long text (nearly the whole
@@ -21,9 +21,11 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments import model_flags, pretrained_lm, reply_stability, runtime
-from experiments.config import ConfigError, Parser, check_output_file, fail
-from experiments.results_io import results_path, write_result
+from experiments.cli import model_flags, runtime
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.pretrained import llm as pretrained_lm
+from experiments.pretrained import reply_stability
+from experiments.reporting.results_io import results_path, write_result
 from model.gguf import GGUFError
 
 PROG = "experiments.parity_smollm2"

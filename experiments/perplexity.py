@@ -6,10 +6,10 @@
   python -m experiments.perplexity --model smollm2 --quant w8a8 --vs-float --json
 
 The text: the validation topics of the standard library's `pydoc_data/topics.py` (split by a
-hash of the topic name, `experiments/pydoc_corpus.py`), in name order, tokenized once; the
+hash of the topic name, `experiments/training/pydoc_corpus.py`), in name order, tokenized once; the
 first --tokens tokens are read in non-overlapping windows of --window tokens and every position
 after a window's first is scored. `--corpus docstrings` reads another text instead, the
-standard library's docstrings (`experiments/eval_text.py`). The last line with --json:
+standard library's docstrings (`experiments/pretrained/eval_text.py`). The last line with --json:
 {"model", "quant", "corpus", "tokens", "scored", "window", "nll", "perplexity", "param_bytes",
 "quantized_fraction"}. --vs-float (with an int8 --quant) runs the float model beside the int8
 one (both in memory, about twice the scoring time) and adds "divergence": {"reference",
@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments import eval_text, model_flags
-from experiments.config import ConfigError, Parser, fail
+from experiments.cli import model_flags
+from experiments.cli.config import ConfigError, Parser, fail
+from experiments.pretrained import eval_text
 from model.gguf import GGUFError
 from quant.modes import MODES, QuantError
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"vs_float: only with an int8 --quant, one of {', '.join(MODES)} "
                               f"(got {args.quant!r})")
         # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments import pretrained_lm, runtime
+        from experiments.cli import runtime
+        from experiments.pretrained import llm as pretrained_lm
 
         runtime.start(1)
         float_model = pretrained_lm.load(args.model, args.layers, args.gguf)

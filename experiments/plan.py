@@ -9,7 +9,7 @@ Candidates: strategy (dp, zero1, zero2, zero3, zero3_prefetch) x mesh data x fsd
 save_dots, full) x micro-batch (sequences per device per micro-step; the rest of the global batch
 is gradient accumulation). Each is the trainer's step compiled for fake CPU devices on abstract
 inputs (nothing allocated); model state, peak and communication volume are read from the
-compiled program (experiments/planner.py says how, and how the search avoids compiles). The
+compiled program (experiments/zero/planner.py says how, and how the search avoids compiles). The
 table lists what fits, ranked by estimated step time; the recommendation is the cheapest that
 fits within the device memory less --headroom. With --json the last line is
 {"candidates": [{"strategy", "mesh", "remat", "micro_batch", "model_state_gb", "peak_gb",
@@ -17,7 +17,7 @@ fits within the device memory less --headroom. With --json the last line is
 
 --params 70B picks the member of our GPT family (the GPT-3-style presets' width/depth curve,
 head dim 128, d_ff = 4 d_model, byte vocabulary) closest in size, and says which. GB = 1e9 bytes.
-The peak is XLA:CPU's (see experiments/planner.py on what that backend adds in bf16).
+The peak is XLA:CPU's (see experiments/zero/planner.py on what that backend adds in bf16).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import dataclasses
 import json
 import sys
 
-from experiments.config import (
+from experiments.cli.config import (
     ConfigError,
     Parser,
     check_devices,
@@ -35,7 +35,7 @@ from experiments.config import (
     check_output_folder,
     fail,
 )
-from experiments.results_io import command_line, write_result
+from experiments.reporting.results_io import command_line, write_result
 
 PROG = "experiments.plan"
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
@@ -91,7 +91,7 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 def request_from_args(args):
     """(PlanRequest, note) from the flags; ConfigError on bad input. Imports the planner (and
     JAX) only once the flags are known to be sound."""
-    from experiments import planner
+    from experiments.zero import planner
     from model.config import MODEL_PRESETS, ModelConfig
 
     shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         fail(PROG, str(e))
 
-    from experiments import planner
+    from experiments.zero import planner
     from parallel.devices import request_cpu_devices
 
     request_cpu_devices(req.devices)

@@ -6,7 +6,7 @@ For each configuration (a `d_model` 384, 4-layer shape on 8 fake CPU devices, ev
 the planner considers, remat none and full, bf16 mixed precision and two float32 rows) a fresh
 process compiles the step the way the planner does, then allocates the state and runs one
 step, reading the executed peak from its resident set (XLA:CPU keeps no memory statistics;
-experiments/peak_check.py says how the resident set is read). Error = planner peak / executed
+experiments/zero/peak_check.py says how the resident set is read). Error = planner peak / executed
 peak - 1; the goal is |error| <= 10% for every row. Each row also records the peak of the
 executable that ran (default compiler options), which the planner's faster code-generation
 options must not change.
@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from experiments.config import Parser, fail
-from experiments.results_io import results_path, write_result
+from experiments.cli.config import Parser, fail
+from experiments.reporting.results_io import results_path, write_result
 
 PROG = "experiments.plan_accuracy"
 DEFAULT_OUT = str(results_path("plan_accuracy.json"))
@@ -32,7 +32,7 @@ GOAL = 0.10
 
 
 def configs(quick: bool):
-    from experiments.peak_check import CheckConfig
+    from experiments.zero.peak_check import CheckConfig
 
     rows = [CheckConfig(s, r) for s in ("dp", "zero1", "zero2", "zero3")
             for r in ("none", "full")]
@@ -47,7 +47,7 @@ def configs(quick: bool):
 def worker(spec: str) -> None:
     """One configuration in this (fresh) process; prints its JSON row (for {"baseline": N}:
     the runtime's own first-run cost on N devices)."""
-    from experiments.peak_check import CheckConfig, check, runtime_baseline
+    from experiments.zero.peak_check import CheckConfig, check, runtime_baseline
     from parallel.devices import request_cpu_devices
 
     spec = json.loads(spec)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker(args.worker)
         return {}
 
-    from experiments.peak_check import MMAP_ENV
+    from experiments.zero.peak_check import MMAP_ENV
 
     rows, failures = [], []
     start = time.perf_counter()

@@ -5,7 +5,7 @@
 Quantises the run in each mode (writing WORKDIR/quant/MODE like `experiments.quantize`),
 evaluates it on the run's validation batches (the loss, and how far its next-token
 distributions lie from the float model's: mean KL(float || int8) and the share of positions
-with the same most likely byte, `experiments/divergence.py`), and writes the table to
+with the same most likely byte, `experiments/pretrained/divergence.py`), and writes the table to
 experiments/results/quant_eval.json (one row per mode, the float model first). Besides the
 modes, four variants: naive per-tensor W8A8 (per-tensor weights *and* activations), w8a8 with
 the embedding and output head quantised too (the smallest checkpoint), the outlier split with
@@ -24,11 +24,12 @@ from pathlib import Path
 
 import jax
 
-from experiments import divergence, runtime
-from experiments.config import ConfigError, Parser, fail
-from experiments.restore import calibration_rows, restore_params, validation_rows
-from experiments.results_io import project_relative, results_path, write_result
-from experiments.trainer import make_eval_fn
+from experiments.cli import runtime
+from experiments.cli.config import ConfigError, Parser, fail
+from experiments.pretrained import divergence
+from experiments.reporting.results_io import project_relative, results_path, write_result
+from experiments.training.restore import calibration_rows, restore_params, validation_rows
+from experiments.training.trainer import make_eval_fn
 from quant import checkpoint as qckpt
 from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
 from quant.modes import PAPER_ALPHA

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from experiments.config import (
+from experiments.cli.config import (
     ConfigError,
     Parser,
     add_field_flags,
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked.
-    from experiments import runtime
-    from experiments.restore import calibration_rows, restore_params
+    from experiments.cli import runtime
+    from experiments.training.restore import calibration_rows, restore_params
     from quant import checkpoint as qckpt
     from quant.convert import quantized_fraction
     from quant.pipeline import dense_bytes, param_bytes

@@ -4,8 +4,8 @@
   python -m experiments.report --check   # exit 1 if any table is out of date
   python -m experiments.report --readme COPY.md --results DIR   # tables of another results set
 
-Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`; experiments/tables.py
-says which results file and which renderer fill each one.
+Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`;
+experiments/reporting/tables.py says which results file and which renderer fill each one.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.config import Parser
-from experiments.tables import documents, render
+from experiments.cli.config import Parser
+from experiments.reporting.tables import documents, render
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@
   python -m experiments.reproduce --quick         # smaller grids, runs/reproduce-quick/
   python -m experiments.reproduce --quick --only plan zero_memory
 
-Runs each experiment of experiments/reproduction.py (pinned commands, one subprocess of its
-launcher each) in order, printing which one runs, its progress and the time left (from the
+Runs each experiment of experiments/reporting/reproduction.py (pinned commands, one subprocess of
+its launcher each) in order, printing which one runs, its progress and the time left (from the
 expected times, stated up front). A failed experiment is reported and the others still run; the
 exit status is 0 only if every one that ran passed and none named in --only was skipped. Each
 results file gets its provenance (machine, software versions, date, command) and reproduce.json
@@ -18,8 +18,8 @@ runs/reproduce-quick/docs/, checking that the copies are consistent with them.
 --results/--runs/--readme-out override the folders (the docs/ copies go beside --readme-out).
 
 After each experiment the runner checks the claim its table makes on the results it wrote
-(experiments/reproduction.py: CLAIMS), in the quick run too: an experiment whose claim fails
-counts as failed.
+(experiments/reporting/reproduction.py: CLAIMS), in the quick run too: an experiment whose claim
+fails counts as failed.
 
 Some experiments need what this project does not install: the PyTorch side (set
 $SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md) or an NVIDIA
@@ -36,15 +36,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.config import ConfigError, Parser, check_output_file, check_output_folder, fail
+from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
 
 PROG = "experiments.reproduce"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments import reproduction
-    from experiments.results_io import PROJECT_ROOT, RESULTS_DIR
-    from experiments.tables import documents, render
+    from experiments.reporting import reproduction
+    from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR
+    from experiments.reporting.tables import documents, render
 
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from experiments.config import ConfigError, Parser, check_sampling, fail, load_config
+from experiments.cli.config import ConfigError, Parser, check_sampling, fail, load_config
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.sample"
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> str:
     # JAX starts here, after the flags and the work dir's config are checked.
     import jax
 
-    from experiments import runtime
-    from experiments.restore import calibration_rows, restore_params
+    from experiments.cli import runtime
+    from experiments.training.restore import calibration_rows, restore_params
     from model.generate import generate
     from quant.kv_cache import init_int8_cache
     from quant.stored import load_or_quantize

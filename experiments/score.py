@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments import model_flags
-from experiments.config import ConfigError, Parser, check_text, fail
+from experiments.cli import model_flags, startup
+from experiments.cli.config import ConfigError, Parser, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
@@ -35,10 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError("text: give at least one --text")
         for i, t in enumerate(args.text):
             check_text(f"text {i}", t, blank_ok=True)  # a blank text is a text to score
-        # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments import pretrained_lm, runtime
-
-        runtime.start(1)
+        (pretrained_lm,) = startup.begin("experiments.pretrained.llm", devices=1)
         pre = pretrained_lm.load_from_flags(args)
         rows = pretrained_lm.score_texts(pre, args.text)
     except (ConfigError, GGUFError, QuantError) as e:

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments.config import (
+from experiments.cli.config import (
     PRESETS,
     Config,
     ConfigError,
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
     import jax
 
-    from experiments import runtime
-    from experiments.guards import RunStopped
-    from experiments.trainer import train_and_evaluate
+    from experiments.cli import runtime
+    from experiments.training.guards import RunStopped
+    from experiments.training.trainer import train_and_evaluate
 
     runtime.start(cfg.train.devices, cfg.model)
 

@@ -6,8 +6,8 @@
 Plain per-token w8a8 misses the +1% perplexity target on this model (+3.2% in
 results/smollm2_quant.json). This experiment checks that the shortfall belongs to the method,
 not to our implementation. The same validation windows go through our int8 model and
-through `experiments/torch_w8a8_reference.py`, which runs under --torch-python (the separate
-PyTorch environment: transformers loads the same GGUF, and W8A8 Linear layers written there
+through `experiments/reference/torch_w8a8_reference.py`, which runs under --torch-python (the
+separate PyTorch environment: transformers loads the same GGUF, and W8A8 Linear layers written there
 from the definition replace the block Linear layers). Five variants are compared: float,
 per-token w8a8, per-tensor w8a8, per-token w8a8 with q/k/v left float (the group the
 sensitivity rows of the table single out), and per-token w8a8 on rotated inputs (each side
@@ -17,8 +17,8 @@ twice, with the quantisation quotient x / s in float64 and in float32, to show h
 differences alone move per-token int8 on this model.
 
 Both sides then write their greedy chat replies to the factual prompts of
-`experiments/chat_prompts.py` (each from its own KV cache, from the same ChatML token ids):
-whether an int8 reply still answers is a property of the method too, or of rounding luck,
+`experiments/pretrained/chat_prompts.py` (each from its own KV cache, from the same ChatML token
+ids): whether an int8 reply still answers is a property of the method too, or of rounding luck,
 and the two implementations say which.
 """
 
@@ -38,23 +38,25 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments import model_flags, pretrained_lm, reply_stability, runtime
-from experiments.chat_prompts import PROMPTS
-from experiments.config import (
+from experiments.cli import model_flags, runtime
+from experiments.cli.config import (
     TORCH_PYTHON_ENV,
     ConfigError,
     Parser,
     check_output_file,
     fail,
 )
-from experiments.machine import describe
-from experiments.results_io import results_path, write_result
+from experiments.pretrained import llm as pretrained_lm
+from experiments.pretrained import reply_stability
+from experiments.pretrained.chat_prompts import PROMPTS
+from experiments.reporting.results_io import results_path, write_result
+from experiments.speed.machine import describe
 from model.gguf import GGUFError
 from quant.convert import QuantConfig
 
 PROG = "experiments.w8a8_crosscheck"
 OUT = results_path("smollm2_w8a8_crosscheck.json")
-REFERENCE = Path(__file__).with_name("torch_w8a8_reference.py")
+REFERENCE = Path(__file__).parent / "reference" / "torch_w8a8_reference.py"
 # The reference rounds x / s computed in float64, and again in float32 (as we do): which values
 # fall on which side of a rounding boundary differs, and the spread shows what that alone moves.
 QUOTIENTS = ["float64", "float32"]

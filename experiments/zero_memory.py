@@ -40,9 +40,9 @@ import time
 
 from tqdm import tqdm
 
-from experiments.config import Parser, fail
-from experiments.results_io import results_path, write_result
-from experiments.zero_evidence import OTHER_MEMORY_PRESETS, PAPER_PSI, STAGES, measure_cell
+from experiments.cli.config import Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.zero.evidence import OTHER_MEMORY_PRESETS, PAPER_PSI, STAGES, measure_cell
 from parallel.devices import request_cpu_devices
 
 PROG = "experiments.zero_memory"

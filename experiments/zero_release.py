@@ -35,9 +35,9 @@ import sys
 
 from tqdm import tqdm
 
-from experiments.config import ConfigError, Parser, fail
-from experiments.results_io import results_path, write_result
-from experiments.zero_evidence import (
+from experiments.cli.config import ConfigError, Parser, fail
+from experiments.reporting.results_io import results_path, write_result
+from experiments.zero.evidence import (
     ReleaseSetup,
     measure_depth,
     release_report,

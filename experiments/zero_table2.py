@@ -2,7 +2,7 @@
 
   python -m experiments.zero_table2 --json [--quick] [--no-cache] [--out FILE]
 
-Largest member of our GPT family (experiments/planner.py: the GPT-3-style presets' width/depth
+Largest member of our GPT family (experiments/zero/planner.py: the GPT-3-style presets' width/depth
 curve, head dim 128, d_ff = 4 d_model) whose training step fits a device, per ZeRO stage:
 - 64 devices of 32 GB (the paper's Table 2 row): model state only (the paper's count at our
   members' exact Psi) beside the paper's 2B / 7.6B / 14.4B / 128B, and with activations: a
@@ -24,8 +24,8 @@ import pathlib
 import sys
 import time
 
-from experiments.config import Parser, fail
-from experiments.results_io import project_relative, results_path, write_result
+from experiments.cli.config import Parser, fail
+from experiments.reporting.results_io import project_relative, results_path, write_result
 
 PROG = "experiments.zero_table2"
 DEFAULT_OUT = str(results_path("zero_table2.json"))
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         if n not in DEVICE_COUNTS:
             fail(PROG, f"compiled-devices={n}: allowed {', '.join(map(str, DEVICE_COUNTS))}")
 
-    from experiments import capacity, planner
+    from experiments.zero import capacity, planner
     from parallel.devices import request_cpu_devices
 
     request_cpu_devices(max([64, *compiled_devices]))

@@ -1,7 +1,7 @@
 """What is computed: Flax NNX models that speak only logical axis names.
 
 The config names are imported at once; the model and its counts on first use, so that checking a
-config (`experiments.config`) never imports JAX.
+config (`experiments.cli.config`) never imports JAX.
 """
 
 from model.config import MODEL_PRESETS, ModelConfig

@@ -1,7 +1,7 @@
 """Typed model configuration and the named model shapes.
 
 Only shapes and numerics live here; training hyper-parameters belong to
-`experiments.config`. Presets above `medium` are only ever compiled abstractly.
+`experiments.cli.config`. Presets above `medium` are only ever compiled abstractly.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ATTENTION_IMPLS = ("xla", "cudnn")
 # resumes, evaluates or loads its int8 form with XLA's elsewhere, or with another remat).
 EXECUTION_FIELDS = frozenset({"remat", "attention", "scan_unroll"})
 # The fused kernel's head dimension: a multiple of 8, at most 256 (at most 128 before Hopper,
-# which experiments.runtime checks once the GPU is known); JAX's cuDNN wrapper raises otherwise.
+# which experiments.cli.runtime checks once the GPU is known); JAX's cuDNN wrapper raises otherwise.
 CUDNN_MAX_HEAD_DIM = 256
 CUDNN_MAX_HEAD_DIM_BEFORE_HOPPER = 128
 

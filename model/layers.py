@@ -15,7 +15,7 @@ from flax import nnx
 
 Axes = tuple[str | None, ...]
 
-# Labels the embedding lookup in the compiled program (experiments/step_profile.py groups a
+# Labels the embedding lookup in the compiled program (experiments/speed/step_profile.py groups a
 # profile's time by name scope); it changes no computation.
 EMBED_SCOPE = "embedding_lookup"
 

@@ -7,7 +7,7 @@ matched whole in the text. No BOS is added (`tokenizer.ggml.add_bos_token` is fa
 Pre-tokenizer: the file names llama.cpp's `smollm` split: every number character (\\p{N}) on
 its own, then GPT-2's regex; the original tokenizer.json does the same (individual digits +
 ByteLevel). transformers' GGUF converter does not know `smollm` and falls back to GPT-2's split
-alone, which keeps digit runs together: see experiments/make_smollm2_reference.py.
+alone, which keeps digit runs together: see experiments/reference/make_smollm2_reference.py.
 """
 
 from __future__ import annotations

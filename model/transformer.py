@@ -31,7 +31,7 @@ from model.layers import (
 )
 
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
-# experiments/step_profile.py). They change no computation.
+# experiments/speed/step_profile.py). They change no computation.
 ATTENTION_SCOPE = "attention_core"  # scores, mask, softmax, weighted sum: no projection
 
 

@@ -35,7 +35,7 @@ from parallel.strategies import ALL_REDUCE, SCATTER_PER_MICRO, SCATTER_PER_STEP,
 FSDP = "fsdp"
 GATHERED = "gathered_layer_params"  # checkpoint name of a layer's params after its all-gather
 # Labels clipping, the optimizer update and the update guard in the compiled program (a profile
-# groups its time by name scope: experiments/step_profile.py); it changes no computation.
+# groups its time by name scope: experiments/speed/step_profile.py); it changes no computation.
 UPDATE_SCOPE = "optimizer_update"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import (
+from experiments.cli.config import (
     PRESETS,
     ConfigError,
     add_override_flags,
@@ -21,9 +21,9 @@ from experiments.config import (
     config_from_args,
     dumps,
 )
-from experiments.data import load_corpus
-from experiments.trainer import prepare
-from experiments.zero_evidence import ReleaseSetup, release_report
+from experiments.training.data import load_corpus
+from experiments.training.trainer import prepare
+from experiments.zero.evidence import ReleaseSetup, release_report
 from parallel.mesh import parse_mesh
 from tests.helpers import ROOT, cli, launch_in_one_process
 
@@ -241,7 +241,7 @@ def test_flag_refusals_come_before_jax_is_imported(tmp_path):
 
 def test_a_value_that_looks_like_a_flag_is_explained(capsys):
     """argparse takes "-x" after --text for another flag; the one line says how to pass it."""
-    from experiments.config import Parser
+    from experiments.cli.config import Parser
 
     p = Parser(prog="experiments.score")
     p.add_argument("--text")
@@ -255,7 +255,7 @@ def test_a_value_that_looks_like_a_flag_is_explained(capsys):
 
 
 def test_check_text_names_the_bad_byte_or_code_point():
-    from experiments.config import check_text
+    from experiments.cli.config import check_text
 
     check_text("t", "caf\u00e9")
     check_text("t", " ", blank_ok=True)
@@ -270,7 +270,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
     """Where a command will write is checked up front: an empty path, a folder where a file
     goes (and the reverse), a path under a file or where nothing can be written are one line,
     and a good path passes without anything being made."""
-    from experiments.config import check_output_file, check_output_folder
+    from experiments.cli.config import check_output_file, check_output_folder
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -293,7 +293,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
 
 
 def test_a_failed_results_write_leaves_no_stray_file(tmp_path):
-    from experiments.results_io import write_result
+    from experiments.reporting.results_io import write_result
 
     (tmp_path / "r.json").mkdir()
     with pytest.raises(IsADirectoryError):
@@ -310,7 +310,7 @@ def test_a_failed_results_write_leaves_no_stray_file(tmp_path):
      "steps=True is not an int"),
 ])
 def test_a_run_config_that_is_not_one_is_refused(tmp_path, content, fragment):
-    from experiments.config import load_config
+    from experiments.cli.config import load_config
 
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(fragment)):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import accel_bench
+from experiments.speed import gpu as accel_bench
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention

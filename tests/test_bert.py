@@ -17,14 +17,14 @@ from tests.helpers import MINILM_WEIGHTS, require_package
 
 require_package(MINILM_WEIGHTS, "the MiniLM weights")
 
-from experiments.minilm import (  # noqa: E402
+from experiments.pretrained.minilm import (  # noqa: E402
     convert,
     encode,
     load_encoder,
     make_encode_fn,
     place,
 )
-from experiments.minilm import load as load_converted  # noqa: E402
+from experiments.pretrained.minilm import load as load_converted  # noqa: E402
 from model.bert import BertConfig, gelu  # noqa: E402
 from model.hf_bert import (  # noqa: E402
     _LAYER_MAP,
@@ -107,7 +107,7 @@ def test_gelu_is_the_exact_erf_form_to_float32_rounding():
 
 
 def test_batches_are_bucketed_by_length(encoder):
-    from experiments.minilm import BUCKETS, batch_rows, plan_batches
+    from experiments.pretrained.minilm import BUCKETS, batch_rows, plan_batches
 
     lengths = [5, 300, 17, 16, 90, 33]
     plan = plan_batches(lengths, batch=2)

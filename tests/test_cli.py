@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from experiments.config import ConfigError, load_config
-from experiments.restore import restore_params
+from experiments.cli.config import ConfigError, load_config
+from experiments.training.restore import restore_params
 from tests.helpers import cli, one_line_error
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from experiments.data import (
+from experiments.training.data import (
     SequenceSampler,
     default_corpus_root,
     is_validation,

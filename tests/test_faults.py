@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import checkpoint as ckpt
-from experiments import integrity, trainer
-from experiments.config import ConfigError, load_config
-from experiments.guards import NonFiniteError
-from experiments.optim import make_optimizer
-from experiments.restore import restore_params
-from experiments.trainer import init_sharded_state, prepare, train_and_evaluate
+from experiments.cli.config import ConfigError, load_config
+from experiments.training import checkpoint as ckpt
+from experiments.training import integrity, trainer
+from experiments.training.guards import NonFiniteError
+from experiments.training.optim import make_optimizer
+from experiments.training.restore import restore_params
+from experiments.training.trainer import init_sharded_state, prepare, train_and_evaluate
 from parallel.sharded_run import build
 from parallel.strategies import get_strategy
 from tests.helpers import ROOT, TINY, child_env, max_tree_diff

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from experiments.config import PRESETS, add_override_flags, config_from_args
-from experiments.data import SequenceSampler, pack
+from experiments.cli.config import PRESETS, add_override_flags, config_from_args
+from experiments.training.data import SequenceSampler, pack
 from quant import quantizers as qz
 
 FAST = settings(max_examples=25, deadline=None, derandomize=True,

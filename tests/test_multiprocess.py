@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from experiments.config import load_config
-from experiments.restore import restore_params
-from experiments.trainer import train_and_evaluate
+from experiments.cli.config import load_config
+from experiments.training.restore import restore_params
+from experiments.training.trainer import train_and_evaluate
 from tests.helpers import ROOT, child_env
 
 ENV = child_env()

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments.optim import learning_rate, make_optimizer
+from experiments.training.optim import learning_rate, make_optimizer
 from parallel.mesh import make_mesh, parse_mesh
 from parallel.sharded_run import build
 from parallel.state import abstract_model, init_params

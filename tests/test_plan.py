@@ -1,4 +1,5 @@
-"""The planner (experiments/planner.py) on the `tiny` shape with the 8 fake devices of conftest.
+"""The planner (experiments/zero/planner.py) on the `tiny` shape with the 8 fake devices of
+conftest.
 
 References: the ZeRO paper's Table 1 formulas (zero_evidence.paper_bytes at our exact Psi) for
 the model-state column, the compiled program for the layout state the pruning relies on, and a
@@ -19,9 +20,9 @@ import time
 import numpy as np
 import pytest
 
-from experiments import planner
-from experiments.config import ConfigError
-from experiments.zero_evidence import paper_bytes
+from experiments.cli.config import ConfigError
+from experiments.zero import planner
+from experiments.zero.evidence import paper_bytes
 from model.config import MODEL_PRESETS
 from model.flops import param_count
 from tests.helpers import ROOT, child_env
@@ -205,11 +206,11 @@ def _in_a_fresh_process(check: str) -> None:
 
 
 def test_the_peak_samplers_see_a_known_allocation_in_the_right_half():
-    """plan_accuracy's instruments (experiments/peak_check.py) against allocations of known
+    """plan_accuracy's instruments (experiments/zero/peak_check.py) against allocations of known
     size made inside the block: 64 MB in one array (one mmapped block: the large half of glibc's
     count, and the resident set once written) and 16 MB in 16,000 one-KB buffers (the small
     half), both gone again after."""
-    from experiments.peak_check import malloc_in_use
+    from experiments.zero.peak_check import malloc_in_use
 
     if malloc_in_use() is None:
         pytest.skip("no glibc mallinfo2 here")
@@ -217,7 +218,7 @@ def test_the_peak_samplers_see_a_known_allocation_in_the_right_half():
 
 
 def check_peak_samplers() -> None:
-    from experiments.peak_check import PeakSampler, anonymous_resident, malloc_in_use
+    from experiments.zero.peak_check import PeakSampler, anonymous_resident, malloc_in_use
 
     base_rss, (base_large, base_small) = anonymous_resident(), malloc_in_use()
     with PeakSampler() as rss, PeakSampler(malloc_in_use) as in_use:
@@ -237,7 +238,7 @@ def test_the_kernel_high_water_mark_keeps_a_peak_that_is_gone():
     """The check on plan_accuracy's sampling: after a reset, the kernel's high-water mark of the
     resident set holds a 64 MB allocation made and freed between two reads, which no sampler
     saw, and a second reset forgets it."""
-    from experiments.peak_check import reset_peak_resident
+    from experiments.zero.peak_check import reset_peak_resident
 
     if not reset_peak_resident():
         pytest.skip("/proc/self/clear_refs is not writable here")
@@ -245,7 +246,7 @@ def test_the_kernel_high_water_mark_keeps_a_peak_that_is_gone():
 
 
 def check_high_water_mark() -> None:
-    from experiments.peak_check import _status_bytes, reset_peak_resident
+    from experiments.zero.peak_check import _status_bytes, reset_peak_resident
 
     assert reset_peak_resident()
     before = _status_bytes("VmRSS")["VmRSS"]

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from experiments import divergence
+from experiments.pretrained import divergence
 from model import DecoderLM
 from model.cached_attention import CACHE_BLOCK
 from model.flops import param_bytes
@@ -321,8 +321,8 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
 
 
 def test_the_byte_tables_divergence_matches_a_float64_recomputation(float_model, batches):
-    """quant_table's distance from float (experiments/divergence.py) over validation batches:
-    KL(float || int8) and top-1 agreement per position equal a float64 NumPy recomputation
+    """quant_table's distance from float (experiments/pretrained/divergence.py) over validation
+    batches: KL(float || int8) and top-1 agreement per position equal a float64 NumPy recomputation
     from both models' logits; the float model against itself diverges by nothing."""
     graphdef, params = float_model
     g, q, _, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:2])
@@ -766,7 +766,7 @@ def test_results_record_workdirs_relative_to_the_project_root(tmp_path):
     not hold the absolute paths of the machine that wrote it."""
     import json
 
-    from experiments.results_io import PROJECT_ROOT, RESULTS_DIR, project_relative
+    from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR, project_relative
 
     assert project_relative(PROJECT_ROOT / "runs" / "main") == "runs/main"
     outside = project_relative(tmp_path / "run")

@@ -5,7 +5,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from experiments import tables as report
+from experiments.reporting import tables as report
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import reproduction
-from experiments.reproduction import NEEDS
-from experiments.tables import SECTIONS, documents
+from experiments.reporting import reproduction
+from experiments.reporting.reproduction import NEEDS
+from experiments.reporting.tables import SECTIONS, documents
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
@@ -133,7 +133,7 @@ def test_a_pytorch_side_script_runs_under_that_interpreter_and_records_no_path(m
     monkeypatch.setenv("SHARDQ_TORCH_PYTHON", "/opt/ref/bin/python")
     exp = next(e for e in reproduction.EXPERIMENTS if e.name == "export_reference")
     cmd = exp.command(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
-    assert cmd[:2] == ["/opt/ref/bin/python", "experiments/check_export_reference.py"]
+    assert cmd[:2] == ["/opt/ref/bin/python", "experiments/reference/check_export_reference.py"]
     shown = exp.shown(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
     assert shown.startswith("HF_HUB_OFFLINE=1 $SHARDQ_TORCH_PYTHON experiments/")
     assert "/opt/ref" not in shown and "runs/r/exports/ft-export" in shown

@@ -1,11 +1,11 @@
-"""experiments.runtime's decision whether the started backend can run a model config, from the
+"""experiments.cli.runtime's decision whether the started backend can run a model config, from the
 facts a backend reports (no GPU needed to check each case)."""
 
 import dataclasses
 
 import pytest
 
-from experiments.runtime import attention_here, backend_refusal, cudnn_refusal
+from experiments.cli.runtime import attention_here, backend_refusal, cudnn_refusal
 from model import ModelConfig
 
 FUSED = ModelConfig(d_model=512, n_heads=4, attention="cudnn", compute_dtype="bfloat16")  # dim 128

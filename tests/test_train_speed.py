@@ -9,8 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import step_profile, step_variants, train_speed
-from experiments.optim import make_optimizer
+from experiments.speed import step_profile, step_variants
+from experiments.speed import training as train_speed
+from experiments.training.optim import make_optimizer
 from parallel.mesh import make_mesh
 from parallel.sharded_run import build
 from parallel.strategies import from_label

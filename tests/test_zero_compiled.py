@@ -11,9 +11,9 @@ import functools
 
 import pytest
 
-from experiments.config import TrainConfig
-from experiments.optim import make_optimizer
-from experiments.zero_evidence import (
+from experiments.cli.config import TrainConfig
+from experiments.training.optim import make_optimizer
+from experiments.zero.evidence import (
     EXPECTED_PSI,
     ReleaseSetup,
     compile_step,

@@ -1,0 +1,287 @@
+"""Export a model to Hugging Face's Llama folder (safetensors) or to a GGUF file.
+
+Two sources: a training run's newest intact checkpoint (`run_source`), or a pretrained model as
+it ships (`pretrained_source`). A run is read one parameter leaf at a time: each leaf is
+restored alone from the Orbax checkpoint (a partial restore onto the host's first CPU device),
+written layer by layer, and dropped before the next, so the host never holds the whole model;
+of a mixed-precision run the fp32 master weights are exported, not the bf16 working copy.
+
+The tokenizer: a run started from a pretrained model (`train.init`, e.g. smollm2) has that
+model's BPE tokenizer; any other run is a byte model, whose ids are the UTF-8 bytes of the text,
+exported as a byte-level tokenizer.json with no merges (id = byte value). GGUF export needs the
+BPE tokenizer (llama.cpp has no byte vocabulary without merges).
+
+`export` writes everything into DIR.tmp-XXXX beside DIR and renames it into place at the end:
+an interrupted export leaves no half-written DIR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from experiments.cli.config import ConfigError, check_output_folder, load_config
+from experiments.training import checkpoint as ckpt
+from experiments.training import integrity
+from model.config import ModelConfig
+from model.gguf import GGUFFile
+from model.llama_export import (
+    FORMATS,
+    GGUF_FILE,
+    SAFETENSORS_FILE,
+    ExportError,
+    byte_tokenizer,
+    check_llama,
+    generation_config,
+    hf_config,
+    tokenizer_config,
+    write_gguf,
+    write_safetensors,
+)
+from model.llama_gguf import config_from_gguf, expected_shapes, load_gguf, package_gguf_path
+from model.tokenizer import tokenizer_from_gguf
+
+PRETRAINED = ("smollm2",)
+PROVENANCE_FILE = "shardq_export.json"
+
+
+@dataclasses.dataclass
+class Source:
+    """What an export reads: the (possibly truncated) config, one leaf at a time, and the
+    pretrained file its tokenizer comes from (None: a byte model)."""
+    label: str
+    cfg: ModelConfig
+    read: Callable[[str], np.ndarray]  # NNX path -> float32 leaf (blocks: first n_layers)
+    gguf: GGUFFile | None
+    step: int | None = None
+
+
+def _lookup(tree: dict, path: str):
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
+
+
+def _check_layers(layers: int | None, available: int) -> None:
+    if layers is not None and not 1 <= layers <= available:
+        raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
+
+
+def pretrained_source(name: str, layers: int | None = None) -> Source:
+    """The packaged model's float32 weights as they are (the whole model is dequantised in
+    memory: it is the GGUF file itself that is the streaming source here)."""
+    if name not in PRETRAINED:
+        raise ConfigError(f"model={name!r}: allowed {', '.join(PRETRAINED)}")
+    _check_layers(layers, config_from_gguf(GGUFFile(package_gguf_path())).n_layers)
+    cfg, params, g = load_gguf(None, n_layers=layers)
+    return Source(f"{name} ({package_gguf_path().name})", cfg,
+                  lambda path: np.asarray(_lookup(params, path), np.float32), g)
+
+
+def _intact_step(workdir: Path, steps: list[int], step: int | None) -> int:
+    if not steps:
+        raise ConfigError(f"workdir={str(workdir)!r}: holds no checkpoint")
+    if step is not None and step not in steps:
+        raise ConfigError(f"step={step}: no such checkpoint; available: {sorted(steps)}")
+    reasons = []
+    for candidate in [step] if step is not None else sorted(steps, reverse=True):
+        reason = integrity.problem(workdir, candidate)
+        if reason is None:
+            return candidate
+        integrity.warn(f"skipping checkpoint {candidate}: {reason}")
+        reasons.append(f"{candidate}: {reason}")
+    raise ConfigError(f"workdir={str(workdir)!r}: no intact checkpoint ({'; '.join(reasons)})")
+
+
+def run_source(workdir: str | Path, layers: int | None = None,
+               step: int | None = None) -> Source:
+    """A training run's newest intact checkpoint (or `step`), read one leaf at a time."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from parallel.state import abstract_model, is_mixed
+
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise ConfigError(f"workdir={str(workdir)!r}: no such folder")
+    run = load_config(workdir)
+    try:
+        check_llama(run.model)
+    except ExportError as e:
+        raise ConfigError(str(e)) from None
+    _check_layers(layers, run.model.n_layers)
+    init = getattr(run.train, "init", None)  # set by runs that fine-tune a pretrained model
+    if init is not None and init not in PRETRAINED:
+        raise ConfigError(f"init={init!r}: no tokenizer for it (known: {', '.join(PRETRAINED)})")
+    mngr = ckpt.manager(workdir, read_only=True)
+    found = _intact_step(workdir, list(mngr.all_steps()), step)
+    _, _, abstract = abstract_model(run.model)
+    # Mixed precision keeps fp32 master weights beside the bf16 working copy: the master is the
+    # model the optimizer trained.
+    root = ("opt", "master") if is_mixed(run.model) else ("params",)
+    n = layers or run.model.n_layers
+
+    def read(path: str) -> np.ndarray:
+        # Restored as a numpy array (no device buffer beside Orbax's read buffer), cast to
+        # float32 on the way.
+        item: dict = jax.ShapeDtypeStruct(_lookup(abstract, path).shape, np.float32)
+        args: dict = ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32)
+        for key in reversed(root + tuple(path.split("/"))):
+            item, args = {key: item}, {key: args}
+        try:
+            out = mngr.restore(found, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True)))["state"]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+            raise ConfigError(f"checkpoint {found}: {'/'.join(root)}/{path} does not restore "
+                              f"({type(e).__name__}: {str(e)[:120]})") from None
+        array = _lookup(out, "/".join(root + (path,)))
+        return array[:n] if path.startswith("blocks/") else array
+
+    cfg = dataclasses.replace(run.model, n_layers=n)
+    gguf = GGUFFile(package_gguf_path()) if init else None
+    return Source(f"run {str(workdir)!r} step {found}", cfg, read, gguf, found)
+
+
+def check_out(out: str | Path, force: bool) -> Path:
+    check_output_folder("out", out, "the export")
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"out={str(out)!r}: exists and is not empty; pass --force to "
+                          f"replace it")
+    return out
+
+
+def check_format(fmt: str, source: Source) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"format={fmt!r}: allowed {', '.join(FORMATS)}")
+    if fmt == "gguf" and source.gguf is None:
+        raise ConfigError("format='gguf': needs a model with a BPE tokenizer (a run started "
+                          "with init smollm2, or --model); this run is a byte model (use "
+                          "--format safetensors)")
+
+
+def _tokenizer_files(folder: Path, source: Source) -> dict:
+    """tokenizer.json + tokenizer_config.json; the ids they give and what they hold."""
+    g = source.gguf
+    if g is None:
+        tok, kind, special = byte_tokenizer(), "bytes", {}
+        add_bos, template, max_len = False, None, source.cfg.max_len
+    else:
+        bpe = tokenizer_from_gguf(g)
+        tok, kind = bpe.tok, "bpe"
+        ids = {k: g.get_int(f"tokenizer.ggml.{k}_token_id") for k in
+               ("bos", "eos", "padding", "unknown") if f"tokenizer.ggml.{k}_token_id" in g.metadata}
+        special = {"bos_id": ids.get("bos"), "eos_id": ids.get("eos"),
+                   "pad_id": ids.get("padding"), "unk_id": ids.get("unknown")}
+        add_bos = bool(bpe.bos)
+        template = (g.get_str("tokenizer.chat_template")
+                    if "tokenizer.chat_template" in g.metadata else None)
+        max_len = g.get_int("llama.context_length")
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = tokenizer_config(tok, bos_id=special.get("bos_id"), eos_id=special.get("eos_id"),
+                           pad_id=special.get("pad_id"), unk_id=special.get("unk_id"),
+                           max_len=max_len, add_bos=add_bos, chat_template=template)
+    _write_json(folder / "tokenizer_config.json", cfg)
+    return {"tokenizer": kind, **special}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _context_length(source: Source) -> int:
+    """The positions the model handles: the pretrained file's context (fine-tuning on a shorter
+    one does not shorten it: rotary has no learned positions), else the run's max_len."""
+    if source.gguf is not None:
+        return max(source.cfg.max_len, source.gguf.get_int("llama.context_length"))
+    return source.cfg.max_len
+
+
+def _write(folder: Path, source: Source, fmt: str) -> dict:
+    cfg = source.cfg
+    ctx = _context_length(source)
+    if fmt == "safetensors":
+        written = write_safetensors(folder / SAFETENSORS_FILE, cfg, source.read)
+        tok = _tokenizer_files(folder, source)
+        _write_json(folder / "config.json", hf_config(cfg, max_positions=ctx,
+                                                      bos_id=tok.get("bos_id"),
+                                                      eos_id=tok.get("eos_id")))
+        _write_json(folder / "generation_config.json",
+                    generation_config(tok.get("bos_id"), tok.get("eos_id")))
+        written["tokenizer"] = tok["tokenizer"]
+    else:
+        written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
+                             metadata=source.gguf.metadata)
+        written["tokenizer"] = "bpe"
+    return written
+
+
+def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> dict:
+    """Write the export folder atomically; returns a summary (tensors, bytes, host peak)."""
+    check_format(fmt, source)
+    out = check_out(out, force)
+    try:
+        check_llama(source.cfg)
+    except ExportError as e:
+        raise ConfigError(str(e)) from None
+    rss_before = _peak_rss()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's private 0700 is not what a model folder wants
+    old = None
+    try:
+        written = _write(tmp, source, fmt)
+        summary = {"out": str(out), "format": fmt, "source": source.label, "step": source.step,
+                   "layers": source.cfg.n_layers, **written,
+                   "model_bytes_float32": model_bytes(source.cfg),
+                   "largest_tensor_bytes": largest_leaf_bytes(source.cfg),
+                   "peak_rss_before_bytes": rss_before, "peak_rss_bytes": _peak_rss()}
+        _write_json(tmp / PROVENANCE_FILE, {k: summary[k] for k in
+                                            ("format", "source", "step", "layers", "tokenizer")})
+        if out.exists():  # --force: move the old folder aside, swap the new one in
+            old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if old is not None:  # put the old folder back: a failed export changes nothing
+                os.replace(old / out.name, out)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not (old / out.name).exists():
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return summary
+
+
+def _leaf_bytes(cfg: ModelConfig) -> list[int]:
+    """Bytes of each float32 parameter leaf (a block leaf stacks all layers)."""
+    return [4 * int(np.prod(s)) * (cfg.n_layers if p.startswith("blocks/") else 1)
+            for p, s in expected_shapes(cfg).items()]
+
+
+def model_bytes(cfg: ModelConfig) -> int:
+    return sum(_leaf_bytes(cfg))
+
+
+def largest_leaf_bytes(cfg: ModelConfig) -> int:
+    """The most a leaf-by-leaf export holds of the model at once (plus its transposed copy)."""
+    return max(_leaf_bytes(cfg))
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,160 @@
+"""Byte-level text data: corpus, deterministic split, packing, resumable seeded order.
+
+The default corpus is the Python standard library's sources of the running interpreter, which
+every machine with Python has. Files are split into train/validation by a hash of their relative
+path (stable across runs and machines, independent of random state), concatenated with a NUL
+separator, and cut into fixed-length sequences of `seq_len + 1` bytes (inputs and shifted targets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from experiments.cli.config import ConfigError
+from experiments.training import pydoc_corpus
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+_SEPARATOR = b"\0"
+
+
+def default_corpus_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_files(root: Path) -> list[Path]:
+    """All text files under `root` in a deterministic order (a single file is its own list)."""
+    if root.is_file():
+        return [root]
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        out.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(TEXT_SUFFIXES))
+    return out
+
+
+def is_validation(rel_path: str, val_percent: int) -> bool:
+    return zlib.crc32(rel_path.encode()) % 100 < val_percent
+
+
+def _read(path: Path, data: str | None) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data={data!r}: cannot read {path} ({e.strerror})") from None
+
+
+def _check_text_file(raw: bytes, data: str) -> None:
+    """A file named on its own must be text: a binary one (an archive, a checkpoint passed by
+    mistake) would otherwise train silently on noise. Folders are read as bytes, because real
+    source trees (the default corpus included) hold a few files in other encodings."""
+    allowed = "allowed: a non-empty UTF-8 text file, or a folder of .py .txt .md .rst files"
+    if not raw:
+        raise ConfigError(f"data={data!r}: the file is empty; {allowed}")
+    nul = raw.find(_SEPARATOR)
+    if nul >= 0:
+        raise ConfigError(f"data={data!r}: binary, a NUL byte at offset {nul}; {allowed}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data={data!r}: not UTF-8 text (byte {e.start}); {allowed}") from None
+
+
+def load_corpus(path: str | None, val_percent: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    """(train_bytes, val_bytes) as uint8 arrays. A single file is split by position instead.
+    Raises ConfigError naming `data` for a missing, unreadable, empty or binary path."""
+    root = Path(path) if path else default_corpus_root()
+    if not root.exists():
+        raise ConfigError(f"data={path!r}: no such file or folder")
+    files = list_files(root)
+    if root.is_file():
+        raw = _read(root, path)
+        _check_text_file(raw, path)
+        cut = len(raw) - len(raw) * val_percent // 100
+        train, val = raw[:cut], raw[cut:]
+    else:
+        parts = {True: [], False: []}
+        for f in files:
+            parts[is_validation(str(f.relative_to(root)), val_percent)].append(_read(f, path))
+        train, val = _SEPARATOR.join(parts[False]), _SEPARATOR.join(parts[True])
+    if not train or not val:
+        raise ConfigError(f"data={path!r}: holds no text for both a train and a validation split "
+                          f"(files found: {len(files)}, {val_percent}% to validation; a folder "
+                          f"of few files may need a larger --val-percent)")
+    return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
+
+
+def load_tokens(path: str | None, val_percent: int, corpus: str = "stdlib",
+                encode=None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) token streams: `path` (or the named corpus: the stdlib sources, or the
+    pydoc_data documentation topics split by topic name) as bytes, or, with a tokenizer's
+    `encode`, its token ids (a pretrained model's vocabulary)."""
+    if path is None and corpus == "pydoc-topics":
+        train, val = (np.frombuffer(pydoc_corpus.split_text(split, val_percent).encode(),
+                                    np.uint8) for split in ("train", "validation"))
+    else:
+        train, val = load_corpus(path, val_percent)
+    if encode is None:
+        return train, val
+    return tuple(np.asarray(encode(part.tobytes().decode("utf-8", errors="replace")), np.int32)
+                 for part in (train, val))
+
+
+def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """Non-overlapping rows of seq_len+1 tokens; the ragged tail is dropped."""
+    n = (len(stream) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"seq_len={seq_len}: longer than the whole split ({len(stream)} bytes)")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return stream[idx].astype(np.int32)
+
+
+@dataclasses.dataclass
+class SequenceSampler:
+    """Seeded epoch-wise shuffled order with an exact position (sequences consumed so far).
+
+    `position` is all the state there is: saving it and restoring it resumes the exact order.
+    Each process asks only for its own rows of the global batch.
+    """
+
+    rows: np.ndarray
+    seed: int
+    position: int = 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def global_indices(self, start: int, count: int) -> np.ndarray:
+        n = len(self.rows)
+        k = np.arange(start, start + count)
+        epochs = k // n
+        out = np.empty(count, np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._order(int(e))[k[sel] % n]
+        return out
+
+    def next_batch(self, global_batch: int, process_index: int = 0,
+                   process_count: int = 1) -> np.ndarray:
+        """This process's slice [B/P, seq_len+1] of the next global batch; advances position."""
+        per = global_batch // process_count
+        idx = self.global_indices(self.position + process_index * per, per)
+        self.position += global_batch
+        return self.rows[idx]
+
+
+def validation_batches(rows: np.ndarray, global_batch: int, max_batches: int) -> list[np.ndarray]:
+    """The fixed validation set: max_batches full batches of rows spread evenly over the split
+    (so every part of the validation files is represented, not just the first files)."""
+    n = min(max_batches, len(rows) // global_batch)
+    if n < 1:
+        raise ValueError(f"batch_size={global_batch}: larger than the validation split "
+                         f"({len(rows)} sequences)")
+    picked = rows[np.linspace(0, len(rows) - 1, n * global_batch).astype(np.int64)]
+    return [picked[i * global_batch:(i + 1) * global_batch] for i in range(n)]

@@ -1,0 +1,425 @@
+"""`train_and_evaluate(config, workdir)`: the training loop every launcher calls.
+
+Everything that can be wrong with the input is checked in `prepare()` before anything is
+written, so bad input leaves no trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from experiments.cli.config import Config, ConfigError, dumps, load_config
+from experiments.training import checkpoint as ckpt
+from experiments.training import integrity, pretrained_init
+from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
+from experiments.training.guards import FiniteWatch, Preemption, WriteFailed
+from experiments.training.optim import learning_rate, make_optimizer
+from model import param_count, train_flops_per_token
+from model.config import EXECUTION_FIELDS, differing_fields
+from model.flops import param_bytes
+from model.gguf import GGUFFile
+from model.loss import nll_sum
+from model.tokenizer import tokenizer_from_gguf
+from parallel.mesh import make_mesh
+from parallel.rules import BATCH_AXES
+from parallel.sharded_run import ShardedRun, build
+from parallel.strategies import get_strategy
+from parallel.train_step import StepConfig
+
+# Fields a resumed run may change; everything else must match the checkpointed run. Not
+# `steps`: it is also the length of the cosine schedule, so another value would change every
+# learning rate still to come and the run would not continue as it was going.
+RESUMABLE_CHANGES = {"strategy", "prefetch", "mesh", "devices", "eval_every",
+                     "eval_batches", "log_every", "ckpt_every", "keep_ckpts", "on_nonfinite"}
+# Model fields that say how the step is computed, not what: a run trained with the fused cuDNN
+# attention on a GPU continues with XLA's on another machine, or with another remat policy.
+MODEL_RESUMABLE_CHANGES = EXECUTION_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A checked configuration with its sharded program and its data, ready to train."""
+    cfg: Config
+    sharded: ShardedRun
+    sampler: SequenceSampler
+    val: list
+    pretrained: GGUFFile | None = None  # the weights `init` starts from, already checked
+    load_report: dict = dataclasses.field(default_factory=dict)  # host memory of that load
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.sharded.mesh
+
+    @property
+    def graphdef(self):
+        return self.sharded.graphdef
+
+    @property
+    def abstract_state(self) -> dict:
+        return self.sharded.abstract_state
+
+    @property
+    def shardings(self) -> dict:
+        return self.sharded.shardings
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.sharded.batch_sharding
+
+    @property
+    def step_fn(self):
+        return self.sharded.step
+
+
+def _check_disk(workdir: Path, abstract_state, keep: int) -> None:
+    """Before training: the work dir can be written, and its disk holds the checkpoints we keep
+    (plus one being written). Orbax writes each step to a temporary folder first, so a disk that
+    fills up later fails that save with an error and leaves the previous checkpoint intact."""
+    existing = workdir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"workdir={str(workdir)!r}: {existing} is not a writable folder")
+    need, free = (keep + 1) * param_bytes(abstract_state), shutil.disk_usage(existing).free
+    if free < need:
+        raise ConfigError(f"workdir={str(workdir)!r}: {free / 1e9:.2f} GB free, checkpoints need "
+                          f"about {need / 1e9:.2f} GB ({keep} kept + 1 being written)")
+
+
+def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
+    cfg_file = workdir / "config.json"
+    holds_run = cfg_file.exists() or (workdir / "checkpoints").exists()
+    if holds_run and not resume:
+        raise ConfigError(f"workdir={str(workdir)!r}: already holds a run; pass --resume to "
+                          f"continue it or choose an empty folder")
+    if resume and cfg_file.exists():
+        old = load_config(workdir)  # one line on a config.json that is not a run's
+        diff = differing_fields(dataclasses.asdict(old.model), cfg.model)
+        if diff:
+            f, more = diff[0], f" (and {', '.join(diff[1:])})" if diff[1:] else ""
+            raise ConfigError(f"resume: {f}={getattr(cfg.model, f)!r} differs from the run's "
+                              f"{getattr(old.model, f)!r}{more}; a checkpoint only resumes with "
+                              f"the model it was written with (allowed to change: "
+                              f"{', '.join(sorted(MODEL_RESUMABLE_CHANGES))})")
+        for f in dataclasses.fields(old.train):
+            if f.name not in RESUMABLE_CHANGES and \
+                    getattr(old.train, f.name) != getattr(cfg.train, f.name):
+                why = (" (the learning-rate schedule's length; a resumed run keeps it)"
+                       if f.name == "steps" else "")
+                raise ConfigError(f"resume: {f.name}={getattr(cfg.train, f.name)!r} differs from "
+                                  f"the run's {getattr(old.train, f.name)!r}{why}; allowed to "
+                                  f"change: {', '.join(sorted(RESUMABLE_CHANGES))}")
+
+
+def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> Run:
+    """Validate the whole configuration against data and devices; build (not run) the step."""
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.train
+    try:
+        # `devices` counts this process's devices; the mesh spans every process's.
+        mesh = make_mesh(t.devices * jax.process_count() if t.devices else None, t.mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_dev, n_proc = mesh.size, jax.process_count()
+    micro_batch = t.batch_size // t.micro_steps
+    if micro_batch % n_dev:
+        raise ConfigError(f"batch_size={t.batch_size}: each micro-batch ({micro_batch} sequences) "
+                          f"must divide over the {n_dev} devices of the mesh")
+    if micro_batch % n_proc:
+        raise ConfigError(f"batch_size={t.batch_size}: must divide over {n_proc} processes")
+    tx = make_optimizer(t)
+    step_cfg = StepConfig(global_batch=micro_batch, seq_len=cfg.model.max_len,
+                          micro_steps=t.micro_steps, clip_norm=t.clip_norm)
+    try:
+        sharded = build(cfg.model, get_strategy(t.strategy, t.prefetch), mesh, tx, step_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    pretrained, encode = None, None
+    if t.init is not None:  # the file must hold this model; its tokenizer reads the data
+        try:
+            pretrained = pretrained_init.check_model(t.init, cfg.model)
+            encode = tokenizer_from_gguf(pretrained).encode
+        except ValueError as e:  # GGUFError is one
+            raise ConfigError(str(e).splitlines()[0]) from None
+    try:
+        train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus, encode)
+        rows = pack(train_tokens, cfg.model.max_len)
+        val = validation_batches(pack(val_tokens, cfg.model.max_len), micro_batch,
+                                 t.eval_batches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if workdir is not None:
+        _check_workdir(cfg, workdir, resume)
+
+    if workdir is not None:
+        _check_disk(workdir, sharded.abstract_state, t.keep_ckpts)
+    if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
+
+        multihost_utils.sync_global_devices("shardq: input checked")
+    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val, pretrained)
+
+
+def init_sharded_state(run: Run) -> dict:
+    """Jitted init straight into the strategy's shardings (no device holds what it shouldn't);
+    with `init`, the pretrained weights placed one tensor at a time into their shards."""
+    if run.pretrained is None:
+        return run.sharded.init(run.cfg.train.seed)
+    params, report = pretrained_init.load_sharded(run.pretrained, run.cfg.model,
+                                                  run.shardings["params"])
+    run.load_report.update(report)
+    return run.sharded.init_from(params)
+
+
+def global_batch(run: Run, rows_fn) -> jax.Array:
+    """Assemble this process's rows into one global array sharded over the batch axes."""
+    t = run.cfg.train
+    local = rows_fn(t.batch_size, jax.process_index(), jax.process_count())
+    local = local.reshape(t.micro_steps, -1, local.shape[-1])
+    shape = (t.micro_steps, t.batch_size // t.micro_steps, local.shape[-1])
+    return jax.make_array_from_process_local_data(run.batch_sharding, local, shape)
+
+
+def make_eval_fn(graphdef, mesh: jax.sharding.Mesh, val: list):
+    """Mean NLL (nats/token) of params over the fixed validation batches `val`."""
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+
+    @jax.jit
+    def nll(params, tokens):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return nll_sum(logits, tokens[:, 1:])
+
+    def evaluate(params) -> float:
+        total, count = 0.0, 0
+        for rows in val:
+            n_proc, i = jax.process_count(), jax.process_index()
+            per = len(rows) // n_proc
+            tokens = jax.make_array_from_process_local_data(
+                sharding, rows[i * per:(i + 1) * per], rows.shape)
+            total += float(nll(params, tokens))
+            count += rows.shape[0] * (rows.shape[1] - 1)
+        return total / count
+
+    return evaluate
+
+
+def _append_jsonl(path: Path, row: dict) -> None:
+    if jax.process_index() == 0:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    if jax.process_index() == 0:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+
+
+def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
+                       progress: bool = True) -> dict:
+    workdir = Path(workdir)
+    run = prepare(cfg, workdir, resume)
+    t = cfg.train
+    workdir.mkdir(parents=True, exist_ok=True)
+    mngr = ckpt.manager(workdir, keep=t.keep_ckpts)
+    metrics_path = workdir / "metrics.jsonl"
+
+    start = 0
+    try:
+        restored = (ckpt.restore_latest_intact(workdir, mngr, run.abstract_state, run.shardings,
+                                               quarantine=jax.process_index() == 0)
+                    if resume else None)
+    except ckpt.NoIntactCheckpoint as e:
+        # Every checkpoint there is damaged and now lies in checkpoints.damaged/ (nothing is
+        # deleted); the run has nothing to continue from, so it starts again.
+        if jax.process_index() == 0:
+            integrity.warn(f"{e}; moved to {workdir / 'checkpoints.damaged'}, training again "
+                           f"from step 0")
+        restored = None
+    if resume and jax.process_count() > 1:  # process 0 may have moved steps out of sight
+        multihost_utils.sync_global_devices("shardq: checkpoints checked")
+        mngr.reload()
+    if restored is not None:
+        state, meta, _ = restored
+        run.sampler.position = int(meta["data_position"])
+        start = int(meta["step"])
+        _truncate_metrics(metrics_path, start)
+    else:
+        state = init_sharded_state(run)
+        if metrics_path.exists():
+            metrics_path.unlink()
+    _write_atomic(workdir / "config.json", dumps(cfg))
+
+    evaluate = make_eval_fn(run.graphdef, run.mesh, run.val)
+    schedule = learning_rate(t)
+    tokens_per_step = t.batch_size * cfg.model.max_len
+    flops_per_token = train_flops_per_token(cfg.model)
+    def meta(step: int) -> dict:
+        key = jax.random.fold_in(jax.random.key(t.seed), step)  # the run's RNG at this step
+        return {"step": step, "data_position": run.sampler.position, "seed": t.seed,
+                "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
+                "model": dataclasses.asdict(cfg.model)}
+
+    val_before = None
+    if t.init is not None and start == 0:  # what fine-tuning starts from, on the same batches
+        val_before = evaluate(state["params"])
+        _append_jsonl(metrics_path, {"step": 0, "val_loss": val_before,
+                                     "val_perplexity": float(np.exp(val_before))})
+    bar = tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
+               dynamic_ncols=True, desc="train")
+    last_t, last_step, val_loss = time.perf_counter(), start, None
+    t0 = time.perf_counter()
+    watch, step, preempted = FiniteWatch(t.on_nonfinite), start, False
+    saver = _Saver(mngr, workdir)
+    with Preemption() as preemption, ckpt.save_errors_raised_not_logged():
+        try:
+            for step in range(start + 1, t.steps + 1):
+                batch = global_batch(run, run.sampler.next_batch)
+                state, metrics = run.step_fn(state, batch)
+                watch.push(step, metrics)
+                if step % t.log_every == 0 or step == t.steps:
+                    loss = float(metrics["loss"])  # waits for the step
+                    now = time.perf_counter()
+                    tps = tokens_per_step * (step - last_step) / (now - last_t)
+                    row = {"step": step, "loss": loss,
+                           "grad_norm": float(metrics["grad_norm"]),
+                           "lr": float(schedule(step - 1)), "tokens_per_s": tps,
+                           "model_tflops_per_s": tps * flops_per_token / 1e12,
+                           "elapsed_s": now - t0, "skipped_steps": watch.skipped}
+                    _append_jsonl(metrics_path, row)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                    last_t, last_step = now, step
+                if step % t.eval_every == 0 or step == t.steps:
+                    watch.flush()
+                    val_loss = evaluate(state["params"])
+                    _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
+                                                 "val_bits_per_byte": val_loss / np.log(2)})
+                    if jax.process_index() == 0:
+                        bar.write(f"step {step}: val loss {val_loss:.4f}, "
+                                  f"{val_loss / np.log(2):.3f} bits/byte")
+                saver.seal_if_written(step)
+                preempted = preemption.requested()
+                if step % t.ckpt_every == 0 or step == t.steps or preempted:
+                    watch.flush()
+                    saver.save(step, state, meta(step))
+                bar.update(1)
+                if preempted:
+                    bar.write(f"SIGTERM: checkpointed step {step}; resume with --resume")
+                    break
+            watch.flush()
+            saver.finish(step)  # a pending save completes and is sealed before we return
+        except OSError as e:  # metrics.jsonl, config.json or a manifest: a full disk
+            raise WriteFailed(saver.stopped(step, _reason(e))) from None
+        finally:
+            bar.close()
+            saver.close()  # seals a save that did finish; closes the manager
+    train_s = time.perf_counter() - t0
+    if val_loss is None or preempted:  # report the state the run ends with
+        val_loss = evaluate(state["params"])
+    return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
+            "train_seconds": train_s, "params": param_count(cfg.model),
+            "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
+            "skipped_steps": watch.skipped, "resumed_from": start,
+            "val_loss_before": val_before, "load": dict(run.load_report)}
+
+
+class _Saver:
+    """Asynchronous saves, each sealed as soon as Orbax has finished writing it (a checkpoint
+    without its manifest is not resumed from), and a failed write turned into one line."""
+
+    def __init__(self, mngr, workdir: Path):
+        self.mngr, self.workdir = mngr, workdir
+        self.pending: int | None = None  # the step being written, not yet sealed
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        self._seal(step)  # the previous save is long done by now
+        try:
+            ckpt.save(self.mngr, step, state, meta)
+        except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the write did not happen
+            raise WriteFailed(self.stopped(step, _reason(e), writing=step)) from None
+        self.pending = step
+
+    def seal_if_written(self, step: int) -> None:
+        """Seal the pending save if it has finished (never waits for it)."""
+        if self.pending is not None and not self.mngr.is_saving_in_progress():
+            self._seal(step)
+
+    def finish(self, step: int) -> None:
+        self._seal(step)
+
+    def close(self) -> None:
+        """On the way out, also after an error: seal a save that did finish, and close the
+        manager. A failed write is reported once (by the save, the seal or finish that met it),
+        so it is not raised again here, nor does it hide the error the run stops with."""
+        try:
+            self._seal(None)
+        except WriteFailed:
+            pass
+        try:
+            self.mngr.close()
+        except Exception:  # noqa: BLE001 - Orbax raises the same failed write once more
+            pass
+
+    def _seal(self, step: int | None) -> None:
+        writing, self.pending = self.pending, None
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the background write failed
+            raise WriteFailed(self.stopped(step, _reason(e), writing=writing)) from None
+        if jax.process_index() == 0:
+            integrity.seal(self.workdir, self.mngr.all_steps())
+
+    def stopped(self, step: int | None, reason: str, writing: int | None = None) -> str:
+        """The one line a failed write stops the run with."""
+        what = f"checkpoint {writing}" if writing is not None else "the run's files"
+        intact = [s for s in sorted(self.mngr.all_steps(), reverse=True)
+                  if integrity.problem(self.workdir, s) is None]
+        resume = (f"checkpoint {intact[0]} is intact: make room, then --resume continues "
+                  f"from it" if intact else "no checkpoint is intact: make room, then --resume "
+                  "trains again from step 0")
+        return f"{what} could not be written ({reason}); stopped at step {step}; {resume}"
+
+
+def _reason(e: Exception) -> str:
+    """An OS error out of Orbax's (long, nested) message, else its first line, shortened."""
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}, errno {e.errno}" + (f", {e.filename}" if e.filename else "")
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from: they will be logged again."""
+    if not path.exists() or jax.process_index() != 0:
+        return
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run died or the disk filled
+            continue
+        if row["step"] <= step:
+            rows.append(line)
+    _write_atomic(path, "".join(r + "\n" for r in rows))

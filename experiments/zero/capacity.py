@@ -1,0 +1,184 @@
+"""The ZeRO paper's Table 2 by search: the largest member of our GPT family that fits a device.
+
+Two answers per (stage, device count, device memory):
+- model state only: the largest width whose model state (the ZeRO paper's formula at the
+  member's exact Psi, 2 + 2 + 12 bytes per parameter split as the stage splits them; equal to
+  the compiled program's state as experiments.zero_memory checks) fits the memory. The
+  paper's Table 2 is this count at its round Psi.
+- with activations: bisection over widths, each step the real training step compiled for fake
+  CPU devices (experiments.zero.planner.compile_candidate): the largest width whose compiled peak
+  (XLA:CPU's, activations and temporaries included) fits, at a pinned activation setting
+  (ActivationSetting). Members are widths in multiples of 128 (planner.family_shape).
+
+JAX must already have as many fake devices as the largest device count compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from experiments.zero import planner
+from experiments.zero.evidence import STAGES, paper_bytes
+from model.flops import param_count
+
+# The ZeRO paper's Table 2 at 64 devices of 32 GB, model state only (as printed).
+PAPER_TABLE2_64X32GB = {"dp": 2e9, "zero1": 7.6e9, "zero2": 14.4e9, "zero3": 128e9}
+MAX_WIDTH_STEPS = 1 << 10  # widths up to 128 * 1024 (quadrillion-parameter members)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSetting:
+    """What the compiled search trains: one sequence per device per micro-step, two micro-steps
+    (so the gradient accumulator is a real buffer), full remat, bf16 mixed precision."""
+
+    seq_len: int = 1024
+    micro_batch: int = 1
+    micro_steps: int = 2
+    remat: str = "full"
+    dtype: str = "bfloat16"
+
+
+def paper_largest(stage: str, n_devices: int, memory: float) -> float:
+    """The paper's answer: Psi with paper_bytes(stage, Psi, N) = memory."""
+    return memory / paper_bytes(stage, 1.0, n_devices)
+
+
+def _width(k: int) -> int:
+    return k * planner.WIDTH_STEP
+
+
+def largest_by_state(stage: str, n_devices: int, memory: float) -> int:
+    """Largest width (a multiple of WIDTH_STEP) whose model state fits; 0 if none does."""
+    fits = lambda k: paper_bytes(stage, param_count(planner.family_shape(_width(k))),  # noqa: E731
+                                 n_devices) <= memory
+    return _width(_bisect(fits, 0, MAX_WIDTH_STEPS))
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest k in [lo, hi] with fits(k), given fits(lo) (or lo == 0) and fits monotone
+    decreasing; hi is returned if it fits."""
+    if hi > lo and fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclasses.dataclass
+class CompiledSearch:
+    """Bisection over compiled peaks, its compiles cached (planner.CompileCache)."""
+
+    setting: ActivationSetting = ActivationSetting()
+    cache: planner.CompileCache | None = None
+    progress: Callable[[str], None] | None = None
+    compiles: int = 0
+    peaks: dict = dataclasses.field(default_factory=dict)  # (stage, N, width) -> measured row
+
+    def measure(self, stage: str, n_devices: int, width: int) -> dict:
+        key = (stage, n_devices, width)
+        if key in self.peaks:
+            return self.peaks[key]
+        s = self.setting
+        model = planner.family_shape(width, seq_len=s.seq_len, dtype=s.dtype, remat=s.remat)
+        req = planner.PlanRequest(model=model, devices=n_devices, device_memory=1.0,
+                                  seq_len=s.seq_len,
+                                  global_batch=s.micro_batch * s.micro_steps * n_devices)
+        cand = planner.Candidate(stage, 1, n_devices, s.remat, s.micro_batch)
+        cache_key = planner.cache_key(req, cand)
+        row = self.cache.get(cache_key) if self.cache else None
+        if row is None:
+            if self.progress:
+                self.progress(f"compiling {stage} N={n_devices} d_model={width} "
+                              f"({param_count(model) / 1e9:.3g}B)")
+            row = planner.compile_candidate(req, cand)
+            self.compiles += 1
+            if self.cache:
+                self.cache.put(cache_key, row)
+        self.peaks[key] = {**row, "psi": param_count(model), "width": width}
+        return self.peaks[key]
+
+    def largest(self, stage: str, n_devices: int, memory: float, *, lo: int = 0,
+                hi: int | None = None) -> dict | None:
+        """The largest member whose compiled peak fits `memory`, searched between widths lo and
+        hi (hi: the state-only answer, which nothing with activations can beat). Widths must
+        split over the devices (d_model % N == 0). None if even the smallest does not fit."""
+        # Sharded stages split every parameter along d_model over the devices; dp splits none.
+        step = planner.WIDTH_STEP if stage == "dp" else math.lcm(planner.WIDTH_STEP, n_devices)
+        hi_k = (hi if hi is not None else largest_by_state(stage, n_devices, memory)) // step
+        lo_k = max(lo // step, 0)
+        fits = lambda k: self.measure(stage, n_devices, k * step)["peak_bytes"] <= memory  # noqa: E731
+        if lo_k == 0 and not fits(1):
+            return None
+        k = _bisect(fits, max(lo_k, 1), hi_k)
+        if k < 1:
+            return None
+        return self.measure(stage, n_devices, k * step)
+
+
+def table2_row(stage: str, n_devices: int, memory: float, search: CompiledSearch | None,
+               lo: int = 0) -> dict:
+    """One cell: the paper's formula, our state-only search, and (with `search`) the compiled
+    search with activations."""
+    width = largest_by_state(stage, n_devices, memory)
+    model = planner.family_shape(width)
+    row = {"stage": stage, "devices": n_devices, "memory_gb": memory / planner.GB,
+           "paper_psi": paper_largest(stage, n_devices, memory),
+           "state_psi": param_count(model), "state_width": width,
+           "state_layers": model.n_layers,
+           "state_gb": paper_bytes(stage, param_count(model), n_devices) / planner.GB,
+           "compiled": search is not None}
+    if search is not None:
+        start = time.perf_counter()
+        found = search.largest(stage, n_devices, memory, lo=lo, hi=width)
+        row["search_s"] = round(time.perf_counter() - start, 1)
+        if found is None:
+            row.update(compiled_psi=None, compiled_width=None)
+        else:
+            row.update(compiled_psi=found["psi"], compiled_width=found["width"],
+                       compiled_layers=planner.family_depth(found["width"]),
+                       compiled_peak_gb=found["peak_bytes"] / planner.GB,
+                       compiled_state_gb=(found["params_bytes"] + found["optimizer_bytes"]
+                                          + found["grads_bytes"]) / planner.GB)
+    return row
+
+
+def plot(planning: list[dict], out_path: Path) -> Path:
+    """Largest trainable member vs devices, per stage, log-log: a panel per device memory, the
+    state-only search as lines, the compiled search (activations included) as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    memories = sorted({r["memory_gb"] for r in planning})
+    fig, axes = plt.subplots(1, len(memories), figsize=(5.2 * len(memories), 4.2), dpi=120,
+                             sharey=True, squeeze=False)
+    colors = dict(zip(STAGES, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True))
+    for ax, mem in zip(axes[0], memories, strict=True):
+        for stage in STAGES:
+            rows = sorted((r for r in planning if r["memory_gb"] == mem and r["stage"] == stage),
+                          key=lambda r: r["devices"])
+            ax.plot([r["devices"] for r in rows], [r["state_psi"] for r in rows], "-",
+                    color=colors[stage], label=f"{stage} (model state)")
+            done = [r for r in rows if r.get("compiled_psi")]
+            ax.plot([r["devices"] for r in done], [r["compiled_psi"] for r in done], "o",
+                    color=colors[stage], label=f"{stage} (compiled, with activations)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("devices")
+        ax.set_title(f"{mem:g} GB per device")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("largest trainable model (parameters)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path
