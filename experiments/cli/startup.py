@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from model import ModelConfig
+from model.config import ModelConfig  # JAX-free
 
 
 def load(*modules: str) -> tuple[ModuleType, ...]:
