@@ -4,6 +4,8 @@ The config names are imported at once; the model and its counts on first use, so
 config (`experiments.cli.config`) never imports JAX.
 """
 
+import importlib
+
 from model.config import MODEL_PRESETS, ModelConfig
 
 _LAZY = {"DecoderLM": "model.transformer", "param_count": "model.flops",
@@ -14,7 +16,5 @@ __all__ = ["MODEL_PRESETS", "ModelConfig", "DecoderLM", "param_count", "train_fl
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'model' has no attribute {name!r}")

@@ -23,6 +23,8 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -212,8 +214,6 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, dims, ggml_type, start, n_bytes)
 
     def _tensor_info(self, cur: _Cursor, i: int):
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         name = cur.string(f"tensor {i} name")
         n_dims = cur.scalar("I", f"tensor {name!r} rank")
         if not 1 <= n_dims <= MAX_DIMS:
@@ -235,9 +235,6 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor as float32 in numpy order (dequantised if it is stored quantised)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         info = self.tensors[name]
         raw = np.frombuffer(self._map, np.uint8, info.n_bytes, info.offset)
         qtype = GGMLQuantizationType(info.ggml_type)

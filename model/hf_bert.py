@@ -31,6 +31,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
 
 from model.bert import BertConfig
 
@@ -149,8 +151,6 @@ def expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _open(path: Path):
-    from safetensors import safe_open
-
     if not path.is_file():
         raise CheckpointError(f"{str(path)!r}: no such file")
     try:
@@ -245,8 +245,6 @@ class Tokenizer:
     """
 
     def __init__(self, path: Path, max_tokens: int = MAX_TOKENS, pad_id: int = 0):
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as e:

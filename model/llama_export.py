@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.config import ModelConfig
 from model.llama_gguf import _LAYER_MAP, _TOP_MAP, expected_shapes
@@ -239,8 +241,6 @@ def bytes_to_unicode() -> dict[int, str]:
 def byte_tokenizer():
     """A `tokenizers` tokenizer whose ids are the UTF-8 bytes of the text (the byte model's
     vocabulary): byte-level BPE over GPT-2's byte alphabet with no merges, id = byte value."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -257,8 +257,6 @@ _ARRAY_TYPES = {"int8": "INT8", "uint8": "UINT8", "int16": "INT16", "uint16": "U
 
 def _copy_metadata(w, key: str, vtype, value) -> None:
     """One metadata entry of a `model.gguf.GGUFFile`, with its original value type."""
-    from gguf import GGUFValueType
-
     if isinstance(vtype, tuple):  # (ARRAY, element kind)
         if isinstance(value, list):
             sub, items = GGUFValueType.STRING, value
@@ -275,8 +273,6 @@ def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndar
     """An F32 GGUF of the llama architecture. `metadata` ({key: (type, value)} as
     `model.gguf.GGUFFile.metadata` holds it) supplies the tokenizer (`tokenizer.*`) and
     descriptive `general.*` keys; the architecture keys come from `cfg`."""
-    from gguf import GGUFWriter, LlamaFileType
-
     w = GGUFWriter(str(path), "llama")
     skip = {"general.architecture", "general.file_type", "general.quantization_version",
             "general.alignment"}

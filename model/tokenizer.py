@@ -12,6 +12,8 @@ alone, which keeps digit runs together: see experiments/reference/make_smollm2_r
 
 from __future__ import annotations
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
 from model.gguf import GGUFError, GGUFFile
 
 CONTROL = 3  # llama.cpp token_type of special (control) tokens
@@ -24,8 +26,6 @@ class BPETokenizer:
 
     def __init__(self, tokens: list[str], merges: list[str], token_types, *, pre: str,
                  eos_id: int, add_bos: bool = False, bos_id: int | None = None):
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
         if pre not in PRE_TOKENIZER_SPLITS:
             raise GGUFError(f"tokenizer.ggml.pre={pre!r}: not supported (known: "
                             f"{', '.join(PRE_TOKENIZER_SPLITS)})")
