@@ -3,7 +3,7 @@ launchers choose before JAX starts)."""
 
 from __future__ import annotations
 
-from parallel.devices import usable_cpu_cores, xla_flags_device_count
+from parallel.host import usable_cpu_cores, xla_flags_device_count
 
 # Encoding is data parallel over CPU devices; each device executes on its own thread, so one
 # device per core keeps both busy (one device leaves a core idle between the ops that XLA:CPU
