@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from experiments.cli.config import Parser
-from experiments.reporting.tables import documents, render
+from experiments.reporting.tables.render import documents, render
 
 
 def main(argv: list[str] | None = None) -> int:

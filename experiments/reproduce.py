@@ -44,7 +44,7 @@ PROG = "experiments.reproduce"
 def main(argv: list[str] | None = None) -> int:
     from experiments.reporting import reproduction
     from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR
-    from experiments.reporting.tables import documents, render
+    from experiments.reporting.tables.render import documents, render
 
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)

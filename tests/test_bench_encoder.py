@@ -11,7 +11,7 @@ from tests.helpers import MINILM_WEIGHTS, require_package
 
 require_package(MINILM_WEIGHTS, "the MiniLM weights")
 
-from experiments.reporting.tables import bench_encoder  # noqa: E402
+from experiments.reporting.tables.speed import bench_encoder  # noqa: E402
 from experiments.speed.encoder import bench_sentences, run  # noqa: E402
 from tests.helpers import cli, one_line_error  # noqa: E402
 

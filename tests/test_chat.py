@@ -19,7 +19,7 @@ from experiments.cli.config import ConfigError  # noqa: E402
 from experiments.pretrained import llm as pretrained_lm  # noqa: E402
 from experiments.pretrained import reply_stability  # noqa: E402
 from experiments.pretrained.chat_prompts import PROMPTS, Prompt  # noqa: E402
-from experiments.reporting import tables  # noqa: E402
+from experiments.reporting.tables import pretrained as tables  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
 from tests.helpers import child_env, cli, one_line_error  # noqa: E402
 

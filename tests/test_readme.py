@@ -5,7 +5,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from experiments.reporting import tables as report
+from experiments.reporting.tables import render as report
+from experiments.reporting.tables.headline import headline
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -65,6 +66,6 @@ def test_headline_table_survives_a_smaller_results_set(tmp_path):
          "paper_gb": 1.875}]}))
     (tmp_path / "comm_volume.json").write_text(json.dumps({"results": [
         {"strategy": "dp", "volume_psi": 2.0}, {"strategy": "zero3", "volume_psi": 2.9}]}))
-    table = report.headline(tmp_path)
+    table = headline(tmp_path)
     assert "not in this results set" in table and "2.00 / 2.90 Ψ" in table
     assert "no bench_train.json yet" in table

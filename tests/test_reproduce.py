@@ -19,7 +19,7 @@ import pytest
 
 from experiments.reporting import reproduction
 from experiments.reporting.reproduction import NEEDS
-from experiments.reporting.tables import SECTIONS, documents
+from experiments.reporting.tables.render import SECTIONS, documents
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
