@@ -20,6 +20,7 @@ import functools
 import json
 import math
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_devices, fail, load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
@@ -58,17 +59,13 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked: a refusal never
     # waits for it.
-    from experiments.cli import runtime
-    from experiments.training.restore import calibration_rows, restore_params, validation_rows
-    from experiments.training.trainer import make_eval_fn
-    from model.flops import param_bytes
-    from quant.stored import load_or_quantize
-
-    runtime.start(args.devices)
+    restore, trainer, flops, stored = startup.begin(
+        "experiments.training.restore", "experiments.training.trainer", "model.flops",
+        "quant.stored", devices=args.devices)
     try:
-        model = restore_params(args.workdir, cfg, step=args.step, devices=args.devices,
-                               strategy=args.strategy)
-        val = validation_rows(model.cfg, args.eval_batches)
+        model = restore.restore_params(args.workdir, cfg, step=args.step, devices=args.devices,
+                                       strategy=args.strategy)
+        val = restore.validation_rows(model.cfg, args.eval_batches)
         if val[0].shape[0] % model.mesh.size:
             raise ConfigError(f"devices={model.mesh.size}: the evaluation batch "
                               f"({val[0].shape[0]} sequences, the run's batch_size) must divide "
@@ -76,15 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
         graphdef, params = model.graphdef, model.params
         quantized_fraction, source = 0.0, None
         if args.quant != "none":
-            graphdef, params, quantized_fraction, source = load_or_quantize(
+            graphdef, params, quantized_fraction, source = stored.load_or_quantize(
                 args.workdir, args.quant, model.cfg.model, graphdef, params, mesh=model.mesh,
                 sharded=model.strategy.shards_params, step=model.step,
-                calibration=functools.partial(calibration_rows, model.cfg))
+                calibration=functools.partial(restore.calibration_rows, model.cfg))
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
-    val_loss = make_eval_fn(graphdef, model.mesh, val)(params)
+    val_loss = trainer.make_eval_fn(graphdef, model.mesh, val)(params)
     out = {"step": model.step, "val_loss": val_loss, "bits_per_byte": val_loss / math.log(2),
-           "param_bytes": param_bytes(params), "quant": args.quant,
+           "param_bytes": flops.param_bytes(params), "quant": args.quant,
            "quantized_fraction": quantized_fraction, "quant_source": source,
            "devices": model.mesh.size, "strategy": model.strategy.name,
            "eval_tokens": sum(r.shape[0] * (r.shape[1] - 1) for r in val)}

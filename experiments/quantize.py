@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -57,34 +58,30 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked.
-    from experiments.cli import runtime
-    from experiments.training.restore import calibration_rows, restore_params
-    from quant import checkpoint as qckpt
-    from quant.convert import quantized_fraction
-    from quant.pipeline import dense_bytes, param_bytes
-    from quant.stored import quantize_with_meta, save_atomic
-
-    runtime.start(args.devices)
+    restore, qckpt, convert, pipeline, stored = startup.begin(
+        "experiments.training.restore", "quant.checkpoint", "quant.convert", "quant.pipeline",
+        "quant.stored", devices=args.devices)
     try:
-        model = restore_params(args.workdir, cfg, step=args.step, devices=args.devices)
-        batches, calibration = calibration_rows(model.cfg, qcfg.calib_batches)
-        _, qparams, plan, report, meta = quantize_with_meta(
+        model = restore.restore_params(args.workdir, cfg, step=args.step, devices=args.devices)
+        batches, calibration = restore.calibration_rows(model.cfg, qcfg.calib_batches)
+        _, qparams, plan, report, meta = stored.quantize_with_meta(
             model.graphdef, model.params, qcfg, batches, model.cfg.model, calibration,
             {"source_step": model.step})
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     step = model.step
-    out = save_atomic(qckpt.quant_dir(args.workdir, qcfg.mode), qparams, meta, report)
+    out = stored.save_atomic(qckpt.quant_dir(args.workdir, qcfg.mode), qparams, meta, report)
     over = [r for r in report["layers"] if r.get("over_capacity")]
     for r in over:  # correct either way; the surplus columns just went through int8
         print(f"{PROG}: warning: {r['module']} layer {r['layer']}: {r['outlier_cols_max']} input "
               f"columns reached the outlier threshold in a calibration batch, the float path "
               f"takes {r['outlier_capacity']}; raise --outlier-capacity to take them all",
               file=sys.stderr)
-    q_bytes, f_bytes = dense_bytes(qparams, plan)
+    q_bytes, f_bytes = pipeline.dense_bytes(qparams, plan)
     summary = {"mode": qcfg.mode, "path": str(out), "source_step": step,
-               "param_bytes": param_bytes(qparams), "float_param_bytes": param_bytes(model.params),
-               "quantized_fraction": quantized_fraction(model.params, plan),
+               "param_bytes": pipeline.param_bytes(qparams),
+               "float_param_bytes": pipeline.param_bytes(model.params),
+               "quantized_fraction": convert.quantized_fraction(model.params, plan),
                "dense_bytes_ratio": q_bytes / f_bytes, "disk_bytes": qckpt.disk_bytes(out / "ckpt"),
                "float_layers": {p: e["float_layers"] for p, e in plan.items()
                                 if e.get("float_layers")},

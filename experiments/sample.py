@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_sampling, fail, load_config
 from quant.modes import ALL_MODES, QuantError
 
@@ -54,27 +55,22 @@ def main(argv: list[str] | None = None) -> str:
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked.
-    import jax
-
-    from experiments.cli import runtime
-    from experiments.training.restore import calibration_rows, restore_params
-    from model.generate import generate
-    from quant.kv_cache import init_int8_cache
-    from quant.stored import load_or_quantize
-
-    runtime.start(1)
+    jax, restore, generate, kv_cache, stored = startup.begin(
+        "jax", "experiments.training.restore", "model.generate", "quant.kv_cache", "quant.stored",
+        devices=1)
     try:
-        model = restore_params(args.workdir, cfg, step=args.step, devices=1, strategy="dp")
+        model = restore.restore_params(args.workdir, cfg, step=args.step, devices=1,
+                                       strategy="dp")
         graphdef, params = model.graphdef, model.params
         if args.quant != "none":
-            graphdef, params, _, _ = load_or_quantize(
+            graphdef, params, _, _ = stored.load_or_quantize(
                 args.workdir, args.quant, model.cfg.model, graphdef, params, mesh=model.mesh,
                 sharded=False, step=model.step,
-                calibration=functools.partial(calibration_rows, model.cfg))
+                calibration=functools.partial(restore.calibration_rows, model.cfg))
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
-    make_cache = init_int8_cache if args.kv_int8 else None
-    gen = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7, 8))
+    make_cache = kv_cache.init_int8_cache if args.kv_int8 else None
+    gen = jax.jit(generate.generate, static_argnums=(0, 3, 5, 6, 7, 8))
     out = gen(graphdef, params, prompt, args.max_new_tokens, jax.random.key(args.seed),
               args.temperature, args.top_k, None, make_cache)
     text = bytes(np.asarray(out[0]).astype(np.uint8).tolist()).decode("utf-8", errors="replace")

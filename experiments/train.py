@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from experiments.cli import startup
 from experiments.cli.config import (
     PRESETS,
     Config,
@@ -71,20 +72,15 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    import jax
-
-    from experiments.cli import runtime
-    from experiments.training.guards import RunStopped
-    from experiments.training.trainer import train_and_evaluate
-
-    runtime.start(cfg.train.devices, cfg.model)
-
+    jax, guards, trainer = startup.begin("jax", "experiments.training.guards",
+                                         "experiments.training.trainer",
+                                         devices=cfg.train.devices, model=cfg.model)
     try:
-        summary = train_and_evaluate(cfg, args.workdir, resume=args.resume,
-                                     progress=not args.no_progress)
+        summary = trainer.train_and_evaluate(cfg, args.workdir, resume=args.resume,
+                                             progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
-    except RunStopped as e:  # a non-finite step, a checkpoint that could not be written
+    except guards.RunStopped as e:  # a non-finite step, a checkpoint that could not be written
         fail(PROG, str(e), code=1)
 
     if jax.process_index() == 0:

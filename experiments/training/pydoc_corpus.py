@@ -1,24 +1,22 @@
 """Real English text every Python install ships: the documentation topics of `pydoc_data`.
 
-`pydoc_data/topics.py` holds the language reference's topics (about 80, a few hundred thousand
-characters of prose with code). They are split into train and validation by a hash of the topic
-name, as the byte corpus is split by file (`experiments/training/data.py`), so the split does not
-depend on the Python version's topic order: perplexity evaluates the validation topics, fine-tuning
-trains on the others.
+`pydoc_data/topics.py` holds the language reference's topics: prose with code. They are split
+into train and validation by a hash of the topic name, as the byte corpus is split by file
+(`experiments/training/data.py`), so the split does not depend on the Python version's topic
+order: perplexity evaluates the validation topics, fine-tuning trains on the others.
 """
 
 from __future__ import annotations
 
 import zlib
+from pydoc_data import topics as pydoc_topics
 
 VAL_PERCENT = 20
 SEPARATOR = "\n\n"
 
 
 def topics() -> dict[str, str]:
-    from pydoc_data.topics import topics as table  # stdlib; imported late: ~0.5 MB of strings
-
-    return dict(sorted(table.items()))
+    return dict(sorted(pydoc_topics.topics.items()))
 
 
 def is_validation(name: str, val_percent: int = VAL_PERCENT) -> bool:
