@@ -9,15 +9,15 @@ Candidates: strategy (dp, zero1, zero2, zero3, zero3_prefetch) x mesh data x fsd
 save_dots, full) x micro-batch (sequences per device per micro-step; the rest of the global batch
 is gradient accumulation). Each is the trainer's step compiled for fake CPU devices on abstract
 inputs (nothing allocated); model state, peak and communication volume are read from the
-compiled program (experiments/zero/planner.py says how, and how the search avoids compiles). The
-table lists what fits, ranked by estimated step time; the recommendation is the cheapest that
+compiled program (experiments/zero/plan_search.py says how, and how the search avoids compiles).
+The table lists what fits, ranked by estimated step time; the recommendation is the cheapest that
 fits within the device memory less --headroom. With --json the last line is
 {"candidates": [{"strategy", "mesh", "remat", "micro_batch", "model_state_gb", "peak_gb",
 "comm_volume_psi", "fits", ...}, ...], "recommended": {...} or null, ...}.
 
 --params 70B picks the member of our GPT family (the GPT-3-style presets' width/depth curve,
 head dim 128, d_ff = 4 d_model, byte vocabulary) closest in size, and says which. GB = 1e9 bytes.
-The peak is XLA:CPU's (see experiments/zero/planner.py on what that backend adds in bf16).
+The peak is XLA:CPU's (see experiments/zero/plan_estimate.py on what that backend adds in bf16).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import dataclasses
 import json
 import sys
 
+from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -36,6 +37,7 @@ from experiments.cli.config import (
     fail,
 )
 from experiments.reporting.results_io import command_line, write_result
+from model.config import MODEL_PRESETS, ModelConfig
 
 PROG = "experiments.plan"
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
@@ -89,11 +91,8 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 
 def request_from_args(args):
-    """(PlanRequest, note) from the flags; ConfigError on bad input. Imports the planner (and
-    JAX) only once the flags are known to be sound."""
-    from experiments.zero import planner
-    from model.config import MODEL_PRESETS, ModelConfig
-
+    """The PlanRequest the flags ask for; ConfigError on bad input. Imports the request module
+    (and JAX) only once the model flags are known to be sound."""
     shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
     chosen = [name for name, given in (("--preset", args.preset is not None),
                                        ("--params", args.params is not None),
@@ -106,6 +105,7 @@ def request_from_args(args):
         raise ConfigError(f"dtype={args.dtype!r}: allowed bfloat16, float32")
     if args.seq is not None and args.seq < 1:
         raise ConfigError(f"seq={args.seq}: must be a positive integer")
+    (plan_request,) = startup.load("experiments.zero.plan_request")
     seq = args.seq
     note = ""
     if args.preset is not None:
@@ -115,8 +115,8 @@ def request_from_args(args):
         seq = seq or model.max_len
         note = f"preset {args.preset}"
     elif args.params is not None:
-        psi = planner.parse_count(args.params)
-        model = planner.family_shape(planner.family_width_for(psi))
+        psi = plan_request.parse_count(args.params)
+        model = plan_request.family_shape(plan_request.family_width_for(psi))
         note = (f"--params {args.params}: our GPT family's closest member")
     else:
         missing = [f for f in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(args, f)
@@ -139,12 +139,12 @@ def request_from_args(args):
         raise ConfigError(f"devices={args.devices}: must be a positive integer")
     extra = {k: v for k, v in (("headroom", args.headroom), ("tflops", args.tflops),
                                ("link_gb_s", args.link_gb_s)) if v is not None}
-    req = planner.PlanRequest(
+    req = plan_request.PlanRequest(
         model=model, devices=args.devices,
-        device_memory=planner.parse_bytes(args.device_memory), seq_len=seq,
+        device_memory=plan_request.parse_bytes(args.device_memory), seq_len=seq,
         global_batch=args.global_batch if args.global_batch is not None else 8 * args.devices,
-        strategies=_names(args.strategies) or planner.STRATEGIES,
-        remats=_names(args.remats) or planner.REMATS,
+        strategies=_names(args.strategies) or plan_request.STRATEGIES,
+        remats=_names(args.remats) or plan_request.REMATS,
         micro_batches=_ints(args.micro_batches, "micro-batches"),
         data_sizes=_ints(args.data_sizes, "data-sizes"), shape_note=note, **extra)
     req.validate()
@@ -165,33 +165,33 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         fail(PROG, str(e))
 
-    from experiments.zero import planner
-    from parallel.devices import request_cpu_devices
-
-    request_cpu_devices(req.devices)
-    print(f"model: {planner.describe_shape(req.model)} [{req.shape_note}]; {req.devices} devices "
-          f"x {req.device_memory / planner.GB:g} GB, usable {req.usable / planner.GB:.3g} GB "
+    plan_request, search, estimate = startup.begin(
+        "experiments.zero.plan_request", "experiments.zero.plan_search",
+        "experiments.zero.plan_estimate", devices=req.devices)
+    gb = plan_request.GB
+    print(f"model: {plan_request.describe_shape(req.model)} [{req.shape_note}]; "
+          f"{req.devices} devices x {req.device_memory / gb:g} GB, usable {req.usable / gb:.3g} GB "
           f"(headroom {req.headroom:.0%}); seq {req.seq_len}, global batch {req.global_batch}, "
           f"{req.model.param_dtype}", file=sys.stderr)
-    cache = planner.CompileCache(None if args.no_cache else args.cache)
-    result = planner.plan(req, cache=cache, budget_s=args.budget_s if args.budget_s is not None
-                          else planner.DEFAULT_BUDGET_S,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cache = estimate.CompileCache(None if args.no_cache else args.cache)
+    result = search.plan(req, cache=cache, budget_s=args.budget_s if args.budget_s is not None
+                         else search.DEFAULT_BUDGET_S,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
     out = sys.stderr if args.json else sys.stdout
-    print(planner.format_table(result, show_all=args.all), file=out)
+    print(search.format_table(result, show_all=args.all), file=out)
     counts = ", ".join(f"{v} {k}" for k, v in result["counts"].items() if v)
     print(f"{len(result['candidates'])} candidates: {counts}; {result['compiles']} compiles in "
           f"{result['wall_s']} s", file=out)
     rec = result["recommended"]
     if rec is None:
         least = min(result["candidates"], key=lambda r: r["model_state_gb"])
-        print(f"nothing fits in {req.usable / planner.GB:.3g} GB usable: the smallest model "
+        print(f"nothing fits in {req.usable / gb:.3g} GB usable: the smallest model "
               f"state is {least['model_state_gb']:.3g} GB ({least['strategy']} on "
               f"{least['mesh']}), and no compiled peak was within the memory", file=out)
     else:
         print(f"recommended: {rec['strategy']} on {rec['mesh']}, remat {rec['remat']}, "
               f"micro-batch {rec['micro_batch']} ({rec['micro_steps']} micro-steps): peak "
-              f"{rec['peak_gb']:.2f} GB of {req.usable / planner.GB:.3g} GB usable "
+              f"{rec['peak_gb']:.2f} GB of {req.usable / gb:.3g} GB usable "
               f"({req.headroom:.0%} headroom), {rec['comm_volume_psi']:.2f} Ψ per step, "
               f"estimated {rec['est_step_s']:.2f} s/step at {req.tflops:g} TFLOP/s and "
               f"{req.link_gb_s:g} GB/s" + ("" if result["complete"] else

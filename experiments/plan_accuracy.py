@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 
-from experiments.cli.config import Parser, fail
+from experiments.cli import startup
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
 
 PROG = "experiments.plan_accuracy"
@@ -32,8 +33,8 @@ GOAL = 0.10
 
 
 def configs(quick: bool):
-    from experiments.zero.peak_check import CheckConfig
-
+    (peak_check,) = startup.load("experiments.zero.peak_check")
+    CheckConfig = peak_check.CheckConfig
     rows = [CheckConfig(s, r) for s in ("dp", "zero1", "zero2", "zero3")
             for r in ("none", "full")]
     rows += [CheckConfig("zero3_prefetch", "full"), CheckConfig("dp", "none", dtype="float32"),
@@ -47,17 +48,15 @@ def configs(quick: bool):
 def worker(spec: str) -> None:
     """One configuration in this (fresh) process; prints its JSON row (for {"baseline": N}:
     the runtime's own first-run cost on N devices)."""
-    from experiments.zero.peak_check import CheckConfig, check, runtime_baseline
-    from parallel.devices import request_cpu_devices
-
+    (peak_check,) = startup.load("experiments.zero.peak_check")
     spec = json.loads(spec)
     if "baseline" in spec:
-        request_cpu_devices(spec["baseline"])
-        print(json.dumps(runtime_baseline(spec["baseline"])))
+        startup.begin(devices=spec["baseline"])
+        print(json.dumps(peak_check.runtime_baseline(spec["baseline"])))
         return
-    cfg = CheckConfig(**spec)
-    request_cpu_devices(cfg.devices)
-    print(json.dumps(check(cfg)))
+    cfg = peak_check.CheckConfig(**spec)
+    startup.begin(devices=cfg.devices)
+    print(json.dumps(peak_check.check(cfg)))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,9 +70,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args.worker)
         return {}
+    try:
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
 
-    from experiments.zero.peak_check import MMAP_ENV
-
+    (peak_check,) = startup.load("experiments.zero.peak_check")
     rows, failures = [], []
     start = time.perf_counter()
     todo = configs(args.quick)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     def fresh_process(spec: dict) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", PROG, "--worker", json.dumps(spec)],
                               capture_output=True, text=True, cwd=root,
-                              env={**os.environ, **MMAP_ENV, "PYTHONPATH": str(root)})
+                              env={**os.environ, **peak_check.MMAP_ENV, "PYTHONPATH": str(root)})
 
     # The runtime's own cost of a first run on these devices, measured the same way (a control:
     # what no compiled peak can hold).

@@ -2,8 +2,9 @@
 
   python -m experiments.zero_table2 --json [--quick] [--no-cache] [--out FILE]
 
-Largest member of our GPT family (experiments/zero/planner.py: the GPT-3-style presets' width/depth
-curve, head dim 128, d_ff = 4 d_model) whose training step fits a device, per ZeRO stage:
+Largest member of our GPT family (experiments/zero/plan_request.py: the GPT-3-style presets'
+width/depth curve, head dim 128, d_ff = 4 d_model) whose training step fits a device, per ZeRO
+stage:
 - 64 devices of 32 GB (the paper's Table 2 row): model state only (the paper's count at our
   members' exact Psi) beside the paper's 2B / 7.6B / 14.4B / 128B, and with activations: a
   bisection over widths, each step the real bf16 training step compiled for 64 fake CPU devices
@@ -24,7 +25,8 @@ import pathlib
 import sys
 import time
 
-from experiments.cli.config import Parser, fail
+from experiments.cli import startup
+from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
 from experiments.reporting.results_io import project_relative, results_path, write_result
 
 PROG = "experiments.zero_table2"
@@ -51,14 +53,19 @@ def main(argv: list[str] | None = None) -> dict:
     for n in compiled_devices:
         if n not in DEVICE_COUNTS:
             fail(PROG, f"compiled-devices={n}: allowed {', '.join(map(str, DEVICE_COUNTS))}")
+    try:
+        check_output_file("out", args.out, "the table")
+        if not args.no_cache:
+            check_output_folder("cache", args.cache, "the compile cache")
+    except ConfigError as e:
+        fail(PROG, str(e))
 
-    from experiments.zero import capacity, planner
-    from parallel.devices import request_cpu_devices
-
-    request_cpu_devices(max([64, *compiled_devices]))
+    capacity, estimate = startup.begin("experiments.zero.capacity",
+                                       "experiments.zero.plan_estimate",
+                                       devices=max([64, *compiled_devices]))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     search = capacity.CompiledSearch(
-        cache=None if args.no_cache else planner.CompileCache(args.cache), progress=say)
+        cache=None if args.no_cache else estimate.CompileCache(args.cache), progress=say)
     start = time.perf_counter()
     table2 = []
     for stage in capacity.STAGES:

@@ -6,9 +6,9 @@ Two answers per (stage, device count, device memory):
   the compiled program's state as experiments.zero_memory checks) fits the memory. The
   paper's Table 2 is this count at its round Psi.
 - with activations: bisection over widths, each step the real training step compiled for fake
-  CPU devices (experiments.zero.planner.compile_candidate): the largest width whose compiled peak
-  (XLA:CPU's, activations and temporaries included) fits, at a pinned activation setting
-  (ActivationSetting). Members are widths in multiples of 128 (planner.family_shape).
+  CPU devices (experiments.zero.plan_estimate.compile_candidate): the largest width whose
+  compiled peak (XLA:CPU's, activations and temporaries included) fits, at a pinned activation
+  setting (ActivationSetting). Members are widths in multiples of 128 (plan_request.family_shape).
 
 JAX must already have as many fake devices as the largest device count compiled.
 """
@@ -21,8 +21,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.zero import planner
 from experiments.zero.evidence import STAGES, paper_bytes
+from experiments.zero.plan_estimate import CompileCache, cache_key, compile_candidate
+from experiments.zero.plan_request import (
+    GB,
+    WIDTH_STEP,
+    Candidate,
+    PlanRequest,
+    family_depth,
+    family_shape,
+)
 from model.flops import param_count
 
 # The ZeRO paper's Table 2 at 64 devices of 32 GB, model state only (as printed).
@@ -48,12 +56,12 @@ def paper_largest(stage: str, n_devices: int, memory: float) -> float:
 
 
 def _width(k: int) -> int:
-    return k * planner.WIDTH_STEP
+    return k * WIDTH_STEP
 
 
 def largest_by_state(stage: str, n_devices: int, memory: float) -> int:
     """Largest width (a multiple of WIDTH_STEP) whose model state fits; 0 if none does."""
-    fits = lambda k: paper_bytes(stage, param_count(planner.family_shape(_width(k))),  # noqa: E731
+    fits = lambda k: paper_bytes(stage, param_count(family_shape(_width(k))),  # noqa: E731
                                  n_devices) <= memory
     return _width(_bisect(fits, 0, MAX_WIDTH_STEPS))
 
@@ -74,10 +82,10 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 @dataclasses.dataclass
 class CompiledSearch:
-    """Bisection over compiled peaks, its compiles cached (planner.CompileCache)."""
+    """Bisection over compiled peaks, its compiles cached (plan_estimate.CompileCache)."""
 
     setting: ActivationSetting = ActivationSetting()
-    cache: planner.CompileCache | None = None
+    cache: CompileCache | None = None
     progress: Callable[[str], None] | None = None
     compiles: int = 0
     peaks: dict = dataclasses.field(default_factory=dict)  # (stage, N, width) -> measured row
@@ -87,21 +95,20 @@ class CompiledSearch:
         if key in self.peaks:
             return self.peaks[key]
         s = self.setting
-        model = planner.family_shape(width, seq_len=s.seq_len, dtype=s.dtype, remat=s.remat)
-        req = planner.PlanRequest(model=model, devices=n_devices, device_memory=1.0,
-                                  seq_len=s.seq_len,
-                                  global_batch=s.micro_batch * s.micro_steps * n_devices)
-        cand = planner.Candidate(stage, 1, n_devices, s.remat, s.micro_batch)
-        cache_key = planner.cache_key(req, cand)
-        row = self.cache.get(cache_key) if self.cache else None
+        model = family_shape(width, seq_len=s.seq_len, dtype=s.dtype, remat=s.remat)
+        req = PlanRequest(model=model, devices=n_devices, device_memory=1.0, seq_len=s.seq_len,
+                          global_batch=s.micro_batch * s.micro_steps * n_devices)
+        cand = Candidate(stage, 1, n_devices, s.remat, s.micro_batch)
+        stored = cache_key(req, cand)
+        row = self.cache.get(stored) if self.cache else None
         if row is None:
             if self.progress:
                 self.progress(f"compiling {stage} N={n_devices} d_model={width} "
                               f"({param_count(model) / 1e9:.3g}B)")
-            row = planner.compile_candidate(req, cand)
+            row = compile_candidate(req, cand)
             self.compiles += 1
             if self.cache:
-                self.cache.put(cache_key, row)
+                self.cache.put(stored, row)
         self.peaks[key] = {**row, "psi": param_count(model), "width": width}
         return self.peaks[key]
 
@@ -111,7 +118,7 @@ class CompiledSearch:
         hi (hi: the state-only answer, which nothing with activations can beat). Widths must
         split over the devices (d_model % N == 0). None if even the smallest does not fit."""
         # Sharded stages split every parameter along d_model over the devices; dp splits none.
-        step = planner.WIDTH_STEP if stage == "dp" else math.lcm(planner.WIDTH_STEP, n_devices)
+        step = WIDTH_STEP if stage == "dp" else math.lcm(WIDTH_STEP, n_devices)
         hi_k = (hi if hi is not None else largest_by_state(stage, n_devices, memory)) // step
         lo_k = max(lo // step, 0)
         fits = lambda k: self.measure(stage, n_devices, k * step)["peak_bytes"] <= memory  # noqa: E731
@@ -128,12 +135,12 @@ def table2_row(stage: str, n_devices: int, memory: float, search: CompiledSearch
     """One cell: the paper's formula, our state-only search, and (with `search`) the compiled
     search with activations."""
     width = largest_by_state(stage, n_devices, memory)
-    model = planner.family_shape(width)
-    row = {"stage": stage, "devices": n_devices, "memory_gb": memory / planner.GB,
+    model = family_shape(width)
+    row = {"stage": stage, "devices": n_devices, "memory_gb": memory / GB,
            "paper_psi": paper_largest(stage, n_devices, memory),
            "state_psi": param_count(model), "state_width": width,
            "state_layers": model.n_layers,
-           "state_gb": paper_bytes(stage, param_count(model), n_devices) / planner.GB,
+           "state_gb": paper_bytes(stage, param_count(model), n_devices) / GB,
            "compiled": search is not None}
     if search is not None:
         start = time.perf_counter()
@@ -143,10 +150,10 @@ def table2_row(stage: str, n_devices: int, memory: float, search: CompiledSearch
             row.update(compiled_psi=None, compiled_width=None)
         else:
             row.update(compiled_psi=found["psi"], compiled_width=found["width"],
-                       compiled_layers=planner.family_depth(found["width"]),
-                       compiled_peak_gb=found["peak_bytes"] / planner.GB,
+                       compiled_layers=family_depth(found["width"]),
+                       compiled_peak_gb=found["peak_bytes"] / GB,
                        compiled_state_gb=(found["params_bytes"] + found["optimizer_bytes"]
-                                          + found["grads_bytes"]) / planner.GB)
+                                          + found["grads_bytes"]) / GB)
     return row
 
 

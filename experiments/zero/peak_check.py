@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments.cli.config import TrainConfig
 from experiments.training.optim import make_optimizer
-from experiments.zero import planner
+from experiments.zero.plan_estimate import COMPILER_OPTIONS
 from model.config import ModelConfig
 from parallel import hlo
 from parallel.mesh import make_mesh
@@ -199,7 +199,7 @@ def check(cfg: CheckConfig, seed: int = 0) -> dict:
                            micro_steps=cfg.micro_steps))
     lowered = run.step.lower(*run.abstract_args())
     start = time.perf_counter()
-    planned = hlo.memory_peak(lowered.compile(compiler_options=planner.COMPILER_OPTIONS))
+    planned = hlo.memory_peak(lowered.compile(compiler_options=COMPILER_OPTIONS))
     planner_compile_s = time.perf_counter() - start
     executable = lowered.compile()
     compiled = hlo.memory_peak(executable)
