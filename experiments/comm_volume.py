@@ -35,17 +35,10 @@ import sys
 
 from tqdm import tqdm
 
-from experiments.cli.config import Parser
+from experiments.cli import startup
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
-from experiments.zero.evidence import (
-    N_DEVICES,
-    layer_param_count,
-    measure,
-    model_config,
-)
-from model.flops import param_count
-from parallel.devices import request_cpu_devices
-from parallel.hlo import VOLUME_CONVENTION
+from model.config import MODEL_PRESETS
 
 PROG = "experiments.comm_volume"
 STRATEGY_ORDER = ("dp", "zero1", "zero2", "zero3", "zero3_prefetch", "zero3_auto")
@@ -68,25 +61,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(preset: str, n_layers: int, out: str) -> None:
+    """ConfigError naming the first bad flag; nothing is compiled or written before this."""
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"preset={preset!r}: allowed {', '.join(MODEL_PRESETS)}")
+    if n_layers < 1:
+        raise ConfigError(f"n-layers={n_layers}: must be a positive integer")
+    check_output_file("out", out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    try:
+        check_flags(args.preset, args.n_layers, args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    (evidence,) = startup.load("experiments.zero.evidence")
+    flops, hlo = startup.begin("model.flops", "parallel.hlo", devices=evidence.N_DEVICES)
 
-    request_cpu_devices(N_DEVICES)
-
-    cfg = model_config(args.preset, args.remat, n_layers=args.n_layers)
+    cfg = evidence.model_config(args.preset, args.remat, n_layers=args.n_layers)
     remats = ("none", "full", "save_dots")
     jobs = [(s, cfg) for s in args.strategies] + [
-        ("zero3", model_config(args.preset, r, n_layers=args.n_layers)) for r in remats]
-    rows = [measure(s, c) for s, c in tqdm(jobs, desc="compiling", file=sys.stderr)]
+        ("zero3", evidence.model_config(args.preset, r, n_layers=args.n_layers)) for r in remats]
+    rows = [evidence.measure(s, c) for s, c in tqdm(jobs, desc="compiling", file=sys.stderr)]
+    n_devices = evidence.N_DEVICES
     out = {
         "results": rows[:len(args.strategies)],
         "zero3_remat": rows[len(args.strategies):],
-        "psi": param_count(cfg), "psi_layers": layer_param_count(cfg),
-        "convention": "per step per device, in units of Psi; " + _convention(),
-        "config": {"preset": args.preset, "devices": N_DEVICES, "mesh": f"fsdp={N_DEVICES}",
+        "psi": flops.param_count(cfg), "psi_layers": evidence.layer_param_count(cfg),
+        "convention": "per step per device, in units of Psi; " + hlo.VOLUME_CONVENTION,
+        "config": {"preset": args.preset, "devices": n_devices, "mesh": f"fsdp={n_devices}",
                    "micro_steps": 1, "dtype": "float32", "scan_unroll": 1, "remat": args.remat,
                    "n_layers": cfg.n_layers,
-                   "global_batch": N_DEVICES, "seq_len": cfg.max_len},
+                   "global_batch": n_devices, "seq_len": cfg.max_len},
     }
     path = pathlib.Path(args.out)
     write_result(path, out)
@@ -99,10 +106,6 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(json.dumps(out))
     return out
-
-
-def _convention() -> str:
-    return VOLUME_CONVENTION
 
 
 if __name__ == "__main__":
