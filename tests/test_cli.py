@@ -128,3 +128,22 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
                    "preset='small'", "'tiny'")
     one_line_error(cli("train", "--workdir", str(workdir), "--resume", "--lr", "0.5"),
                    "resume: lr=0.5 differs from the run's")
+
+
+def test_an_unreadable_config_is_one_line_naming_the_work_dir(tmp_path):
+    """evaluate on a work dir whose config.json cannot be read: one line naming workdir, exit
+    2. Root reads a chmod-000 file anyway; /proc/self/mem is a file no process reads at offset
+    0, so a link to it stands in for the unreadable file there."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    config = workdir / "config.json"
+    if os.geteuid() != 0:
+        config.write_text("{}")
+        config.chmod(0)
+    elif os.path.exists("/proc/self/mem"):
+        config.symlink_to("/proc/self/mem")
+    else:
+        pytest.skip("no way to make an unreadable file here")
+    one_line_error(cli("evaluate", "--workdir", str(workdir)), f"workdir={str(workdir)!r}",
+                   "config.json cannot be read")
+    assert sorted(os.listdir(workdir)) == ["config.json"]

@@ -17,7 +17,7 @@ import pytest
 
 from experiments.cli.config import ConfigError, load_config
 from experiments.training import checkpoint as ckpt
-from experiments.training import integrity, trainer
+from experiments.training import faults, integrity, trainer
 from experiments.training.guards import NonFiniteError
 from experiments.training.optim import make_optimizer
 from experiments.training.restore import restore_params
@@ -322,6 +322,23 @@ def test_unwritable_workdir_or_full_disk_is_refused_before_training(tmp_path, mo
     with pytest.raises(trainer.ConfigError, match=r"GB free, checkpoints need about"):
         train_and_evaluate(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_fault_rows_keep_refusals_apart_from_recoveries(tmp_path):
+    """A fault the run must refuse is labelled `refused`, not `recovered`; its lost steps are
+    counted (the completed steps no checkpoint keeps), and a mocked fault says so."""
+    cfg = faults.configs(tiny(tmp_path).train.data)[0]
+    nonfinite = faults.nonfinite(tmp_path, cfg)
+    assert nonfinite["outcome"] == "refused" and nonfinite["recovered"] is None
+    assert nonfinite["message"].startswith("step 1:") and nonfinite["lost_steps"] == 0
+    assert nonfinite["mocked"] is False
+    small = faults.disk_too_small(tmp_path, cfg)
+    assert small["outcome"] == "refused" and small["lost_steps"] == 0
+    assert small["mocked"] is True and "mocked" in small["injected"]
+    failed = dict(nonfinite, outcome="not refused")
+    summary = faults.summarise([nonfinite, small], seed=0)
+    assert summary["outcomes"]["refused"] == 2 and summary["all_recovered_nothing_lost"]
+    assert not faults.summarise([nonfinite, failed], seed=0)["all_recovered_nothing_lost"]
 
 
 def test_same_seed_and_config_give_identical_losses(tmp_path):

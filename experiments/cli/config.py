@@ -379,10 +379,16 @@ def load_config(workdir: str | Path) -> Config:
     """The run config a training run wrote to WORKDIR/config.json (JAX-free: a launcher reads
     it, and refuses a work dir without one, before JAX starts)."""
     path = Path(workdir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there first")
     try:
-        return Config.from_json(json.loads(path.read_text(encoding="utf-8")))
+        if not path.is_file():
+            raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there "
+                              f"first")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:  # a folder or file this user may not read
+        raise ConfigError(f"workdir={str(workdir)!r}: config.json cannot be read "
+                          f"({e.strerror or e})") from None
+    try:
+        return Config.from_json(json.loads(text))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"workdir={str(workdir)!r}: config.json is not a shardq config ({e})") \
             from None

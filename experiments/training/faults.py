@@ -1,31 +1,31 @@
-"""Inject the faults a long run meets and show that nothing is lost.
-
-  python -m experiments.fault_injection --json [--seed N]
+"""Fault scenarios for a short training run: inject one fault, handle it the way a user would,
+and compare with an uninterrupted reference run of the same config and seed.
 
 Each scenario trains the `tiny` preset on 8 fake CPU devices (real text: the json module's
-source), injects one fault, recovers the way a user would, and compares with an uninterrupted
-reference run of the same config and seed. Per row:
-  recovered        measured: the recovered run reached the last step and its final parameters
-                   equal the reference's bit for bit (or, where nothing is to be resumed, the
-                   fault was refused or reported as described);
-  lost_steps       steps whose logged loss differs from the reference, or all of them if the
-                   final parameters differ (0 = nothing lost);
+source). A row's `outcome` says which of two kinds of handling it measured:
+  recovered / not recovered   the fault hit a run with something to resume: the resumed run
+                              reached the last step and its final parameters equal the
+                              reference's bit for bit;
+  refused / not refused       the fault is one the run must refuse (a non-finite step, a disk
+                              too small): it stopped as described, before saving anything.
+  recovered        True or False for a recovery row, None for a refusal (nothing to recover);
+  lost_steps       recovery rows: steps whose logged loss differs from the reference, or all
+                   of them if the final parameters differ; refusal rows: steps the run had
+                   trained that no checkpoint keeps (0 = nothing lost);
   retrained_steps  steps trained twice: the interrupted run had trained them, but they came
                    after the checkpoint the resumed run started from;
   recovery_s       wall time of the recovery (the resumed run, or from the signal to a clean
-                   exit).
-The kill points are drawn from --seed (recorded in the output); --scenarios runs a subset
-(the quick reproduction does). Writes
-experiments/results/fault_injection.json (--out); the last stdout line is its JSON.
-Runtime: 4 to 7 minutes on 2 (shared) CPU cores.
+                   exit, or of the refused run);
+  mocked           True where the fault is simulated inside the process instead of produced
+                   (the free space the pre-flight check reads).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -38,9 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.cli import runtime
-from experiments.cli.config import PRESETS, Parser, fail
-from experiments.reporting.results_io import results_path, write_result
+from experiments.cli.config import PRESETS
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, trainer
 from experiments.training.guards import NonFiniteError
@@ -49,7 +47,6 @@ from experiments.training.restore import restore_params
 from experiments.training.trainer import train_and_evaluate
 from parallel.sharded_run import max_tree_diff
 
-PROG = "experiments.fault_injection"
 STEPS, CKPT_EVERY = 12, 3
 # Once the disk "fills up", no file may grow past this: above metrics.jsonl and a manifest,
 # below the largest file of a `tiny` checkpoint.
@@ -57,6 +54,10 @@ FILE_LIMIT = 1 << 16
 SCENARIOS = ("crash_and_resume", "killed_in_first_save", "preemption", "interrupted_checkpoint",
              "truncated_checkpoint", "altered_checkpoint", "disk_full_during_save", "resharding",
              "nonfinite", "nonfinite_update", "disk_too_small")
+# The outcomes a row may have: what a recovery row or a refusal row reports when it went as
+# intended, and when it did not.
+RECOVERED, NOT_RECOVERED, REFUSED, NOT_REFUSED = ("recovered", "not recovered", "refused",
+                                                  "not refused")
 
 
 def _losses(workdir: Path) -> dict[int, float]:
@@ -92,13 +93,39 @@ def _lost(workdir: Path, ref: Path, cfg) -> int:
     return lost if max_tree_diff(pa, pb) == 0.0 else max(lost, len(b))
 
 
-def _outcome(workdir: Path, ref: Path, cfg, trained: int, summary: dict | None) -> dict:
+def _recovery(recovered: bool, lost: int, retrained: int | None) -> dict:
+    """The shared fields of a recovery row."""
+    return {"outcome": RECOVERED if recovered else NOT_RECOVERED, "recovered": recovered,
+            "lost_steps": lost, "retrained_steps": retrained, "mocked": False}
+
+
+def _outcome(workdir: Path, ref: Path, cfg, trained: int, summary: dict | None,
+             clean: bool = True) -> dict:
     """What a resume recovered: `summary` is the resumed run's (None if it failed), `trained`
-    the last step the interrupted run had trained."""
+    the last step the interrupted run had trained, `clean` whether the fault itself was met
+    as it should be (a clean exit, intact checkpoints)."""
     lost = _lost(workdir, ref, cfg)
-    return {"recovered": summary is not None and summary["step"] == STEPS and lost == 0,
-            "lost_steps": lost,
-            "retrained_steps": max(0, trained - summary["resumed_from"]) if summary else None}
+    recovered = clean and summary is not None and summary["step"] == STEPS and lost == 0
+    return _recovery(recovered, lost,
+                     max(0, trained - summary["resumed_from"]) if summary else None)
+
+
+def _saved_steps(workdir: Path) -> list[int]:
+    return ckpt.manager(workdir, read_only=True).all_steps() if workdir.exists() else []
+
+
+def _refusal(name: str, injected: str, workdir: Path, message: str, expected: bool,
+             completed: int, seconds: float, mocked: bool = False) -> dict:
+    """A refusal row: `expected` says whether the run stopped as described, having saved nothing;
+    `completed` is the last step whose update the run kept. Its lost steps are the completed
+    steps no checkpoint keeps (the refused step itself is not lost: it is the one refused)."""
+    saved = _saved_steps(workdir)
+    refused = expected and saved == []
+    lost = max(0, completed - max(saved, default=0))
+    return {"scenario": name, "injected": injected,
+            "outcome": REFUSED if refused else NOT_REFUSED, "recovered": None,
+            "lost_steps": lost, "retrained_steps": 0, "mocked": mocked, "recovery_s": seconds,
+            "message": message}
 
 
 def _cli(workdir: Path, data: str, *extra: str) -> list[str]:
@@ -179,8 +206,7 @@ def preemption(root: Path, data: str, ref: Path, cfg, rng) -> dict:
     stopped = json.loads(out.strip().splitlines()[-1])["step"] if proc.returncode == 0 else 0
     trained = _last_trained(workdir)
     summary, _, _ = _resume(workdir, data)
-    outcome = _outcome(workdir, ref, cfg, trained, summary)
-    outcome["recovered"] &= proc.returncode == 0
+    outcome = _outcome(workdir, ref, cfg, trained, summary, clean=proc.returncode == 0)
     return {"scenario": "preemption", "injected": f"SIGTERM once step {at} was logged", **outcome,
             "recovery_s": exit_s, "checkpointed_step": stopped}
 
@@ -224,8 +250,7 @@ def disk_full_during_save(root: Path, data: str, ref: Path, cfg) -> dict:
     intact = bool(sealed) and all(integrity.problem(workdir, s) is None for s in sealed)
     trained = _last_trained(workdir)
     summary, seconds, _ = _resume(workdir, data)
-    outcome = _outcome(workdir, ref, cfg, trained, summary)
-    outcome["recovered"] &= clean and intact
+    outcome = _outcome(workdir, ref, cfg, trained, summary, clean=clean and intact)
     return {"scenario": "disk_full_during_save",
             "injected": f"files capped at {FILE_LIMIT // 1024} kB after checkpoint "
                         f"{CKPT_EVERY} (EFBIG mid-save)", **outcome, "recovery_s": seconds,
@@ -241,8 +266,7 @@ def resharding(ref: Path, cfg) -> dict:
         params = restore_params(ref, cfg, strategy=strategy, devices=devices).params
         worst = max(worst, max_tree_diff(params, base))
     return {"scenario": "resharding", "injected": "zero3@8 checkpoint read as zero3@4, "
-            "zero3@2, dp@1", "recovered": worst == 0.0,
-            "lost_steps": 0 if worst == 0.0 else STEPS, "retrained_steps": 0,
+            "zero3@2, dp@1", **_recovery(worst == 0.0, 0 if worst == 0.0 else STEPS, 0),
             "recovery_s": time.perf_counter() - t, "max_param_diff": worst}
 
 
@@ -261,10 +285,11 @@ def _stops_at_step_1(root: Path, cfg, name: str, injected: str, patch: tuple) ->
         message = str(e).split(";")[0]
     finally:
         setattr(module, attr, original)
-    saved = ckpt.manager(workdir, read_only=True).all_steps()
-    return {"scenario": name, "injected": injected,
-            "recovered": message.startswith("step 1:") and saved == [], "lost_steps": 0,
-            "retrained_steps": 0, "recovery_s": time.perf_counter() - t, "message": message}
+    # The guard leaves the state as after the step before the one it names.
+    named = re.match(r"step (\d+):", message)
+    completed = int(named.group(1)) - 1 if named else _last_trained(workdir)
+    return _refusal(name, injected, workdir, message, message.startswith("step 1:"), completed,
+                    time.perf_counter() - t)
 
 
 def nonfinite(root: Path, cfg) -> dict:
@@ -291,8 +316,9 @@ def nonfinite_update(root: Path, cfg) -> dict:
 
 
 def disk_too_small(root: Path, cfg) -> dict:
-    """The pre-flight check: the disk's free space (reported, mocked) cannot hold the
-    checkpoints kept; refused before anything is written."""
+    """The pre-flight check: the disk's free space cannot hold the checkpoints kept; refused
+    before anything is written. The free space is mocked (`shutil.disk_usage` reports 10 kB):
+    a real small filesystem needs a mount, which a CI container may not allow."""
     workdir = root / "diskfull"
 
     class Usage:
@@ -308,41 +334,42 @@ def disk_too_small(root: Path, cfg) -> dict:
         message = str(e)
     finally:
         trainer.shutil.disk_usage = real
-    return {"scenario": "disk_too_small", "injected": "disk_usage reports 10 kB free (mocked)",
-            "recovered": "GB free" in message and not workdir.exists(), "lost_steps": 0,
-            "retrained_steps": 0, "recovery_s": time.perf_counter() - t, "message": message}
+    return _refusal("disk_too_small", "disk_usage reports 10 kB free (mocked)", workdir, message,
+                    "GB free" in message and not workdir.exists(), _last_trained(workdir),
+                    time.perf_counter() - t, mocked=True)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = Parser(prog=PROG, description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=None,
-                   help="draws the kill and SIGTERM points (default: a random seed, recorded)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated subset, run in the table's order (default: all)")
-    p.add_argument("--out", default=str(results_path("fault_injection.json")))
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    names = [x.strip() for x in args.scenarios.split(",") if x.strip()]
-    if not names or any(x not in SCENARIOS for x in names) or len(set(names)) != len(names):
-        fail(PROG, f"scenarios={args.scenarios!r}: a comma-separated list of distinct names "
-                   f"from {', '.join(SCENARIOS)}")
-    chosen = [x for x in SCENARIOS if x in names]
-    runtime.start(8)
+def configs(data: str | Path) -> tuple:
+    """The zero3 config the in-process scenarios run and the dp one the command-line runs use
+    (the CLI's default strategy)."""
+    base = PRESETS["tiny"]
+    cfg = dataclasses.replace(base, train=dataclasses.replace(
+        base.train, steps=STEPS, ckpt_every=CKPT_EVERY, eval_every=1000, data=str(data),
+        devices=8, strategy="zero3", keep_ckpts=3))
+    return cfg, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="dp"))
 
-    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+
+def summarise(results: list[dict], seed: int) -> dict:
+    """The table: every recovery row recovered and every refusal row refused, nothing lost."""
+    counts = {o: sum(r["outcome"] == o for r in results)
+              for o in (RECOVERED, NOT_RECOVERED, REFUSED, NOT_REFUSED)}
+    return {"preset": "tiny", "devices": 8, "steps": STEPS, "ckpt_every": CKPT_EVERY,
+            "seed": seed, "outcomes": counts,
+            "all_recovered_nothing_lost": all(r["outcome"] in (RECOVERED, REFUSED)
+                                              and r["lost_steps"] == 0 for r in results),
+            "results": results}
+
+
+def run(names: list[str], seed: int) -> dict:
+    """Run the scenarios `names` (in SCENARIOS' order) in a temporary folder; the kill and
+    SIGTERM points are drawn from `seed`. Each reference run is trained only when a chosen
+    scenario compares against it."""
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = root / "corpus.txt"
         data.write_text(Path(json.__file__).read_text() * 4)
-        base = PRESETS["tiny"]
-        cfg = dataclasses.replace(base, train=dataclasses.replace(
-            base.train, steps=STEPS, ckpt_every=CKPT_EVERY, eval_every=1000, data=str(data),
-            devices=8, strategy="zero3", keep_ckpts=3))
-        # The command-line runs use the CLI's default strategy, dp; each reference is
-        # trained only when a chosen scenario compares against it.
-        dp = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy="dp"))
+        cfg, dp = configs(data)
         refs: dict[str, Path] = {}
 
         def ref(which: str) -> Path:
@@ -369,21 +396,6 @@ def main(argv: list[str] | None = None) -> dict:
             "disk_too_small": lambda: disk_too_small(root, cfg),
         }
         assert tuple(runs) == SCENARIOS
-        scenarios = [runs[name] for name in chosen]
-        results = [run() for run in tqdm(scenarios, desc="scenarios", file=sys.stderr)]
-    out = {"preset": "tiny", "devices": 8, "steps": STEPS, "ckpt_every": CKPT_EVERY,
-           "seed": seed,
-           "all_recovered_nothing_lost": all(r["recovered"] and r["lost_steps"] == 0
-                                             for r in results), "results": results}
-    write_result(args.out, out)
-    if not args.json:
-        for r in results:
-            print(f"{r['scenario']:24s} {r['injected']:48s} recovered={r['recovered']} "
-                  f"lost={r['lost_steps']} retrained={r['retrained_steps']} "
-                  f"{r['recovery_s']:.1f} s")
-    print(json.dumps(out))
-    return out
-
-
-if __name__ == "__main__":
-    main()
+        chosen = [runs[name] for name in SCENARIOS if name in names]
+        results = [scenario() for scenario in tqdm(chosen, desc="scenarios", file=sys.stderr)]
+    return summarise(results, seed)
