@@ -4,8 +4,8 @@
   python -m experiments.reproduce --quick         # smaller grids, runs/reproduce-quick/
   python -m experiments.reproduce --quick --only plan zero_memory
 
-Runs each experiment of experiments/reporting/reproduction.py (pinned commands, one subprocess of
-its launcher each) in order, printing which one runs, its progress and the time left (from the
+Runs each experiment of experiments/reporting/registry/ (pinned commands, one subprocess of its
+launcher each) in order, printing which one runs, its progress and the time left (from the
 expected times, stated up front). A failed experiment is reported and the others still run; the
 exit status is 0 only if every one that ran passed and none named in --only was skipped. Each
 results file gets its provenance (machine, software versions, date, command) and reproduce.json
@@ -18,8 +18,8 @@ runs/reproduce-quick/docs/, checking that the copies are consistent with them.
 --results/--runs/--readme-out override the folders (the docs/ copies go beside --readme-out).
 
 After each experiment the runner checks the claim its table makes on the results it wrote
-(experiments/reporting/reproduction.py: CLAIMS), in the quick run too: an experiment whose claim
-fails counts as failed.
+(each registry entry's `claim`), in the quick run too: an experiment whose claim fails counts
+as failed.
 
 Some experiments need what this project does not install: the PyTorch side (set
 $SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md) or an NVIDIA
@@ -37,20 +37,20 @@ import sys
 from pathlib import Path
 
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
+from experiments.reporting import runner
+from experiments.reporting.registry import catalog
+from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR
+from experiments.reporting.tables.render import documents, render
 
 PROG = "experiments.reproduce"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.reporting import reproduction
-    from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR
-    from experiments.reporting.tables.render import documents, render
-
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller grids, separate folder")
     p.add_argument("--only", nargs="+", metavar="NAME",
-                   help=f"run only these: {', '.join(reproduction.NAMES)}")
+                   help=f"run only these: {', '.join(catalog.NAMES)}")
     p.add_argument("--results", default=None, help="results folder (default: see above)")
     p.add_argument("--runs", default=None, help="scratch folder for training runs")
     p.add_argument("--readme-out", default=None,
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     args = p.parse_args(argv)
     try:
-        todo = reproduction.select(args.only)
+        todo = catalog.select(args.only)
     except ValueError as e:
         fail(PROG, str(e))
     if args.list:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(e))
 
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    summary = reproduction.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)
+    summary = runner.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)
 
     # README.md goes to readme_out and each docs/NAME.md to docs/NAME.md beside it.
     consistent = True

@@ -17,14 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from experiments.reporting import reproduction
-from experiments.reporting.reproduction import NEEDS
+from experiments.reporting import runner
+from experiments.reporting.registry import catalog, claims
+from experiments.reporting.registry.experiment import NEEDS, Experiment
 from experiments.reporting.tables.render import SECTIONS, documents
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_LIST = {"equivalence", "zero_memory", "comm_volume", "zero_release", "bench_strategies",
               "zero_table2", "quant_table", "llm_quant_table", "parity_smollm2",
               "embed_fidelity", "bench_int8", "fault_injection", "main_job"}
+
+
+def _stand_in(name: str, argv: tuple[str, ...], outputs: tuple[str, ...], **fields) -> Experiment:
+    """A stand-in experiment: the same command full and quick, a second each."""
+    return Experiment(name=name, argv=argv, outputs=outputs, expected_s=1, quick_expected_s=1,
+                      feeds="a table", **fields)
 
 
 def _run(*args, timeout=300):
@@ -34,22 +41,22 @@ def _run(*args, timeout=300):
 
 
 def test_every_table_source_is_listed():
-    assert ISSUE_LIST <= set(reproduction.NAMES)
-    for e in reproduction.EXPERIMENTS:
+    assert ISSUE_LIST <= set(catalog.NAMES)
+    for e in catalog.EXPERIMENTS:
         assert e.expected_s > 0 and e.quick_expected_s > 0 and e.needs in (None, *NEEDS)
         if e.runs_in_torch:  # a script of the PyTorch side, run by path
             assert (ROOT / e.module).is_file() and e.quick_argv[0] == e.module and e.needs
         else:
             assert e.module.startswith("experiments.") and e.module == e.quick_argv[1]
         # A prerequisite runs first, and no experiment runs after one that does not exist.
-        assert all(reproduction.NAMES.index(a) < reproduction.NAMES.index(e.name)
+        assert all(catalog.NAMES.index(a) < catalog.NAMES.index(e.name)
                    for a in e.after)
 
 
 def test_every_results_file_a_document_shows_has_an_experiment():
     """Each table's results file and each plot the README and docs show is written by an
     experiment of the runner (a table nobody can regenerate with it would be a gap)."""
-    written = {o for e in reproduction.EXPERIMENTS for o in e.outputs}
+    written = {o for e in catalog.EXPERIMENTS for o in e.outputs}
     tables = {f for f, _ in SECTIONS.values()} | {"export_run_smollm2.json",
                                                   "export_run_parity.json"}
     plots = {m for doc in documents(ROOT)
@@ -59,11 +66,11 @@ def test_every_results_file_a_document_shows_has_an_experiment():
 
 
 def test_only_adds_prerequisites_in_order():
-    names = [e.name for e in reproduction.select(["export_parity", "plan"])]
+    names = [e.name for e in catalog.select(["export_parity", "plan"])]
     assert names.index("export_train") < names.index("export_safetensors") \
         < names.index("export_reference") < names.index("export_parity")
     assert {"export_gguf", "plan"} <= set(names) and "main_job" not in names
-    assert [e.name for e in reproduction.select(["quant_table"])] == ["main_job", "quant_table"]
+    assert [e.name for e in catalog.select(["quant_table"])] == ["main_job", "quant_table"]
 
 
 def test_what_a_machine_lacks_is_skipped_not_failed(tmp_path, monkeypatch):
@@ -72,31 +79,29 @@ def test_what_a_machine_lacks_is_skipped_not_failed(tmp_path, monkeypatch):
     monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
     write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
                    "'ok.json'), 'w').write(json.dumps({'x': 1}))")
-    torch = reproduction.Experiment("ref", ("ref.py",), ("ref.py",), ("ref.json",), 1, 1,
-                                    "a table", needs="torch")
-    later = reproduction.Experiment("later", write, write, ("ok.json",), 1, 1, "a table",
-                                    after=("ref",))
-    fine = reproduction.Experiment("fine", write, write, ("ok.json",), 1, 1, "a table")
+    torch = _stand_in("ref", ("ref.py",), ("ref.json",), needs="torch")
+    later = _stand_in("later", write, ("ok.json",), after=("ref",))
+    fine = _stand_in("fine", write, ("ok.json",))
     lines = []
-    summary = reproduction.run_all([torch, later, fine], quick=True, results=tmp_path / "r",
-                                   runs=tmp_path / "w", say=lines.append)
+    summary = runner.run_all([torch, later, fine], quick=True, results=tmp_path / "r",
+                             runs=tmp_path / "w", say=lines.append)
     assert summary["passed"] and summary["failed"] == []
     assert "SHARDQ_TORCH_PYTHON" in summary["skipped"]["ref"]
     assert summary["skipped"]["later"] == "runs after ref, which did not pass here"
     assert [r["passed"] for r in summary["experiments"]] == [None, None, True]
     assert any("ref: skipped: needs the PyTorch environment" in line for line in lines)
     monkeypatch.setenv("SHARDQ_TORCH_PYTHON", str(tmp_path / "no-such-python"))
-    assert "is not an executable file" in reproduction.missing_need(torch)
+    assert "is not an executable file" in runner.missing_need(torch)
     monkeypatch.setenv("SHARDQ_TORCH_PYTHON", sys.executable)
-    assert reproduction.missing_need(torch) is None
-    gpu = reproduction.Experiment("gpu", write, write, (), 1, 1, "a table", needs="gpu")
-    assert reproduction.missing_need(gpu, gpu=lambda: False).startswith("needs an NVIDIA GPU")
-    assert reproduction.missing_need(gpu, gpu=lambda: True) is None
+    assert runner.missing_need(torch) is None
+    gpu = _stand_in("gpu", write, (), needs="gpu")
+    assert runner.missing_need(gpu, gpu=lambda: False).startswith("needs an NVIDIA GPU")
+    assert runner.missing_need(gpu, gpu=lambda: True) is None
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine")
 def test_the_gpu_probe_says_no_on_a_cpu_machine():
-    assert reproduction._backend_is_nvidia_gpu() is False
+    assert runner._backend_is_nvidia_gpu() is False
 
 
 def test_an_experiment_asked_for_by_name_and_skipped_fails_the_run(tmp_path, monkeypatch):
@@ -114,24 +119,23 @@ def test_a_training_run_is_replaced_only_in_the_runners_own_folder(tmp_path):
     the experiment's own run folder is emptied first; in someone else's it is left alone."""
     probe = ("-c", "import os, sys; d = os.path.join(sys.argv[1], 'run'); "
                    "sys.exit(3) if os.path.exists(d) else os.makedirs(d)", "{runs}")
-    exp = reproduction.Experiment("trains", probe, probe, (), 1, 1, "a run",
-                                  fresh=("{runs}/run",))
+    exp = _stand_in("trains", probe, (), fresh=("{runs}/run",))
     own, theirs = tmp_path / "own", tmp_path / "theirs"
     for _ in range(2):  # the second run finds the first one's folder
-        summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r", runs=own,
-                                       say=lambda _: None)
+        summary = runner.run_all([exp], quick=True, results=tmp_path / "r", runs=own,
+                                 say=lambda _: None)
         assert summary["passed"], summary
     (theirs / "run").mkdir(parents=True)
     (theirs / "run" / "keep.txt").write_text("someone's run")
-    summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r", runs=theirs,
-                                   say=lambda _: None)
+    summary = runner.run_all([exp], quick=True, results=tmp_path / "r", runs=theirs,
+                             say=lambda _: None)
     assert summary["failed"] == ["trains"]  # the launcher's refusal, and nothing deleted
     assert (theirs / "run" / "keep.txt").read_text() == "someone's run"
 
 
 def test_a_pytorch_side_script_runs_under_that_interpreter_and_records_no_path(monkeypatch):
     monkeypatch.setenv("SHARDQ_TORCH_PYTHON", "/opt/ref/bin/python")
-    exp = next(e for e in reproduction.EXPERIMENTS if e.name == "export_reference")
+    exp = next(e for e in catalog.EXPERIMENTS if e.name == "export_reference")
     cmd = exp.command(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
     assert cmd[:2] == ["/opt/ref/bin/python", "experiments/reference/check_export_reference.py"]
     shown = exp.shown(False, ROOT / "experiments" / "results", ROOT / "runs" / "r")
@@ -166,15 +170,14 @@ def test_quick_only_runs_end_to_end_and_leaves_the_readme(tmp_path):
 
 def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
     boom = ("-c", "import sys; print('bad'); sys.exit(3)")
-    fail = reproduction.Experiment("boom", boom, boom, (), 1, 1, "nothing")
+    fail = _stand_in("boom", boom, ())
     write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
                    "'ok.json'), 'w').write(json.dumps({'x': 1}))")
-    ok = reproduction.Experiment("fine", write, write, ("ok.json",), 1, 1, "a table")
-    lost = reproduction.Experiment("silent", ("-c", "pass"), ("-c", "pass"), ("none.json",),
-                                   1, 1, "a table")
+    ok = _stand_in("fine", write, ("ok.json",))
+    lost = _stand_in("silent", ("-c", "pass"), ("none.json",))
     lines = []
-    summary = reproduction.run_all([fail, ok, lost], quick=True, results=tmp_path / "r",
-                                   runs=tmp_path / "w", say=lines.append)
+    summary = runner.run_all([fail, ok, lost], quick=True, results=tmp_path / "r",
+                             runs=tmp_path / "w", say=lines.append)
     rows = {r["name"]: r for r in summary["experiments"]}
     assert rows["boom"]["returncode"] == 3 and not rows["boom"]["passed"]
     assert "bad" in rows["boom"]["tail"]
@@ -188,12 +191,12 @@ def test_a_failure_is_reported_and_the_rest_still_run(tmp_path):
 def test_a_partial_run_keeps_the_log_of_the_experiments_it_did_not_run(tmp_path):
     write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
                    "'ok.json'), 'w').write(json.dumps({'x': 1}))")
-    a = reproduction.Experiment("a", write, write, ("ok.json",), 1, 1, "a table")
-    b = reproduction.Experiment("b", write, write, ("ok.json",), 1, 1, "a table")
+    a = _stand_in("a", write, ("ok.json",))
+    b = _stand_in("b", write, ("ok.json",))
     quiet = dict(results=tmp_path / "r", runs=tmp_path / "w", say=lambda line: None)
-    reproduction.run_all([a, b], quick=True, **quiet)
+    runner.run_all([a, b], quick=True, **quiet)
     first = json.loads((tmp_path / "r" / "reproduce.json").read_text())
-    summary = reproduction.run_all([b], quick=True, **quiet)  # as `--only b`
+    summary = runner.run_all([b], quick=True, **quiet)  # as `--only b`
     assert [r["name"] for r in summary["experiments"]] == ["b"]
     assert [r["name"] for r in summary["earlier"]] == ["a"]
     kept = summary["earlier"][0]
@@ -201,15 +204,15 @@ def test_a_partial_run_keeps_the_log_of_the_experiments_it_did_not_run(tmp_path)
     assert kept["git_commit"] == first["git_commit"] and kept["machine"] == first["machine"]
     # carried on through later partial runs; a run of it replaces it; a full run's log is
     # another kind and is not mixed in
-    assert [r["name"] for r in reproduction.run_all([b], quick=True, **quiet)["earlier"]] == ["a"]
-    assert [r["name"] for r in reproduction.run_all([a], quick=True, **quiet)["earlier"]] == ["b"]
-    assert reproduction.run_all([a], quick=False, **quiet)["earlier"] == []
+    assert [r["name"] for r in runner.run_all([b], quick=True, **quiet)["earlier"]] == ["a"]
+    assert [r["name"] for r in runner.run_all([a], quick=True, **quiet)["earlier"]] == ["b"]
+    assert runner.run_all([a], quick=False, **quiet)["earlier"] == []
 
 
 def test_every_claim_holds_on_the_committed_results():
     """The claims the runner checks after each experiment hold for the committed results (a
     claim written against the wrong field or sense would fail here)."""
-    claimed = [e for e in reproduction.EXPERIMENTS if e.claim]
+    claimed = [e for e in catalog.EXPERIMENTS if e.claim]
     assert {"equivalence", "fault_injection", "zero_memory", "plan"} <= {e.name for e in claimed}
     committed = ROOT / "experiments" / "results"
     assert {e.name: e.claim(committed, False) for e in claimed} == \
@@ -219,13 +222,13 @@ def test_every_claim_holds_on_the_committed_results():
 def test_a_broken_claim_fails_the_experiment(tmp_path):
     write = ("-c", "import json, os; open(os.path.join(os.environ['SHARDQ_RESULTS_DIR'], "
                    "'f.json'), 'w').write(json.dumps({'all_recovered_nothing_lost': False}))")
-    exp = reproduction.Experiment(
-        "faults", write, write, ("f.json",), 1, 1, "a table",
-        claim=reproduction.holds("f.json", "nothing is lost",
-                                 lambda d: d["all_recovered_nothing_lost"]))
+    exp = _stand_in(
+        "faults", write, ("f.json",),
+        claim=claims.holds("f.json", "nothing is lost",
+                           lambda d: d["all_recovered_nothing_lost"]))
     lines = []
-    summary = reproduction.run_all([exp], quick=True, results=tmp_path / "r",
-                                   runs=tmp_path / "w", say=lines.append)
+    summary = runner.run_all([exp], quick=True, results=tmp_path / "r",
+                             runs=tmp_path / "w", say=lines.append)
     row = summary["experiments"][0]
     assert row["returncode"] == 0 and not row["passed"]
     assert row["claim_failed"] == "f.json: not true that nothing is lost"
@@ -235,15 +238,15 @@ def test_a_broken_claim_fails_the_experiment(tmp_path):
 
 def test_a_full_only_claim_is_left_out_of_the_quick_run(tmp_path):
     (tmp_path / "a.json").write_text('{"close": true, "within_goal": false}')
-    claim = reproduction.holds("a.json", "it is close", lambda d: d["close"],
-                               full_only=("it meets the goal", lambda d: d["within_goal"]))
+    claim = claims.holds("a.json", "it is close", lambda d: d["close"],
+                         full_only=("it meets the goal", lambda d: d["within_goal"]))
     assert claim(tmp_path, True) is None
     assert claim(tmp_path, False) == "a.json: not true that it meets the goal"
 
 
 def test_unknown_name_is_one_line_exit_2():
     with pytest.raises(ValueError, match="only=nope"):
-        reproduction.select(["nope"])
+        catalog.select(["nope"])
     proc = _run("--only", "nope", timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -253,7 +256,7 @@ def test_unknown_name_is_one_line_exit_2():
 def test_parity_claim_needs_the_long_text_on_a_full_run(tmp_path):
     committed = json.loads((ROOT / "experiments" / "results" / "smollm2_parity.json").read_text())
     assert committed["long_text"]["tokens"] > 7000  # the committed run has it
-    claim = next(e.claim for e in reproduction.EXPERIMENTS if e.name == "parity_smollm2")
+    claim = next(e.claim for e in catalog.EXPERIMENTS if e.name == "parity_smollm2")
     long = committed["long_text"]
     for long_text, full_holds in ((None, False), (long, True),
                                   ({**long, "abs_nll_diff": 2e-4}, False),
@@ -270,7 +273,7 @@ def test_parity_claim_holds_the_chat_replies(tmp_path):
     """The parity claim fails when a greedy reply parts from transformers' away from a near tie
     or a chat prompt's ids differ, and still holds where the reply parts at a near tie."""
     committed = json.loads((ROOT / "experiments" / "results" / "smollm2_parity.json").read_text())
-    claim = next(e.claim for e in reproduction.EXPERIMENTS if e.name == "parity_smollm2")
+    claim = next(e.claim for e in catalog.EXPERIMENTS if e.name == "parity_smollm2")
     first = committed["chat"]["prompts"][0]
     parted = {"identical": False, "common_prefix": 3, "margin_where_parted": 0.5,
               "parted_at_near_tie": False}

@@ -1,0 +1,181 @@
+"""Experiments of the pretrained models: SmolLM2's int8 perplexity, chat replies, parity with
+transformers, int8 checkpoint and export; MiniLM's int8 embeddings."""
+
+from __future__ import annotations
+
+import math
+
+from experiments.reporting.registry.claims import holds, perplexity
+from experiments.reporting.registry.experiment import Experiment, launcher
+
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Experiment(
+        name="llm_quant_table",
+        argv=launcher("llm_quant_table", "--out", "{results}/smollm2_quant.json"),
+        quick_argv=launcher("llm_quant_table", "--layers", "4", "--modes", "w8a8",
+                            "--tokens", "512", "--new-tokens", "8",
+                            "--out", "{results}/smollm2_quant.json"),
+        outputs=("smollm2_quant.json", "smollm2_quant.png"),
+        expected_s=1000, quick_expected_s=30,
+        feeds="SmolLM2 int8 perplexity table and activation plot",
+        claim=holds(
+            "smollm2_quant.json", "every mode was measured (finite perplexities, and each int8 "
+            "mode's divergence from float: a mean KL of at least 0, a top-1 agreement in [0, 1])",
+            lambda d: all(math.isfinite(r["perplexity"]) and (
+                r["quant"] == "none" or (r["divergence"]["kl_mean"] >= 0
+                                         and 0 <= r["divergence"]["top1_agree"] <= 1))
+                for r in d["rows"]),
+            full_only=("smoothquant, auto and w8a8-rotated are within 1% of float, and smoothquant "
+                       "is no worse than plain per-token w8a8",
+                       lambda d: all(r["vs_float_pct"] <= 1.0 for r in d["rows"]
+                                     if r["quant"] in ("smoothquant", "auto", "w8a8-rotated"))
+                       and perplexity(d, "smoothquant") <= perplexity(d, "w8a8"))),
+    ),
+    Experiment(
+        name="chat_replies",
+        argv=launcher("chat_replies", "--out", "{results}/smollm2_chat_replies.json"),
+        quick_argv=launcher("chat_replies", "--layers", "2", "--modes", "w8a8", "--prompts", "2",
+                            "--max-new-tokens", "4,8", "--seeds", "2",
+                            "--out", "{results}/smollm2_chat_replies.json"),
+        outputs=("smollm2_chat_replies.json",),
+        expected_s=900, quick_expected_s=60,
+        feeds="SmolLM2 int8 chat replies table",
+    ),
+    Experiment(
+        name="parity_smollm2",
+        argv=launcher("parity_smollm2", "--out", "{results}/smollm2_parity.json"),
+        quick_argv=launcher("parity_smollm2", "--no-long",
+                            "--out", "{results}/smollm2_parity.json"),
+        outputs=("smollm2_parity.json",),
+        expected_s=150, quick_expected_s=30,
+        feeds="SmolLM2 parity with transformers",
+        claim=holds(
+            "smollm2_parity.json", "token ids and next tokens are identical, mean NLLs within "
+            "1e-4 nats, chat prompt ids identical and greedy replies identical but at near ties",
+            lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
+            and d["max_abs_nll_diff"] <= 1e-4
+            and all(p["template_identical"] and (p["identical"] or p["parted_at_near_tie"])
+                    for p in d["chat"]["prompts"]),
+            full_only=("the same holds for the long text (the quick run skips it)",
+                       lambda d: d["long_text"]["ids_identical"]
+                       and d["long_text"]["next_identical"]
+                       and d["long_text"]["abs_nll_diff"] <= 1e-4
+                       and d["long_text"]["tail_abs_nll_diff"] <= 1e-4)),
+    ),
+    Experiment(
+        name="llm_int8_checkpoint",
+        argv=launcher("llm_int8_checkpoint",
+                      "--json-out", "{results}/smollm2_int8_checkpoint.json"),
+        quick_argv=launcher("llm_int8_checkpoint", "--devices", "2",
+                            "--json-out", "{results}/smollm2_int8_checkpoint.json"),
+        outputs=("smollm2_int8_checkpoint.json",),
+        expected_s=120, quick_expected_s=70,
+        feeds="SmolLM2 int8 checkpoint size and zero3 reload table",
+        claim=holds(
+            "smollm2_int8_checkpoint.json", "the int8 checkpoint is at least 3.5x smaller than the "
+            "float32 parameters and reads back bit-identical, scoring as the in-memory model",
+            lambda d: d["disk_ratio"] >= 3.5 and d["params_bit_identical"] is True
+            and d["reload_vs_in_memory_same_layout"]["max_abs_nll_diff"] == 0.0
+            and d["reload_vs_in_memory_same_layout"]["next_tokens_identical"] is True),
+    ),
+    Experiment(
+        name="w8a8_crosscheck",
+        argv=launcher("w8a8_crosscheck", "--json-out", "{results}/smollm2_w8a8_crosscheck.json"),
+        quick_argv=launcher("w8a8_crosscheck", "--layers", "2", "--tokens", "1024",
+                            "--new-tokens", "4",
+                            "--json-out", "{results}/smollm2_w8a8_crosscheck.json"),
+        outputs=("smollm2_w8a8_crosscheck.json",),
+        expected_s=600, quick_expected_s=180,
+        feeds="SmolLM2 w8a8 against transformers' W8A8",
+        needs="torch",
+        claim=holds(
+            "smollm2_w8a8_crosscheck.json",
+            "the two float models agree (mean NLL within 1e-4 nats)",
+            lambda d: abs(d["rows"][0]["ours"]["nll"] - d["rows"][0]["transformers"]["nll"])
+            <= 1e-4 and d["rows"][0]["variant"] == "none",
+            full_only=("plain and rotated per-token w8a8 change perplexity alike in both "
+                       "implementations (within 0.5 points)",
+                       lambda d: all(abs(r["ours"]["vs_float_pct"]
+                                         - r["transformers"]["vs_float_pct"]) <= 0.5
+                                     for r in d["rows"]
+                                     if r["variant"] in ("w8a8", "w8a8-rotated")))),
+    ),
+    Experiment(
+        name="embed_fidelity",
+        argv=launcher("embed_fidelity", "--json", "--out", "{results}/embed_fidelity.json"),
+        quick_argv=launcher("embed_fidelity", "--json", "--sentences", "16", "--calib", "8",
+                            "--modes", "w8a8", "--out", "{results}/embed_fidelity.json"),
+        outputs=("embed_fidelity.json",),
+        expected_s=300, quick_expected_s=15,
+        feeds="MiniLM int8 fidelity table",
+    ),
+    # A fine-tuned run exported in both formats, then scored by transformers (the safetensors
+    # folder) and by our loader (the GGUF file): the export_run table. Every step needs the
+    # PyTorch side, so that a machine without it does not rewrite half of the table's sources.
+    Experiment(
+        name="export_train",
+        argv=launcher("train", "--preset", "smollm2", "--steps", "2", "--ckpt-every", "2",
+                      "--eval-every", "2", "--eval-batches", "1", "--devices", "8",
+                      "--workdir", "{runs}/ft-export", "--no-progress"),
+        quick_argv=launcher("train", "--preset", "smollm2", "--n-layers", "2", "--max-len", "32",
+                            "--batch-size", "8", "--steps", "1", "--warmup-steps", "0",
+                            "--ckpt-every", "1", "--eval-every", "1", "--eval-batches", "1",
+                            "--devices", "2", "--workdir", "{runs}/ft-export", "--no-progress"),
+        outputs=(),
+        expected_s=240, quick_expected_s=20,
+        feeds="the run the export table exports",
+        needs="torch",
+        fresh=("{runs}/ft-export",),
+    ),
+    Experiment(
+        name="export_safetensors",
+        argv=launcher("export", "--workdir", "{runs}/ft-export", "--format", "safetensors",
+                      "--out", "{runs}/exports/ft-export", "--force",
+                      "--record", "{results}/export_run_smollm2.json"),
+        outputs=("export_run_smollm2.json",),
+        expected_s=60, quick_expected_s=10,
+        feeds="export table: the Hugging Face folder",
+        needs="torch",
+        after=("export_train",),
+    ),
+    Experiment(
+        name="export_gguf",
+        argv=launcher("export", "--workdir", "{runs}/ft-export", "--format", "gguf",
+                      "--out", "{runs}/exports/ft-export-gguf", "--force"),
+        outputs=(),
+        expected_s=60, quick_expected_s=10,
+        feeds="export table: the GGUF file",
+        needs="torch",
+        after=("export_train",),
+    ),
+    Experiment(
+        name="export_reference",
+        argv=("experiments/reference/check_export_reference.py", "--dir",
+              "{runs}/exports/ft-export", "--texts-from",
+              "tests/fixtures/smollm2_reference.json",
+              "--out", "{results}/export_run_transformers.json"),
+        outputs=("export_run_transformers.json",),
+        expected_s=120, quick_expected_s=10,
+        feeds="export table: transformers scores the exported folder",
+        needs="torch",
+        after=("export_safetensors",),
+        env=(("HF_HUB_OFFLINE", "1"),),
+    ),
+    Experiment(
+        name="export_parity",
+        argv=launcher("parity_smollm2", "--gguf", "{runs}/exports/ft-export-gguf/model.gguf",
+                      "--fixture", "{results}/export_run_transformers.json", "--no-long",
+                      "--out", "{results}/export_run_parity.json"),
+        outputs=("export_run_parity.json",),
+        expected_s=150, quick_expected_s=10,
+        feeds="export table: our loader scores the exported GGUF against transformers",
+        needs="torch",
+        after=("export_gguf", "export_reference"),
+        claim=holds(
+            "export_run_parity.json", "our loader's scores of the exported GGUF match "
+            "transformers' of the exported folder (ids and next tokens identical, mean NLLs "
+            "within 1e-4 nats)",
+            lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
+            and d["max_abs_nll_diff"] <= 1e-4),
+    ),
+)
