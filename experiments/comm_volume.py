@@ -22,8 +22,8 @@ reported in the JSON:
 zero3_auto is reported as compiled: the compiler keeps the weights sharded and all-reduces
 activations inside the layer loop (and gathers the token batch), so it has no parameter
 all-gathers in the loop and a volume that depends on batch x sequence, not on Psi.
-Hardware: CPU, a few seconds per compile (the JSON records the time). Output: one JSON line,
-also written to experiments/results/comm_volume.json (--out).
+Hardware: CPU (the JSON records each compile's time). Output: one JSON line, also written to
+experiments/results/comm_volume.json (--out).
 """
 
 from __future__ import annotations

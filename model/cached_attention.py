@@ -2,8 +2,9 @@
 
 A cache is sized for the prompt plus the token budget. Attending over all of it at once (scores
 over S positions, softmax over S, weighted sum over S) makes XLA sum in an order that depends on
-S, so the same prompt gave logits that differed by ~1e-5 between budgets, and a greedy reply's
-tokens could change with `--max-new-tokens` (an int8 model rounds those differences apart).
+S, so the same prompt would give slightly different logits for different budgets, and a greedy
+reply's tokens could change with `--max-new-tokens` (an int8 model rounds those differences
+apart).
 
 Here the cache is read in fixed blocks of `CACHE_BLOCK` positions with an online softmax (a
 running max, denominator and weighted sum, as flash attention keeps them), and only the blocks
@@ -20,9 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Positions per block; caches are allocated in whole blocks. A short chat turn fits one block:
-# with 128, the two-iteration block loop of a 170-position cache cost int8 decoding ~15%
-# (interleaved A/B runs against whole-cache attention; 256 measured no difference).
+# Positions per block; caches are allocated in whole blocks. A short chat turn fits one block,
+# so its decoding runs no block loop at all, while a block stays small against a long cache.
 CACHE_BLOCK = 256
 
 
@@ -34,7 +34,7 @@ def padded_length(length: int) -> int:
 
 
 # Jitted so that an eager caller (a prefill run layer by layer, a test stepping token by token)
-# compiles the block loop once per shape instead of at every call; inside a jitted step it
+# compiles the block loop once per shape, not at every call; inside a jitted step it
 # is inlined.
 @jax.jit
 def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,

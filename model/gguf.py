@@ -6,10 +6,10 @@ costs an error, never a huge allocation or a long loop; every failure is one lin
 `GGUFError`. The file is memory-mapped; a tensor is only read (and dequantised to float32 with
 `gguf.quants.dequantize`) when asked for.
 
-Why not `gguf.GGUFReader`: it builds a numpy view per metadata element, which takes ~14 s on
-SmolLM2's 98k vocabulary and merge strings (this reader: well under a second), and it trusts
-the header's counts. The format's constants (value types, quantisation block sizes) and the
-dequantisation kernels still come from the `gguf` package.
+Why not `gguf.GGUFReader`: it builds a numpy view per metadata element, which is slow on a
+vocabulary and merge list of tens of thousands of strings, and it trusts the header's counts.
+The format's constants (value types, quantisation block sizes) and the dequantisation kernels
+still come from the `gguf` package.
 
 Shapes: GGUF lists a tensor's dimensions innermost first (ggml `ne` order); `TensorInfo.shape`
 is the numpy (row-major) shape, i.e. reversed: a Linear weight [out, in].
@@ -139,7 +139,7 @@ class _Cursor:
 
 # Rows dequantised per call: the float32 result is written in place chunk by chunk, so the
 # temporaries of `gguf.quants.dequantize` (several float32 copies of its input) stay this small
-# instead of scaling with the largest tensor.
+# whatever the size of the largest tensor.
 DEQUANT_CHUNK_VALUES = 1 << 18
 
 

@@ -112,9 +112,9 @@ class Embed(nnx.Module):
         return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
 
 
-# At most this many query blocks per sequence: XLA packs each block's buffers separately, and
-# with more blocks the step's compiled peak grows (the 7.5B plan's zero3_prefetch candidate at
-# 2,048 positions: 26.0 GB in one block, 24.9 in 8 blocks of 256, 28.3 in 16 of 128).
+# At most this many query blocks per sequence: XLA packs each block's buffers separately, so
+# past a few blocks the step's compiled peak grows with their count (the planner's peaks show
+# it on the large presets).
 MAX_ATTENTION_BLOCKS = 8
 
 
@@ -122,9 +122,8 @@ def attention_block(length: int) -> int:
     """Query positions per block of `causal_attention` for a sequence of `length`: the power of
     two nearest sqrt(8 * length) (32 at 128, 64 at 512), but no fewer than length / 8 (256 at
     2,048, 1,024 at 8,192). Smaller blocks skip more of the masked half of the scores but pay a
-    fixed cost per block: on XLA:CPU sqrt(8 * length) was the fastest of the powers of two tried
-    for attention's forward and backward alone at 128, 512 and 2,048 positions
-    (docs/training_speed.md has what it buys in a training step)."""
+    fixed cost per block; sqrt(8 * length) balances the two for attention's forward and backward
+    on XLA:CPU (docs/training_speed.md has what it buys in a training step)."""
     nearest = 2 ** max(0, round(math.log2(math.sqrt(8 * length))))
     return max(nearest, -(-length // MAX_ATTENTION_BLOCKS))
 

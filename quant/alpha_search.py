@@ -94,8 +94,8 @@ class _ErrorSink:
 
 
 # Calibration batches are joined into calls of up to this many tokens: each call quantises
-# every candidate's scaled weights once, whatever its token count, so on SmolLM2 eight rows of
-# 256 tokens cost eight times the weight work as separate calls (the search took 33 s then).
+# every candidate's scaled weights once, whatever its token count, so separate calls per short
+# row would repeat that weight work once per row.
 MERGE_TOKENS = 4096
 
 

@@ -8,10 +8,9 @@ one layer.
 
 The int8 kernel is stored `[out, in]` (the float Dense's `[in, out]` transposed), so that both
 operands of the integer product have the contracted axis contiguous: the layout int8 GEMM
-libraries read. Stored `[in, out]`, XLA on an H200 copies the kernel into that layout before
-every cuBLASLt call (int8 over bf16 1.53x instead of 1.87x at 16384^3, `experiments.bench_gpu`),
-and XLA:CPU's int8 matrix-vector products at widths of 2048 and up are slower
-(`experiments.bench_int8`).
+libraries read. Stored `[in, out]`, XLA on a GPU copies the kernel into that layout before
+every cuBLASLt call, and XLA:CPU's int8 matrix-vector products at large widths are slower
+(`experiments.bench_gpu` and `experiments.bench_int8` compare the two layouts).
 
 How activations are quantised is static (it lives in the graph definition, not the state):
   act="none"    weight-only: float activations times dequantised int8 weights

@@ -44,8 +44,8 @@ class QuantConfig:
     weights: str = _field("channel", "weight scales: channel | tensor")
     clip_search: bool = _field(False, "search the weight clipping ratio that minimises the "
                                       "squared error")
-    # None (the default): chosen per layer and site, which keeps SmolLM2 within 1% of float
-    # where the paper's one 0.5 for every site does not on every text (docs/smollm2.md).
+    # None (the default): chosen per layer and site, because a Llama-family model's sites differ
+    # and the paper's one 0.5 for every site does not fit them all (docs/smollm2.md compares).
     alpha: float | None = _field(None, "smoothquant, auto: SmoothQuant's migration strength at "
                                        "every site, e.g. the paper's 0.5 (default: chosen per "
                                        "layer and site from 0.3..0.8 by the int8 product's "
@@ -116,11 +116,11 @@ class QuantConfig:
 
     @staticmethod
     def from_json(d: dict) -> QuantConfig:
-        if "alpha_search" in d:  # written when alpha was always a number, the search a flag
+        if "alpha_search" in d:  # an older config: alpha a number, the search a separate flag
             d = {**d, "alpha": None if d["alpha_search"] else d.get("alpha", PAPER_ALPHA)}
             del d["alpha_search"]
         if d.get("mode") in MODES and d["mode"] not in SMOOTHING_MODES:
-            d = {**d, "alpha": None}  # versions before stored 0.5 for every mode
+            d = {**d, "alpha": None}  # older configs store 0.5 for modes that do not smooth
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(QuantConfig)})
         if unknown:
             raise QuantError(f"quant_config: unknown field(s) {', '.join(unknown)}; written by a "
