@@ -16,13 +16,11 @@ import json
 import statistics
 import time
 
-import jax
 from tqdm import tqdm
 
-from experiments.cli import runtime
-from experiments.cli.config import PRESETS, Parser, fail
+from experiments.cli import startup
+from experiments.cli.config import PRESETS, ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
-from experiments.training.trainer import global_batch, init_sharded_state, prepare
 from parallel.strategies import LABELS, from_label
 
 PROG = "experiments.bench_strategies"
@@ -44,20 +42,26 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     if args.steps < 1:
         fail(PROG, f"steps={args.steps}: must be a positive integer")
+    if args.warmup < 0:
+        fail(PROG, f"warmup={args.warmup}: must be a non-negative integer")
     names = args.strategies.split(",")
     for n in names:
         if n not in LABELS:
             fail(PROG, f"strategies: {n!r} is not one of {', '.join(LABELS)}")
-    runtime.start(args.devices)
+    try:
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    jax, trainer = startup.begin("jax", "experiments.training.trainer", devices=args.devices)
     base = PRESETS[args.preset]
     runs, states = {}, {}
     for name in names:
         strategy = from_label(name)
         cfg = dataclasses.replace(base, train=dataclasses.replace(
             base.train, strategy=strategy.name, devices=args.devices, prefetch=strategy.prefetch))
-        run = prepare(cfg)
-        runs[name], states[name] = run, init_sharded_state(run)
-    batch = global_batch(runs[names[0]], runs[names[0]].sampler.next_batch)
+        run = trainer.prepare(cfg)
+        runs[name], states[name] = run, trainer.init_sharded_state(run)
+    batch = trainer.global_batch(runs[names[0]], runs[names[0]].sampler.next_batch)
     memory = {}
     for name in names:
         compiled = runs[name].step_fn.lower(states[name], batch).compile()
