@@ -69,3 +69,28 @@ def test_headline_table_survives_a_smaller_results_set(tmp_path):
     table = headline(tmp_path)
     assert "not in this results set" in table and "2.00 / 2.90 Ψ" in table
     assert "no bench_train.json yet" in table
+
+
+def test_headline_names_the_host_and_commit_of_each_row(tmp_path):
+    """The headline joins figures from different runs: each row names the host and commit its
+    own results file's provenance records (a control: another provenance, another cell), and
+    "—" for a file without one."""
+    d = json.loads((ROOT / "experiments" / "results" / "comm_volume.json").read_text())
+
+    def cells(provenance: dict | None) -> list[str]:
+        data = {k: v for k, v in d.items() if k != "provenance"}
+        if provenance is not None:
+            data["provenance"] = provenance
+        (tmp_path / "comm_volume.json").write_text(json.dumps(data))
+        table = headline(tmp_path).splitlines()
+        assert table[0].endswith("| from | host | commit |")
+        row = next(line for line in table if "`comm_volume.json`" in line)
+        return [c.strip() for c in row.split("|")[1:-1]][-2:]
+
+    xeon = {"machine": {"cpu": "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz", "cores": 16},
+            "git_commit": "0123456789abcdef0123456789abcdef01234567"}
+    epyc = {"machine": {"cpu": "AMD EPYC 9R14 96-Core Processor", "cores": 2},
+            "git_commit": "fedcba9876543210fedcba9876543210fedcba98"}
+    assert cells(xeon) == ["Intel Xeon Platinum 8375C, 16 cores", "`0123456`"]
+    assert cells(epyc) == ["AMD EPYC 9R14, 2 cores", "`fedcba9`"]
+    assert cells(None) == ["—", "—"]

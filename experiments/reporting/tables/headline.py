@@ -3,6 +3,7 @@ independent counterpart, each read from the results file named in the row."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,20 +148,43 @@ ROWS: tuple[tuple[str, str, Figures], ...] = (
 )
 
 
+def host_label(provenance: dict | None) -> str:
+    """A short name for the machine a results file's provenance records: its CPU model without
+    trademarks, clock or core-count words, and its cores ("—" without provenance)."""
+    machine = (provenance or {}).get("machine") or {}
+    if not machine.get("cpu"):
+        return "—"
+    cpu = re.sub(r"\((R|TM|tm)\)", "", machine["cpu"]).split("@")[0]
+    words = [w for w in cpu.split() if w not in ("CPU", "Processor")
+             and not re.fullmatch(r"\d+-Core", w)]
+    cores = machine.get("cores")
+    return " ".join(words) + (f", {cores} cores" if cores else "")
+
+
+def commit_label(provenance: dict | None) -> str:
+    """The commit a results file's provenance records, abbreviated ("—" where there is none)."""
+    commit = (provenance or {}).get("git_commit")
+    return f"`{commit[:7]}`" if commit else "—"
+
+
 def _row(results: Path, file: str, area: str, figures: Figures) -> str:
     d = load(file, results)
     if d is None:
-        return f"| {area} | _(no {file} yet)_ | | |"
+        return f"| {area} | _(no {file} yet)_ | | | | |"
     try:
         ours, theirs = figures(d, results)
     except (KeyError, IndexError, TypeError):  # a smaller grid (reproduce --quick)
         ours, theirs = "_(not in this results set)_", ""
-    return f"| {area} | {ours} | {theirs} | `{file}` |"
+    prov = d.get("provenance")
+    return (f"| {area} | {ours} | {theirs} | `{file}` | {host_label(prov)} | "
+            f"{commit_label(prov)} |")
 
 
 def headline(results: Path) -> str:
     """One row per area: our headline figure beside its published or independent counterpart,
-    each read from the results file named in the last column."""
-    rows = head("area", "ours", "published / independent counterpart", "from")
+    each read from the results file named in the row, with the host and commit that file's run
+    records (the rows come from different runs, machines and commits)."""
+    rows = head("area", "ours", "published / independent counterpart", "from", "host",
+                "commit")
     rows += [_row(results, file, area, figures) for file, area, figures in ROWS]
     return "\n".join(rows)
