@@ -5,7 +5,7 @@
   python -m experiments.report --readme COPY.md --results DIR   # tables of another results set
 
 Each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`;
-experiments/reporting/tables.py says which results file and which renderer fill each one.
+experiments/reporting/tables/render.py says which results file and which renderer fill each one.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.cli.config import Parser
+from experiments.cli.config import Parser, fail
 from experiments.reporting.tables.render import documents, render
+
+PROG = "experiments.report"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="experiments.report", description=__doc__,
+    p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readme", action="append", default=None,
                    help="a markdown file to render (repeatable; default README.md and docs/*.md)")
@@ -28,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder of results files (default experiments/results)")
     args = p.parse_args(argv)
     paths = [Path(r) for r in args.readme] if args.readme else documents()
+    # Checked before anything is written: a mistyped folder would render every table as
+    # missing into the documents.
+    for path in paths:
+        if not path.is_file():
+            fail(PROG, f"readme={path}: no such file")
+    if args.results and not Path(args.results).is_dir():
+        fail(PROG, f"results={args.results}: no such folder")
     stale = []
     for path in paths:
         old = path.read_text()

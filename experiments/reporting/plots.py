@@ -6,16 +6,17 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib
+
+# Files only, never a window: the non-interactive backend, chosen before pyplot is imported.
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 
 def loss_curve(metrics_path: Path, out_path: Path, title: str = "",
                per_token: bool = False) -> Path:
     """Train and validation loss by step: bits per byte (byte-level runs), or nats per token
     (`per_token`: a pretrained model's tokens; step 0 is the model before fine-tuning)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     scale, unit = (1.0, "nats per token") if per_token else (1 / math.log(2), "bits per byte")
     train = [(r["step"], r["loss"] * scale) for r in rows if "loss" in r]
@@ -39,13 +40,8 @@ def loss_curve(metrics_path: Path, out_path: Path, title: str = "",
 
 def activation_profile(outliers: dict, out_path: Path, title: str = "") -> Path:
     """Per layer, the largest input channel of each Dense (left) and its ratio to the median
-    channel (right), log scale, from `pretrained_lm.activation_outliers`. Layers that share an
-    input (q/k/v, gate/up) are one line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    channel (right), log scale, from the pretrained model's `activation_outliers`. Layers that
+    share an input (q/k/v, gate/up) are one line."""
     order = ("q", "k", "v", "o", "gate", "up", "down")  # a block's order, for the labels
     lines: dict[tuple, list[str]] = {}  # one line per distinct input
     by_name = sorted(outliers["per_module"].items(), key=lambda kv: (
@@ -77,11 +73,6 @@ def gpu_benchmark(results: dict, out_path: Path) -> Path:
     """From `bench_gpu`'s results: MFU per training variant (left; a variant that did not run is
     named with a cross) and int8 speed over bf16 per matmul size, for the int8 kernel stored
     [in, out] and [out, in] (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), dpi=120,
                              gridspec_kw={"width_ratios": [1.4, 1]})
     rows = results["training"]
