@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import command_line, results_path, write_result
 from model.gguf import GGUFError
-from quant.modes import QuantError
+from quant.modes import QuantConfig, QuantError
 
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
@@ -85,26 +86,23 @@ def check(args) -> list[str]:
 
 
 def run(args, names: list[str]) -> dict:
-    # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments.pretrained import llm as pretrained_lm
-    from experiments.speed.block_matvec import matvec_check
-    from experiments.speed.machine import describe
-    from quant.convert import QuantConfig
-
+    loading, decoding, pydoc_corpus, block_matvec, machine = startup.load(
+        "experiments.pretrained.loading", "experiments.pretrained.decoding",
+        "experiments.training.pydoc_corpus", "experiments.speed.block_matvec",
+        "experiments.speed.machine")
     load_before = os.getloadavg()[0]
-    float_model = pretrained_lm.load(n_layers=args.layers)
+    float_model = loading.load(n_layers=args.layers)
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
     for mode, head in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
         rules = ("blocks/*", "embed") if head else ("blocks/*",)
-        models[mode, head] = pretrained_lm.quantize(
+        models[mode, head] = loading.quantize(
             float_model, mode, QuantConfig(mode=mode, rules=rules, calib_batches=1))
-    variants = [pretrained_lm.DecodeVariant(n, models[VARIANTS[n][0], VARIANTS[n][3]],
-                                            VARIANTS[n][1], VARIANTS[n][2]) for n in names]
-    prompt = float_model.tokenizer.encode(
-        pretrained_lm.pydoc_corpus.split_text("validation")[:400])
-    rows = pretrained_lm.decode_benchmark(variants, prompt, args.new_tokens, args.repeats)
-    matvec = matvec_check(float_model.cfg, args.repeats)
+    variants = [decoding.DecodeVariant(n, models[VARIANTS[n][0], VARIANTS[n][3]],
+                                       VARIANTS[n][1], VARIANTS[n][2]) for n in names]
+    prompt = float_model.tokenizer.encode(pydoc_corpus.split_text("validation")[:400])
+    rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats)
+    matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
     by_name = {r["variant"]: r for r in rows}
     changes = [{"change": what, "before": a, "after": b,
                 "speedup": by_name[b]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
@@ -113,7 +111,7 @@ def run(args, names: list[str]) -> dict:
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "variants": rows, "changes": changes,
             "block_matvec": matvec,
-            "machine": {**describe(), "load_1min_before": load_before,
+            "machine": {**machine.describe(), "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
 
 

@@ -21,9 +21,8 @@ import argparse
 import json
 import math
 import sys
-import time
 
-from experiments.cli import model_flags
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_text, fail
 from model.gguf import GGUFError
 from quant.modes import QuantError
@@ -89,26 +88,22 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         check(args)
-        # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        import jax
-
-        from experiments.cli import runtime
-        from experiments.pretrained import llm as pretrained_lm
-
-        runtime.start(1)
-        pre = pretrained_lm.load_from_flags(args)
+        loading, chat_stream = startup.begin("experiments.pretrained.loading",
+                                             "experiments.pretrained.chat_stream", devices=1)
+        pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha)
         if args.top_k > pre.cfg.vocab_size:
             raise ConfigError(f"top_k={args.top_k}: must be at most the vocabulary "
                               f"({pre.cfg.vocab_size})")
         history: list[dict[str, str]] = []
-        key = jax.random.key(args.seed)
         row = None
         turns = user_turns(args.prompt) if args.interactive else [args.prompt]
         for i, message in enumerate(turns):
-            turn_key = jax.random.fold_in(key, i) if i else key  # turn 0: as a one-shot run
-            row = reply(pre, args, history + [{"role": "user", "content": message}], turn_key)
-            history += [{"role": "user", "content": message},
-                        {"role": "assistant", "content": row["reply"]}]
+            messages = history + [{"role": "user", "content": message}]
+            row = chat_stream.stream_reply(
+                pre, messages, args.system, args.max_new_tokens,
+                chat_stream.turn_key(args.seed, i), args.temperature, args.top_k, args.kv_int8,
+                on_text=None if args.json else echo)
+            history = messages + [{"role": "assistant", "content": row["reply"]}]
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     except KeyboardInterrupt:  # Ctrl-C stops the reply: end the line, no traceback
@@ -120,37 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
     return row
 
 
-def reply(pre, args, messages: list[dict[str, str]], key) -> dict:
-    """Stream the assistant's reply to `messages` (printed unless --json) and return its row."""
-    import numpy as np
-
-    from experiments.pretrained import llm as pretrained_lm
-    from model.generate import stream
-    from model.tokenizer import StreamDecoder
-    from quant.kv_cache import init_int8_cache
-
-    ids = pretrained_lm.conversation_ids(pre, messages, args.system)
-    if len(ids) + args.max_new_tokens > pre.cfg.max_len:
-        what = "the prompt" if len(messages) == 1 else "the conversation"
-        raise ConfigError(f"max_new_tokens={args.max_new_tokens}: {what} ({len(ids)} tokens) "
-                          f"+ new tokens must fit the context of {pre.cfg.max_len}")
-    tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
-    for tok in stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), args.max_new_tokens,
-                      key, args.temperature, args.top_k, stop_ids=(pre.tokenizer.eos_id,),
-                      make_cache=init_int8_cache if args.kv_int8 else None):
-        if first is None:
-            first = time.perf_counter()  # prefill (and its compile) done
-        tokens.append(tok)
-        if not args.json:
-            sys.stdout.write(text.push(tok))  # whole characters only, never half of one
-            sys.stdout.flush()
-    if not args.json:
-        sys.stdout.write(text.flush() + "\n")
-        sys.stdout.flush()
-    seconds = time.perf_counter() - first
-    return {"reply": pre.tokenizer.decode(tokens, skip_special=True), "tokens": tokens,
-            "new_tokens": len(tokens), "seconds": seconds,
-            "tokens_per_s": (len(tokens) - 1) / seconds if len(tokens) > 1 else None}
+def echo(text: str) -> None:
+    """Print streamed reply text as it comes."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import math
 
 from tqdm import tqdm
 
-from experiments.cli import model_flags
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_text, fail
 from experiments.pretrained.chat_prompts import PROMPTS
 from experiments.reporting.results_io import results_path, write_result
@@ -69,30 +69,26 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"rel={args.rel}: must be in (0, 1)")
         check_text("spread_prompt", args.spread_prompt)
         check_output_file("out", args.out)
-        # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments.cli import runtime
-        from experiments.pretrained import llm as pretrained_lm
-        from experiments.pretrained import reply_stability
-        from experiments.speed.machine import describe
-
-        runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
+        loading, reply_stability, machine = startup.begin(
+            "experiments.pretrained.loading", "experiments.pretrained.reply_stability",
+            "experiments.speed.machine", devices=1)
+        float_model = loading.load(args.model, args.layers, args.gguf)
         limit = float_model.cfg.max_len
-        if len(pretrained_lm.chat_ids(float_model, args.spread_prompt)) > limit:
+        if len(loading.chat_ids(float_model, args.spread_prompt)) > limit:
             raise ConfigError(f"spread_prompt: longer than the context of {limit} tokens")
-        longest = max(len(pretrained_lm.chat_ids(float_model, q.text))
+        longest = max(len(loading.chat_ids(float_model, q.text))
                       for q in prompts) + max(lengths)
         if longest > limit:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
                               f"must fit the context of {limit}")
         out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
-               "machine": describe(),
+               "machine": machine.describe(),
                "prompts": [{"text": q.text, "answer": q.answer} for q in prompts],
                "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,
                "replies": [], "spread": []}
         float_tokens, reference_token = None, None
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
-            pre = pretrained_lm.quantize(float_model, mode)
+            pre = loading.quantize(float_model, mode)
             rows = reply_stability.greedy_replies(pre, prompts, lengths, float_tokens)
             if float_tokens is None:
                 float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}

@@ -35,7 +35,8 @@ from experiments.cli.config import (
     check_replaceable_folder,
     fail,
 )
-from experiments.pretrained import llm as pretrained_lm
+from experiments.pretrained import loading, scoring
+from experiments.pretrained.loading import Pretrained
 from experiments.reporting.results_io import project_relative, results_path, write_result
 from model.flops import param_bytes
 from model.gguf import GGUFError
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args, qcfg: QuantConfig) -> dict:
-    pre = pretrained_lm.load(args.model)
-    rows = pretrained_lm.calibration_rows(pre.tokenizer, qcfg.calib_batches)
+    pre = loading.load(args.model)
+    rows = loading.calibration_rows(pre.tokenizer, qcfg.calib_batches)
     qdef, qparams, plan, report, meta = quantize_with_meta(
         pre.graphdef, pre.params, qcfg, rows, pre.cfg,
         {"source": "pydoc_data train topics", "rows": len(rows)})
@@ -109,24 +110,24 @@ def run(args, qcfg: QuantConfig) -> dict:
     identical = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
         jax.tree.leaves(jax.device_get(sharded)), jax.tree.leaves(jax.device_get(qparams)),
         strict=True))
-    local = pretrained_lm.Pretrained(pre.name, pre.cfg, qdef, qparams, pre.tokenizer, args.mode)
-    remote = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, sharded, pre.tokenizer, args.mode)
+    local = Pretrained(pre.name, pre.cfg, qdef, qparams, pre.tokenizer, args.mode)
+    remote = Pretrained(pre.name, pre.cfg, gdef, sharded, pre.tokenizer, args.mode)
     # The in-memory int8 parameters put in the reloaded ones' zero3 shards: the same program
     # as the reload, so any difference would be the checkpoint's.
     placed = jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), qparams, sharded)
-    in_layout = pretrained_lm.Pretrained(pre.name, pre.cfg, gdef, placed, pre.tokenizer,
+    in_layout = Pretrained(pre.name, pre.cfg, gdef, placed, pre.tokenizer,
                                          args.mode)
     # ... and replicated on every device of the mesh: the 8-device program without shards.
-    replicated = pretrained_lm.Pretrained(
+    replicated = Pretrained(
         pre.name, pre.cfg, gdef, place_model_params(gdef, qparams, mesh, get_strategy("dp")),
         pre.tokenizer, args.mode)
-    a, b, c, r = (pretrained_lm.score_texts(m, texts)
+    a, b, c, r = (scoring.score_texts(m, texts)
                   for m in (local, remote, in_layout, replicated))
     # The float model through the same two programs (one device; zero3 over the mesh): how much
     # the layout alone moves a score when no rounding to int8 follows.
     float_sharded = place_model_params(pre.graphdef, pre.params, mesh, get_strategy("zero3"))
-    f1 = pretrained_lm.score_texts(pre, texts)
-    f8 = pretrained_lm.score_texts(pretrained_lm.Pretrained(
+    f1 = scoring.score_texts(pre, texts)
+    f8 = scoring.score_texts(Pretrained(
         pre.name, pre.cfg, pre.graphdef, float_sharded, pre.tokenizer, "none"), texts)
     float_params = param_bytes(pre.params)
     one_device = _compare(a, b)

@@ -27,13 +27,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments.cli import model_flags
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.pretrained import eval_text
 from experiments.reporting.plots import activation_profile
 from experiments.reporting.results_io import results_path, write_result
 from model.gguf import GGUFError
-from quant.modes import MODES, PAPER_ALPHA, SMOOTHING_MODES, QuantError
+from quant.modes import MODES, PAPER_ALPHA, SMOOTHING_MODES, QuantConfig, QuantError
 
 PROG = "experiments.llm_quant_table"
 OUT = results_path("smollm2_quant.json")
@@ -45,7 +45,7 @@ def vs_float_pct(row: dict, float_perplexity: float) -> float:
     return 100.0 * (row["perplexity"] / float_perplexity - 1.0)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
@@ -63,95 +63,113 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"skip smoothquant and auto again with the paper's alpha {PAPER_ALPHA:g} "
                         f"at every site (2 more evaluations)")
     p.add_argument("--out", default=str(OUT))
-    args = p.parse_args(argv)
+    return p
+
+
+def check(args) -> list[str]:
+    """The flags that can be judged before the model loads; returns the int8 modes."""
+    model_flags.check_model_flags(args)
+    modes = model_flags.parse_modes(args.modes)
+    model_flags.check_window_flags(args.tokens, args.window)
+    eval_text.check_corpus(args.corpus)
+    if args.rotation_seeds < 0:
+        raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
+    if args.new_tokens < 1:
+        raise ConfigError(f"new_tokens={args.new_tokens}: must be a positive integer")
+    check_output_file("out", args.out)
+    return modes
+
+
+def run(args, modes: list[str]) -> dict:
+    """Float and every mode, then the extra rows; the results file is rewritten as rows come."""
+    loading, scoring, decoding, outliers, pydoc_corpus, machine, alpha_search = startup.begin(
+        "experiments.pretrained.loading", "experiments.pretrained.scoring",
+        "experiments.pretrained.decoding", "experiments.pretrained.outliers",
+        "experiments.training.pydoc_corpus", "experiments.speed.machine",
+        "quant.alpha_search", devices=1)
+    float_model = loading.load(args.model, args.layers, args.gguf)
+    scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)
+    # (refuses a --tokens beyond the text before anything is written)
+    calib = loading.calibration_rows(float_model.tokenizer, 8)
+    out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+           "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
+           "machine": machine.describe(), "alpha_grid": list(alpha_search.ALPHA_GRID),
+           "outliers": outliers.activation_outliers(float_model, calib), "rows": [],
+           "decoding": []}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the plot comes first
+    activation_profile(out["outliers"], Path(args.out).with_suffix(".png"),
+                       f"{args.model}: Dense inputs of the float model, "
+                       f"{len(calib)} calibration rows")
+    prompt = float_model.tokenizer.encode(pydoc_corpus.split_text("validation")[:400])
+
+    def evaluate(mode: str, qcfg: QuantConfig | None = None) -> tuple:
+        """`mode`'s model and its perplexity row, with the quantisation's seconds (calibration
+        and the alpha search included) and an int8 model's divergence from the float one (KL,
+        top-1 agreement: scoring.perplexity)."""
+        t0 = time.perf_counter()
+        pre = loading.quantize(float_model, mode, qcfg)
+        quantize_s = time.perf_counter() - t0
+        row = scoring.perplexity(pre, args.tokens, args.window, args.corpus,
+                                 reference=None if mode == "none" else float_model)
+        return pre, (row if mode == "none" else {**row, "quantize_s": quantize_s})
+
+    for_speed = []
+    for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
+        pre, row = evaluate(mode)
+        if pre.report and "alpha" in pre.report:  # searched: per site, one per layer
+            row["alpha"] = pre.report["alpha"]
+        out["rows"].append(row)
+        if mode in SPEED_MODES:
+            for_speed.append(pre)
+        for r in out["rows"]:
+            r["vs_float_pct"] = vs_float_pct(r, out["rows"][0]["perplexity"])
+        write_result(args.out, out)  # after every mode: a long run keeps what it measured
+    out["decoding"] = decoding.decode_speeds(for_speed, prompt, args.new_tokens)
+    write_result(args.out, out)
+    del for_speed
+    groups = {name: (paths, loading.rules_without(name))
+              for name, paths in loading.SENSITIVITY_GROUPS.items()}
+    extra_rows(args, modes, evaluate, groups, out)
+    return out
+
+
+def extra_rows(args, modes: list[str], evaluate, groups: dict, out: dict) -> None:
+    """The rows beside the table: w8a8-rotated under other rotation seeds, the smoothing modes
+    at the paper's one alpha, and w8a8 with each group of layers (`groups`: name -> (paths,
+    rules leaving them float)) kept float."""
+    base = out["rows"][0]["perplexity"]
+    if args.rotation_seeds and "w8a8-rotated" in modes:
+        out["rotation_seeds"] = []
+        for seed in tqdm(range(1, args.rotation_seeds + 1), desc="w8a8-rotated seeds",
+                         unit="seed"):
+            _, row = evaluate("w8a8-rotated", QuantConfig(mode="w8a8-rotated",
+                                                          rotation_seed=seed))
+            out["rotation_seeds"].append(
+                {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
+            write_result(args.out, out)
+    smoothed = [m for m in modes if m in SMOOTHING_MODES]
+    if not args.no_paper_alpha and smoothed:
+        out["paper_alpha"] = []
+        for mode in tqdm(smoothed, desc=f"alpha {PAPER_ALPHA:g}", unit="mode"):
+            _, row = evaluate(mode, QuantConfig(mode=mode, alpha=PAPER_ALPHA))
+            out["paper_alpha"].append({**row, "vs_float_pct": vs_float_pct(row, base),
+                                       "alpha": PAPER_ALPHA})
+            write_result(args.out, out)
+    if not args.no_sensitivity and "w8a8" in modes:
+        out["w8a8_sensitivity"] = []
+        for name, (paths, rules) in tqdm(groups.items(), desc="w8a8 with a group float",
+                                         unit="group"):
+            _, row = evaluate("w8a8", QuantConfig(mode="w8a8", rules=rules))
+            out["w8a8_sensitivity"].append(
+                {"float_group": name, "float_paths": list(paths), **row,
+                 "vs_float_pct": vs_float_pct(row, base)})
+            write_result(args.out, out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     try:
-        model_flags.check_model_flags(args)
-        modes = model_flags.parse_modes(args.modes)
-        model_flags.check_window_flags(args.tokens, args.window)
-        eval_text.check_corpus(args.corpus)
-        if args.rotation_seeds < 0:
-            raise ConfigError(f"rotation_seeds={args.rotation_seeds}: must be 0 or more")
-        if args.new_tokens < 1:
-            raise ConfigError(f"new_tokens={args.new_tokens}: must be a positive integer")
-        check_output_file("out", args.out)
-        # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments.cli import runtime
-        from experiments.pretrained import llm as pretrained_lm
-        from experiments.speed.machine import describe
-        from quant.alpha_search import ALPHA_GRID
-        from quant.convert import QuantConfig
-
-        runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
-        pretrained_lm.validation_ids(float_model, args.tokens, args.window, args.corpus)
-        # (refuses a --tokens beyond the text before anything is written)
-        calib = pretrained_lm.calibration_rows(float_model.tokenizer, 8)
-        out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
-               "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
-               "machine": describe(), "alpha_grid": list(ALPHA_GRID),
-               "outliers": pretrained_lm.activation_outliers(float_model, calib), "rows": [],
-               "decoding": []}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the plot comes first
-        activation_profile(out["outliers"], Path(args.out).with_suffix(".png"),
-                           f"{args.model}: Dense inputs of the float model, "
-                           f"{len(calib)} calibration rows")
-        prompt = float_model.tokenizer.encode(pretrained_lm.pydoc_corpus.split_text(
-            "validation")[:400])
-
-        def evaluate(mode: str, qcfg: QuantConfig | None = None) -> tuple:
-            """`mode`'s model and its perplexity row, with the quantisation's seconds
-            (calibration and the alpha search included) and an int8 model's divergence from
-            the float one (KL, top-1 agreement: pretrained_lm.perplexity)."""
-            t0 = time.perf_counter()
-            pre = pretrained_lm.quantize(float_model, mode, qcfg)
-            quantize_s = time.perf_counter() - t0
-            row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus,
-                                           reference=None if mode == "none" else float_model)
-            return pre, (row if mode == "none" else {**row, "quantize_s": quantize_s})
-
-        for_speed = []
-        for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
-            pre, row = evaluate(mode)
-            if pre.report and "alpha" in pre.report:  # searched: per site, one per layer
-                row["alpha"] = pre.report["alpha"]
-            out["rows"].append(row)
-            if mode in SPEED_MODES:
-                for_speed.append(pre)
-            base = out["rows"][0]["perplexity"]
-            for r in out["rows"]:
-                r["vs_float_pct"] = vs_float_pct(r, base)
-            write_result(args.out, out)  # after every mode: a long run keeps what it measured
-        out["decoding"] = pretrained_lm.decode_speeds(for_speed, prompt, args.new_tokens)
-        write_result(args.out, out)
-        del for_speed
-        if args.rotation_seeds and "w8a8-rotated" in modes:
-            out["rotation_seeds"] = []
-            for seed in tqdm(range(1, args.rotation_seeds + 1), desc="w8a8-rotated seeds",
-                             unit="seed"):
-                _, row = evaluate("w8a8-rotated", QuantConfig(mode="w8a8-rotated",
-                                                              rotation_seed=seed))
-                out["rotation_seeds"].append(
-                    {"seed": seed, **row, "vs_float_pct": vs_float_pct(row, base)})
-                write_result(args.out, out)
-        smoothed = [m for m in modes if m in SMOOTHING_MODES]
-        if not args.no_paper_alpha and smoothed:
-            out["paper_alpha"] = []
-            for mode in tqdm(smoothed, desc=f"alpha {PAPER_ALPHA:g}", unit="mode"):
-                _, row = evaluate(mode, QuantConfig(mode=mode, alpha=PAPER_ALPHA))
-                out["paper_alpha"].append({**row, "vs_float_pct": vs_float_pct(row, base),
-                                           "alpha": PAPER_ALPHA})
-                write_result(args.out, out)
-        if not args.no_sensitivity and "w8a8" in modes:
-            out["w8a8_sensitivity"] = []
-            groups = pretrained_lm.SENSITIVITY_GROUPS
-            for name, paths in tqdm(groups.items(), desc="w8a8 with a group float",
-                                    unit="group"):
-                _, row = evaluate("w8a8", QuantConfig(
-                    mode="w8a8", rules=pretrained_lm.rules_without(name)))
-                out["w8a8_sensitivity"].append(
-                    {"float_group": name, "float_paths": list(paths), **row,
-                     "vs_float_pct": vs_float_pct(row, base)})
-                write_result(args.out, out)
+        out = run(args, check(args))
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     for r in out["rows"]:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from experiments.cli import model_flags
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, fail
 from experiments.pretrained import eval_text
 from model.gguf import GGUFError
-from quant.modes import MODES, QuantError
+from quant.modes import MODES, QuantConfig, QuantError
 
 PROG = "experiments.perplexity"
 DEFAULT_TOKENS = 8192
@@ -56,18 +56,16 @@ def main(argv: list[str] | None = None) -> dict:
         if args.vs_float and args.quant == "none":
             raise ConfigError(f"vs_float: only with an int8 --quant, one of {', '.join(MODES)} "
                               f"(got {args.quant!r})")
-        # JAX starts here, after the flags are checked: a refused flag never waits for it.
-        from experiments.cli import runtime
-        from experiments.pretrained import llm as pretrained_lm
-
-        runtime.start(1)
-        float_model = pretrained_lm.load(args.model, args.layers, args.gguf)
-        pre = pretrained_lm.quantize(float_model, args.quant,
-                                     pretrained_lm.quant_config_from_flags(args))
+        loading, scoring = startup.begin("experiments.pretrained.loading",
+                                         "experiments.pretrained.scoring", devices=1)
+        float_model = loading.load(args.model, args.layers, args.gguf)
+        qcfg = (QuantConfig(mode=args.quant, alpha=args.alpha) if args.alpha is not None
+                else None)
+        pre = loading.quantize(float_model, args.quant, qcfg)
         # kept (and run again beside the int8 model) only for --vs-float
         reference = float_model if args.vs_float else None
         del float_model
-        row = pretrained_lm.perplexity(pre, args.tokens, args.window, args.corpus, reference)
+        row = scoring.perplexity(pre, args.tokens, args.window, args.corpus, reference)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     if args.json:

@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError("text: give at least one --text")
         for i, t in enumerate(args.text):
             check_text(f"text {i}", t, blank_ok=True)  # a blank text is a text to score
-        (pretrained_lm,) = startup.begin("experiments.pretrained.llm", devices=1)
-        pre = pretrained_lm.load_from_flags(args)
-        rows = pretrained_lm.score_texts(pre, args.text)
+        loading, scoring = startup.begin("experiments.pretrained.loading",
+                                         "experiments.pretrained.scoring", devices=1)
+        pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha)
+        rows = scoring.score_texts(pre, args.text)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])
     if args.json:

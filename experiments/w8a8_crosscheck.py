@@ -46,8 +46,7 @@ from experiments.cli.config import (
     check_output_file,
     fail,
 )
-from experiments.pretrained import llm as pretrained_lm
-from experiments.pretrained import reply_stability
+from experiments.pretrained import loading, reply_stability, scoring
 from experiments.pretrained.chat_prompts import PROMPTS
 from experiments.reporting.results_io import results_path, write_result
 from experiments.speed.machine import describe
@@ -116,18 +115,18 @@ class ReferenceFailed(RuntimeError):
 
 
 def run(args) -> dict:
-    pre = pretrained_lm.load("smollm2", args.layers)
-    ids = pretrained_lm.validation_ids(pre, args.tokens, args.window)  # refuses bad sizes first
-    prompts = [pretrained_lm.chat_ids(pre, p.text) for p in PROMPTS] if args.new_tokens else []
+    pre = loading.load("smollm2", args.layers)
+    ids = scoring.validation_ids(pre, args.tokens, args.window)  # refuses bad sizes first
+    prompts = [loading.chat_ids(pre, p.text) for p in PROMPTS] if args.new_tokens else []
     theirs = reference(args.torch_python, ids.tolist(), args.window, args.layers,
                        {"prompts": prompts, "max_new_tokens": args.new_tokens,
                         "eos_id": pre.tokenizer.eos_id})
     ours = {}
     for name, (mode, float_group, *_) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
-        qcfg = (QuantConfig(mode=mode, rules=pretrained_lm.rules_without(float_group))
+        qcfg = (QuantConfig(mode=mode, rules=loading.rules_without(float_group))
                 if float_group else None)  # None: the mode's defaults
-        model = pretrained_lm.quantize(pre, mode, qcfg)
-        ours[name] = pretrained_lm.perplexity(model, args.tokens, args.window)
+        model = loading.quantize(pre, mode, qcfg)
+        ours[name] = scoring.perplexity(model, args.tokens, args.window)
         ours[name]["replies"] = our_replies(model, prompts, args.new_tokens)
     rows = []
     float_theirs = theirs["rows"]["none"]["float64"]["nll"]
@@ -170,7 +169,7 @@ def our_replies(model, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     for ids in prompts:
         tokens = np.asarray([ids], np.int32)
         logits, _, _ = prefill(nnx.merge(model.graphdef, model.params), tokens, new_tokens)
-        forward = pretrained_lm.make_logprob_fn(model.graphdef)(model.params, tokens)[-1]
+        forward = scoring.make_logprob_fn(model.graphdef)(model.params, tokens)[-1]
         out.append({"tokens": reply_stability.greedy_reply_ids(model, ids, new_tokens),
                     "first_top2": _top2(jax.nn.log_softmax(logits[0])),
                     "first_top2_forward": _top2(forward)})

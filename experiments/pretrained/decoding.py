@@ -1,0 +1,102 @@
+"""How fast a pretrained LM decodes: batch-1 greedy tokens per second from the KV cache.
+
+Each `DecodeVariant` is a model (float or int8) with its cache kind and layer layout; the
+variants' timed runs interleave so that a change in the machine's load hits them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained.loading import Pretrained
+from model.flops import param_bytes
+from model.generate import decode_steps, default_per_layer, prefill, sample_token
+from quant.kv_cache import init_int8_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """One way to decode: a (possibly int8) model, its KV cache kind and its layer layout."""
+    name: str
+    model: Pretrained
+    kv_int8: bool = False
+    per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
+
+
+def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
+    """(timed, args): a jitted call that decodes `new_tokens` greedy tokens after the prompt's
+    prefill (run here, once, untimed), and its arguments. The call starts from the same cache
+    every time (nothing is donated), so repeated calls do identical work."""
+    pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
+    make_cache = init_int8_cache if v.kv_int8 else None
+    per_layer = (default_per_layer(nnx.merge(pre.graphdef, pre.params)) if v.per_layer is None
+                 else v.per_layer)
+
+    @jax.jit
+    def run_prompt(params, ids):
+        model = nnx.merge(pre.graphdef, params)
+        logits, cache, layers = prefill(model, ids, new_tokens, make_cache=make_cache,
+                                        per_layer=per_layer)
+        return sample_token(logits, None, 0.0, 0), cache, layers
+
+    @jax.jit
+    def steps(params, first, cache, layers):
+        return decode_steps(nnx.merge(pre.graphdef, params), first, cache, layers, len(prompt),
+                            new_tokens, jax.random.key(0))
+
+    first, cache, layers = run_prompt(pre.params, ids)
+    return steps, (pre.params, first, cache, layers)
+
+
+def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_tokens: int,
+                     repeats: int = 5) -> list[dict]:
+    """Batch-1 greedy decoding speed of each variant: `repeats` timed calls of `new_tokens`
+    cached steps each (one jitted `lax.scan`, the prefill excluded), the variants interleaved
+    (A, B, C, A, B, C, ...) so that a change in the machine's load hits them alike; the median
+    is reported. Every variant writes the same tokens' worth of work; `tokens` lets a caller
+    check they agree."""
+    if not prompt or len(prompt) + new_tokens > variants[0].model.cfg.max_len:
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
+                          f"the context of {variants[0].model.cfg.max_len}")
+    progs = [decode_programs(v, prompt, new_tokens) for v in variants]
+    tokens = [np.asarray(jax.block_until_ready(fn(*args)))[0] for fn, args in progs]  # compile
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(repeats):
+        for (fn, args), t in zip(progs, times, strict=True):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            t.append(time.perf_counter() - t0)
+    rows = []
+    for v, t, toks, (_, args) in zip(variants, times, tokens, progs, strict=True):
+        sec, cache, layers = float(np.median(t)), args[2], args[3]
+        rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
+                     "layout": "per_layer" if layers is not None else "layer_scan",
+                     "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+                     "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
+                     "runs_s": [round(x, 5) for x in t],
+                     # A step multiplies by every block weight and (tied) the whole embedding
+                     # table, so each token reads all the parameters once; the cache on top.
+                     "weight_bytes_per_token": param_bytes(v.model.params),
+                     "kv_cache_bytes": param_bytes(cache),
+                     "tokens": toks.tolist()})
+    return rows
+
+
+def decode_speeds(models: list[Pretrained], prompt: list[int], new_tokens: int,
+                  repeats: int = 5) -> list[dict]:
+    """Batch-1 greedy decoding speed of each model with a float and an int8 KV cache, all in
+    one interleaved `decode_benchmark`: timed one after another instead, each would meet a
+    different load of the machine."""
+    variants = [DecodeVariant(f"{m.quant}{'+kv8' if kv else ''}", m, kv)
+                for m in models for kv in (False, True)]
+    return [{"quant": r["quant"], "kv_int8": r["kv_int8"], "prompt_tokens": r["prompt_tokens"],
+             "new_tokens": new_tokens, "seconds": r["ms_per_token"] * new_tokens / 1e3,
+             "tokens_per_s": r["tokens_per_s"], "runs_s": r["runs_s"]}
+            for r in decode_benchmark(variants, prompt, new_tokens, repeats)]

@@ -1,0 +1,127 @@
+"""A pretrained decoder LM (SmolLM2-135M-Instruct) as the project's own model, float or int8.
+
+`load` reads a Llama GGUF (the one a Python package ships, or another file) into float32 NNX
+parameters of `DecoderLM` plus its tokenizer; `quantize` runs `quant/` on it, calibrating on rows
+from the training topics of `pydoc_data`; `load_quantized` does both from the values a
+launcher's model flags hold. The chat template's token ids live here too, beside the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.cli.config import ConfigError
+from experiments.cli.model_flags import MODELS
+from experiments.training import pydoc_corpus
+from model import DecoderLM, ModelConfig
+from model.gguf import GGUFError
+from model.llama_gguf import load_gguf
+from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
+from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
+from quant.pipeline import quantize as run_quantize
+
+CALIB_LEN = 256  # tokens per calibration row
+
+
+@dataclasses.dataclass
+class Pretrained:
+    name: str
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    params: dict
+    tokenizer: BPETokenizer
+    quant: str = "none"
+    quantized_fraction: float = 0.0
+    report: dict | None = None  # quant/pipeline's report of an int8 model (see quantize)
+
+
+def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+    return nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))[0]
+
+
+def load(name: str = "smollm2", n_layers: int | None = None,
+         gguf_path: str | None = None) -> Pretrained:
+    """The float32 model and tokenizer: the named model's packaged file, or another Llama GGUF
+    at `gguf_path` (GGUFError, one line, on a bad file)."""
+    if name not in MODELS:
+        raise ConfigError(f"model={name!r}: allowed {', '.join(MODELS)}")
+    try:
+        cfg, params, gguf = load_gguf(gguf_path, n_layers=n_layers)
+        tokenizer = tokenizer_from_gguf(gguf)
+    except GGUFError as e:
+        if gguf_path is None:  # the packaged file: no flag to name
+            raise
+        where = repr(str(Path(gguf_path)))  # the reader's messages start with the file
+        said = str(e).removeprefix(where).removeprefix(": ")
+        raise GGUFError(f"gguf={where}: {said}") from None
+    params = jax.tree.map(jnp.asarray, params)
+    return Pretrained(name, cfg, abstract_graphdef(cfg), params, tokenizer)
+
+
+def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:
+    """The token ids of one user turn in the model's ChatML template (a system message first:
+    `system`, or the model's default), ending where the assistant's reply begins."""
+    return conversation_ids(pre, [{"role": "user", "content": prompt}], system)
+
+
+def conversation_ids(pre: Pretrained, messages: list[dict[str, str]],
+                     system: str | None = None) -> list[int]:
+    """The token ids of a conversation (user and assistant turns, the last one the user's) in
+    the ChatML template, after `system` or the model's default system message, ending where
+    the next assistant reply begins."""
+    head = [{"role": "system", "content": system}] if system else []
+    return pre.tokenizer.encode(chat_prompt(head + list(messages)))
+
+
+def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:
+    """n rows [1, length + 1] of consecutive tokens from the training topics (never the
+    validation topics perplexity reads)."""
+    ids = np.asarray(tokenizer.encode(pydoc_corpus.split_text("train")), np.int32)
+    step = max(1, (len(ids) - length - 1) // max(n, 1))
+    return [ids[i * step:i * step + length + 1][None] for i in range(n)]
+
+
+# The Llama block's Dense layers grouped by the input they read: leaving one group in float
+# under plain w8a8 shows how much of w8a8's perplexity change that input's int8 rounding causes.
+SENSITIVITY_GROUPS = {"q/k/v": ("blocks/attn/q", "blocks/attn/k", "blocks/attn/v"),
+                      "o": ("blocks/attn/o",), "gate/up": ("blocks/mlp/gate", "blocks/mlp/up"),
+                      "down": ("blocks/mlp/down",)}
+
+
+def rules_without(group: str) -> tuple[str, ...]:
+    """Quantisation rules selecting every block Dense layer except `group`'s."""
+    return tuple(p for g, paths in SENSITIVITY_GROUPS.items() if g != group for p in paths)
+
+
+def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
+             error_report: bool = False) -> Pretrained:
+    """The int8 model (`mode` of quant/convert.py; `none` returns the float model). Only the
+    modes that calibrate (w8a8-static, smoothquant, auto) read calibration rows; error_report
+    asks for quant.pipeline's per-layer error rows as well: an extra eager pass over those
+    rows, slow on the full model, that changes nothing in the model."""
+    if mode not in ALL_MODES:
+        raise ConfigError(f"quant={mode!r}: allowed {', '.join(ALL_MODES)}")
+    if mode == "none":
+        return pre
+    qcfg = qcfg or QuantConfig(mode=mode)
+    graphdef, qparams, plan, report = run_quantize(
+        pre.graphdef, jax.device_get(pre.params), qcfg,
+        lambda: calibration_rows(pre.tokenizer, qcfg.calib_batches), error_report)
+    return dataclasses.replace(pre, graphdef=graphdef, params=qparams, quant=mode,
+                               quantized_fraction=quantized_fraction(pre.params, plan),
+                               report=report)
+
+
+def load_quantized(name: str = "smollm2", n_layers: int | None = None,
+                   gguf_path: str | None = None, mode: str = "none",
+                   alpha: float | None = None) -> Pretrained:
+    """`load`, then `quantize` to `mode`; `alpha` (None: the mode's own choice) is SmoothQuant's
+    migration strength at every site."""
+    qcfg = QuantConfig(mode=mode, alpha=alpha) if alpha is not None else None
+    return quantize(load(name, n_layers, gguf_path), mode, qcfg)
