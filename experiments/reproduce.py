@@ -39,10 +39,33 @@ from pathlib import Path
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
 from experiments.reporting import runner
 from experiments.reporting.registry import catalog
+from experiments.reporting.registry.experiment import Experiment
 from experiments.reporting.results_io import PROJECT_ROOT, RESULTS_DIR
 from experiments.reporting.tables.render import documents, render
 
 PROG = "experiments.reproduce"
+
+
+def _list(todo: list[Experiment]) -> None:
+    """One line per experiment: name, what it feeds, what it needs or runs after, command."""
+    for e in todo:
+        extra = "".join(f" [{w}]" for w in (
+            e.needs and f"needs {e.needs}", e.after and f"after {', '.join(e.after)}") if w)
+        shown = e.shown(False, PROJECT_ROOT / "{results}", PROJECT_ROOT / "{runs}")
+        print(f"{e.name:<20} {e.feeds}{extra}: {shown}")
+
+
+def _regenerate(results: Path, readme_out: Path) -> bool:
+    """Render README.md to `readme_out` and each docs/NAME.md to docs/NAME.md beside it, from
+    `results`; whether every copy is consistent with the results."""
+    consistent = True
+    for doc in documents(PROJECT_ROOT):
+        out = readme_out if doc == PROJECT_ROOT / "README.md" else \
+            readme_out.parent / doc.relative_to(PROJECT_ROOT)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render(doc.read_text(), results))
+        consistent &= render(out.read_text(), results) == out.read_text()
+    return consistent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         fail(PROG, str(e))
     if args.list:
-        for e in todo:
-            extra = "".join(f" [{w}]" for w in (
-                e.needs and f"needs {e.needs}", e.after and f"after {', '.join(e.after)}") if w)
-            shown = e.shown(False, PROJECT_ROOT / "{results}", PROJECT_ROOT / "{runs}")
-            print(f"{e.name:<20} {e.feeds}{extra}: {shown}")
+        _list(todo)
         return 0
     base = PROJECT_ROOT / "runs" / ("reproduce-quick" if args.quick else "reproduce")
     results = Path(args.results) if args.results else (base / "results" if args.quick
@@ -85,14 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     summary = runner.run_all(todo, quick=args.quick, results=results, runs=runs, say=say)
 
-    # README.md goes to readme_out and each docs/NAME.md to docs/NAME.md beside it.
-    consistent = True
-    for doc in documents(PROJECT_ROOT):
-        out = readme_out if doc == PROJECT_ROOT / "README.md" else \
-            readme_out.parent / doc.relative_to(PROJECT_ROOT)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render(doc.read_text(), results))
-        consistent &= render(out.read_text(), results) == out.read_text()
+    consistent = _regenerate(results, readme_out)
     say(f"tables of README.md and docs/*.md regenerated from {results} into {readme_out} and "
         f"{readme_out.parent / 'docs'} (consistent with the results: {consistent})")
     if summary["failed"]:
