@@ -102,8 +102,8 @@ def _stream(cmd: list[str], env: dict, name: str, say: Callable[[str], None],
 def _run_one(exp: Experiment, *, quick: bool, results: Path, runs: Path, own_runs: bool,
              env: dict, provenance: dict, say: Callable[[str], None],
              timeout_s: float | None) -> dict:
-    """Run one experiment, check its outputs and claim, stamp its results files; its record
-    (`provenance` holds the machine, date and command: wall time and quick are added)."""
+    """Run one experiment, check its outputs and its claim, and stamp its results files with
+    `provenance` (the machine, date and command) plus the wall time; returns its record."""
     for folder in exp.fresh_folders(runs) if own_runs else ():
         shutil.rmtree(folder, ignore_errors=True)
     t0 = time.perf_counter()
