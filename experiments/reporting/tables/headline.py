@@ -1,5 +1,6 @@
 """The README's headline table: one row per area, our figure beside its published or
-independent counterpart, each read from the results file named in the row."""
+independent counterpart, each read from the results file named in the row, with the host and
+commit of the run that wrote that file."""
 
 from __future__ import annotations
 

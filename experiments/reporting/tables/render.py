@@ -15,10 +15,7 @@ from experiments.reporting.tables import pretrained, quant, speed, training, zer
 from experiments.reporting.tables.common import RESULTS, SHOWN, load
 from experiments.reporting.tables.headline import headline
 
-# Sections whose renderer reads several results files: it gets the results folder instead.
-MULTI_FILE = {"headline": headline, "export_run": pretrained.export_run}
-
-
+# Section name -> (its results file, the renderer of that file's JSON).
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "main_job": ("main_job.json", training.main_job),
     "equivalence": ("equivalence.json", training.equivalence),
@@ -53,6 +50,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "train_breakdown": ("bench_train.json", speed.train_breakdown),
     "train_changes": ("bench_train_changes.json", speed.train_changes),
 }
+
+# Sections whose renderer reads several results files: it gets the results folder instead.
+MULTI_FILE = {"headline": headline, "export_run": pretrained.export_run}
 
 
 def documents(root: Path = Path(".")) -> list[Path]:
