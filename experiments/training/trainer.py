@@ -167,11 +167,8 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         raise ConfigError(str(e)) from None
     if workdir is not None:
         _check_workdir(cfg, workdir, resume)
-
-    if workdir is not None:
         _check_disk(workdir, sharded.abstract_state, t.keep_ckpts)
     if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
-
         multihost_utils.sync_global_devices("shardq: input checked")
     return Run(cfg, sharded, SequenceSampler(rows, t.seed), val, pretrained)
 
@@ -237,14 +234,35 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                        progress: bool = True) -> dict:
+    """Train `cfg` in `workdir` (continuing its newest intact checkpoint with `resume`),
+    checkpointing and logging as configured; returns the run's summary."""
     workdir = Path(workdir)
     run = prepare(cfg, workdir, resume)
-    t = cfg.train
     workdir.mkdir(parents=True, exist_ok=True)
-    mngr = ckpt.manager(workdir, keep=t.keep_ckpts)
-    metrics_path = workdir / "metrics.jsonl"
+    mngr = ckpt.manager(workdir, keep=cfg.train.keep_ckpts)
+    state, start = _restore_or_init(run, workdir, mngr, resume)
+    _write_atomic(workdir / "config.json", dumps(cfg))
+    evaluate = make_eval_fn(run.graphdef, run.mesh, run.val)
+    val_before = None
+    if cfg.train.init is not None and start == 0:  # what fine-tuning starts from, same batches
+        val_before = evaluate(state["params"])
+        _append_jsonl(workdir / "metrics.jsonl", {"step": 0, "val_loss": val_before,
+                                                  "val_perplexity": float(np.exp(val_before))})
+    end = _train_steps(run, state, start, workdir, mngr, evaluate, progress)
+    val_loss = end.val_loss
+    if val_loss is None or end.preempted:  # report the state the run ends with
+        val_loss = evaluate(end.state["params"])
+    return {"step": end.step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
+            "train_seconds": end.seconds, "params": param_count(cfg.model),
+            "devices": run.mesh.size, "strategy": cfg.train.strategy,
+            "preempted": end.preempted, "skipped_steps": end.skipped, "resumed_from": start,
+            "val_loss_before": val_before, "load": dict(run.load_report)}
 
-    start = 0
+
+def _restore_or_init(run: Run, workdir: Path, mngr, resume: bool) -> tuple[dict, int]:
+    """The state to train from and its step: with `resume` the newest intact checkpoint (the
+    sampler continues where it stood, metrics logged after it are dropped), else a fresh one."""
+    metrics_path = workdir / "metrics.jsonl"
     try:
         restored = (ckpt.restore_latest_intact(workdir, mngr, run.abstract_state, run.shardings,
                                                quarantine=jax.process_index() == 0)
@@ -264,27 +282,40 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
         run.sampler.position = int(meta["data_position"])
         start = int(meta["step"])
         _truncate_metrics(metrics_path, start)
-    else:
-        state = init_sharded_state(run)
-        if metrics_path.exists():
-            metrics_path.unlink()
-    _write_atomic(workdir / "config.json", dumps(cfg))
+        return state, start
+    if metrics_path.exists():
+        metrics_path.unlink()
+    return init_sharded_state(run), 0
 
-    evaluate = make_eval_fn(run.graphdef, run.mesh, run.val)
+
+def _checkpoint_meta(run: Run, step: int) -> dict:
+    """What a checkpoint stores besides the state: where the data and the RNG stand."""
+    t = run.cfg.train
+    key = jax.random.fold_in(jax.random.key(t.seed), step)  # the run's RNG at this step
+    return {"step": step, "data_position": run.sampler.position, "seed": t.seed,
+            "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
+            "model": dataclasses.asdict(run.cfg.model)}
+
+
+@dataclasses.dataclass
+class _End:
+    """Where the loop stopped: the state, its step, the last validation loss (None if none was
+    taken), whether SIGTERM stopped it, the steps skipped as non-finite, its seconds."""
+    state: dict
+    step: int
+    val_loss: float | None
+    preempted: bool
+    skipped: int
+    seconds: float
+
+
+def _train_steps(run: Run, state: dict, start: int, workdir: Path, mngr, evaluate,
+                 progress: bool) -> _End:
+    """Steps start+1.. to the end (or SIGTERM): log, evaluate and checkpoint as configured."""
+    t, metrics_path = run.cfg.train, workdir / "metrics.jsonl"
     schedule = learning_rate(t)
-    tokens_per_step = t.batch_size * cfg.model.max_len
-    flops_per_token = train_flops_per_token(cfg.model)
-    def meta(step: int) -> dict:
-        key = jax.random.fold_in(jax.random.key(t.seed), step)  # the run's RNG at this step
-        return {"step": step, "data_position": run.sampler.position, "seed": t.seed,
-                "rng_key": np.asarray(jax.random.key_data(key)).tolist(),
-                "model": dataclasses.asdict(cfg.model)}
-
-    val_before = None
-    if t.init is not None and start == 0:  # what fine-tuning starts from, on the same batches
-        val_before = evaluate(state["params"])
-        _append_jsonl(metrics_path, {"step": 0, "val_loss": val_before,
-                                     "val_perplexity": float(np.exp(val_before))})
+    tokens_per_step = t.batch_size * run.cfg.model.max_len
+    flops_per_token = train_flops_per_token(run.cfg.model)
     bar = tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
                dynamic_ncols=True, desc="train")
     last_t, last_step, val_loss = time.perf_counter(), start, None
@@ -321,7 +352,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
                 preempted = preemption.requested()
                 if step % t.ckpt_every == 0 or step == t.steps or preempted:
                     watch.flush()
-                    saver.save(step, state, meta(step))
+                    saver.save(step, state, _checkpoint_meta(run, step))
                 bar.update(1)
                 if preempted:
                     bar.write(f"SIGTERM: checkpointed step {step}; resume with --resume")
@@ -333,14 +364,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
         finally:
             bar.close()
             saver.close()  # seals a save that did finish; closes the manager
-    train_s = time.perf_counter() - t0
-    if val_loss is None or preempted:  # report the state the run ends with
-        val_loss = evaluate(state["params"])
-    return {"step": step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
-            "train_seconds": train_s, "params": param_count(cfg.model),
-            "devices": run.mesh.size, "strategy": t.strategy, "preempted": preempted,
-            "skipped_steps": watch.skipped, "resumed_from": start,
-            "val_loss_before": val_before, "load": dict(run.load_report)}
+    return _End(state, step, val_loss, preempted, watch.skipped, time.perf_counter() - t0)
 
 
 class _Saver:
