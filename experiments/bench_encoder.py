@@ -20,8 +20,8 @@ Writes experiments/results/bench_encoder.json (--out '' skips writing).
   python -m experiments.bench_encoder --ablations --json   # before/after of each speed change
 
 --ablations measures each change to the encoding path against its previous form in one process,
-interleaved (experiments/speed/encoder.py: ablation_*), and the embed CLI's marginal speed as a
-user runs it; writes experiments/results/encoder_ablations.json.
+interleaved (experiments/speed/encoder_ablations.py: ablation_*), and the embed CLI's marginal
+speed as a user runs it; writes experiments/results/encoder_ablations.json.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from experiments.cli import startup
 from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
 from experiments.pretrained.encoder_devices import MAX_DEVICES, default_devices
 from experiments.reporting.results_io import command_line, results_path, write_result
@@ -88,21 +89,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
-    # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments.cli import runtime
-    from experiments.speed.encoder import ablations, bench_sentences, run
-
-    runtime.start(max(8, devices) if args.ablations else devices)  # 8: the dp ablation's mesh
+    encoder, encoder_ablations = startup.begin(  # 8: the dp ablation's mesh
+        "experiments.speed.encoder", "experiments.speed.encoder_ablations",
+        devices=max(8, devices) if args.ablations else devices)
 
     try:
-        texts = bench_sentences(args.sentences)
+        texts = encoder.bench_sentences(args.sentences)
     except ValueError as e:
         fail(PROG, f"sentences={args.sentences}: {e}")
     if args.ablations:
-        out = ablations(texts, batch=args.batch, rounds=args.rounds, cli=not args.no_cli,
-                        cores=devices)
+        out = encoder_ablations.ablations(texts, batch=args.batch, rounds=args.rounds,
+                                          cli=not args.no_cli, cores=devices)
     else:
-        out = run(texts, modes, batch=args.batch, rounds=args.rounds,
+        out = encoder.run(texts, modes, batch=args.batch, rounds=args.rounds,
                   torch_python=args.torch_python, devices=devices)
     # The interpreter's path is this machine's: the record names the flag's value generically.
     shown = ["PYTHON" if a == args.torch_python else a

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import PRESETS, TORCH_PYTHON_ENV, ConfigError, Parser, fail
 from experiments.reporting.results_io import results_path, write_result
 
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"warmup={args.warmup}: must be >= 1")
     if args.torch_python is not None and not os.access(args.torch_python, os.X_OK):
         fail(PROG, f"torch_python={args.torch_python!r}: not an executable file")
-    runtime.start(args.devices)
-    from experiments.speed import training as train_speed  # after the device count is set
+    (train_speed,) = startup.begin("experiments.speed.training", devices=args.devices)
 
     base = PRESETS[args.preset]
     cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, devices=args.devices))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, fail
 from experiments.pretrained.minilm_layout import check_out
 
@@ -40,12 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         check_out(args.out)  # before JAX starts, and before anything is read
     except ConfigError as e:
         fail(PROG, str(e))
-    from experiments.pretrained.minilm import convert
-    from model.hf_bert import CheckpointError
-
+    minilm, hf_bert = startup.load("experiments.pretrained.minilm", "model.hf_bert")
     try:
-        out = convert(args.out, args.model_dir)
-    except (CheckpointError, ConfigError) as e:
+        out = minilm.convert(args.out, args.model_dir)
+    except (hf_bert.CheckpointError, ConfigError) as e:
         fail(PROG, str(e))
     print(f"wrote {out}")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_devices, check_text, fail
 from experiments.pretrained.encoder_devices import default_devices
 from experiments.pretrained.minilm_layout import check_out
@@ -70,34 +71,25 @@ def main(argv: list[str] | None = None) -> dict | None:
             check_out(args.convert, field="convert")
     except ConfigError as e:
         fail(PROG, str(e))
-    # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    from experiments.cli import runtime
-    from experiments.pretrained.minilm import (
-        convert,
-        encode,
-        load_encoder,
-        make_encode_fn,
-        place,
-        quantize_encoder,
-    )
-    from model.hf_bert import CheckpointError
-
     devices = args.devices if args.devices is not None else default_devices()
-    runtime.start(devices)  # XLA_FLAGS before JAX's backend starts
+    minilm, hf_bert = startup.begin("experiments.pretrained.minilm", "model.hf_bert",
+                                    devices=devices)
 
     try:
         if args.convert:
-            print(f"wrote {convert(args.convert)}")
+            print(f"wrote {minilm.convert(args.convert)}")
             return None
         try:
-            graphdef, params, tokenizer = load_encoder(args.checkpoint)
-        except CheckpointError as e:  # name the flag the path came from
-            raise CheckpointError(f"checkpoint={e}" if args.checkpoint else str(e)) from None
+            graphdef, params, tokenizer = minilm.load_encoder(args.checkpoint)
+        except hf_bert.CheckpointError as e:  # name the flag the path came from
+            said = f"checkpoint={e}" if args.checkpoint else str(e)
+            raise hf_bert.CheckpointError(said) from None
         if args.quant != "none":
-            graphdef, params, _ = quantize_encoder(graphdef, params, tokenizer, args.quant)
-        params, mesh = place(params, graphdef, devices, args.strategy)
-        emb = encode(make_encode_fn(graphdef), params, tokenizer, args.text, mesh=mesh)
-    except (CheckpointError, QuantError, ValueError) as e:
+            graphdef, params, _ = minilm.quantize_encoder(graphdef, params, tokenizer, args.quant)
+        params, mesh = minilm.place(params, graphdef, devices, args.strategy)
+        emb = minilm.encode(minilm.make_encode_fn(graphdef), params, tokenizer, args.text,
+                            mesh=mesh)
+    except (hf_bert.CheckpointError, QuantError, ValueError) as e:
         fail(PROG, str(e).splitlines()[0] if str(e) else type(e).__name__)
     if args.json:
         print(json.dumps({"embeddings": emb.tolist()}))
