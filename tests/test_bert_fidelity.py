@@ -79,7 +79,7 @@ def test_w8a8_encoder_multiplies_in_int8(setup):
     operand is transposed on the way (the stored [in, out] kernels feed the dot as they are)."""
     import re
 
-    from tests.test_quant import float_dot_widths, int8_dots
+    from tests.test_quant_dense import float_dot_widths, int8_dots
 
     graphdef, params, tok, texts, calib, _ = setup
     qdef, qparams, _ = quantize_encoder(graphdef, params, tok, "w8a8", calib)

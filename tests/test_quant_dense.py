@@ -1,0 +1,258 @@
+"""int8 inference (quant/), the layer: quantiser bounds, the int8 Dense against its float twin,
+the compiled integer dot, and the outlier split inside one product.
+
+References: the rounding bound s/2 of symmetric absmax quantisation, a float re-computation of
+the int8 product from the dequantised operands, the float Dense with the same kernel, and a
+masked LLM.int8() written in the test.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.layers import Dense
+from quant import quantizers as qz
+from quant.convert import QuantConfig, make_plan
+from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
+from quant.pipeline import quantize
+from tests.quant_models import CFG, calibration_batches, tiny_float_model
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    return tiny_float_model()
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return calibration_batches()
+
+
+# --- quantisers ------------------------------------------------------------------------------
+
+def adversarial_matrices():
+    rng = np.random.default_rng(0)
+    plain = rng.normal(size=(64, 48)).astype(np.float32)
+    outlier_cols = plain.copy()
+    outlier_cols[:, 3] *= 1000.0
+    zero_channel = plain.copy()
+    zero_channel[:, 5] = 0.0
+    zero_channel[7, :] = 0.0
+    huge = (plain * np.logspace(-30, 30, 48, dtype=np.float64)[None, :]).astype(np.float32)
+    return {"plain": plain, "outlier_cols": outlier_cols, "zero_channel": zero_channel,
+            "huge_range": huge, "all_zero": np.zeros_like(plain)}
+
+
+@pytest.mark.parametrize("name", list(adversarial_matrices()))
+@pytest.mark.parametrize("kind", ["channel", "token", "tensor"])
+def test_round_trip_within_half_a_step(name, kind):
+    x = jnp.asarray(adversarial_matrices()[name])
+    scale = {"channel": lambda: qz.weight_scale(x, "channel"),  # [1, out], reduces rows
+             "token": lambda: qz.token_scale(x),  # [rows, 1]
+             "tensor": lambda: qz.tensor_scale(x)}[kind]()
+    q = qz.quantize(x, scale)
+    back = qz.dequantize(q, scale)
+    assert q.dtype == jnp.int8 and bool(jnp.all(jnp.abs(q.astype(jnp.int32)) <= 127))
+    assert bool(jnp.all(jnp.isfinite(scale))) and bool(jnp.all(scale > 0))
+    assert bool(jnp.all(jnp.isfinite(back)))
+    # The symmetric absmax bound: |x - deq(q(x))| <= s/2 elementwise (plus float rounding).
+    bound = jnp.broadcast_to(scale, x.shape) * (0.5 + 1e-5)
+    assert bool(jnp.all(jnp.abs(back - x) <= bound))
+    if name == "plain":  # relative error of a well-behaved matrix is small
+        rel = float(jnp.linalg.norm(back - x) / jnp.linalg.norm(x))
+        assert rel < {"channel": 0.01, "token": 0.01, "tensor": 0.012}[kind]
+
+
+def test_stacked_weights_get_scales_per_layer_and_channel():
+    w = jax.random.normal(jax.random.key(0), (3, 16, 8)) * jnp.arange(1.0, 4.0)[:, None, None]
+    assert qz.weight_scale(w).shape == (3, 1, 8)
+    assert qz.weight_scale(w, "tensor").shape == (3, 1, 1)
+    np.testing.assert_allclose(qz.weight_scale(w)[2], jnp.max(jnp.abs(w[2]), 0, keepdims=True)
+                               / 127, rtol=1e-6)
+
+
+def test_clipping_search_never_worse_than_absmax():
+    w = jnp.asarray(adversarial_matrices()["outlier_cols"])
+    w = w.at[0, :].multiply(30.0)  # one large weight per channel: clipping pays off there
+    mse = lambda s: float(jnp.mean(jnp.square(qz.round_trip(w, s) - w)))
+    plain, clipped = qz.weight_scale(w), qz.clipped_weight_scale(w)
+    assert mse(clipped) <= mse(plain)
+    assert bool(jnp.all(clipped <= plain + 1e-12))
+
+
+# --- the int8 Dense --------------------------------------------------------------------------
+
+def dense_pair(act, in_f=64, out_f=48, **kw):
+    dense = Dense(in_f, out_f, axes=("embed", "mlp"), rngs=nnx.Rngs(3))
+    w = dense.kernel[...]
+    s = qz.weight_scale(w)
+    qd = QuantDense(qz.quantize(w, s).T, s, kernel_axes=("embed", "mlp"),
+                    compute_dtype="float32", act=act,
+                    act_scale=jnp.asarray(4.0 / 127) if act == "static" else None, **kw)
+    return dense, qd
+
+
+@pytest.mark.parametrize("act,tol", [("none", 0.01), ("token", 0.02), ("tensor", 0.03),
+                                     ("static", 0.03)])
+def test_quant_dense_close_to_float_twin(act, tol):
+    dense, qd = dense_pair(act)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 64))
+    y, yq = dense(x), qd(x)
+    assert yq.shape == y.shape and yq.dtype == y.dtype
+    assert float(jnp.linalg.norm(yq - y) / jnp.linalg.norm(y)) < tol
+
+
+def test_int8_product_is_exact_integer_arithmetic():
+    """The int32 accumulation equals the float product of the dequantised operands."""
+    x = jax.random.normal(jax.random.key(2), (16, 256)) * 3
+    w = jax.random.normal(jax.random.key(3), (256, 32))
+    s_w = qz.weight_scale(w)
+    w_q = qz.quantize(w, s_w)
+    s_x = qz.token_scale(x)
+    ref = np.asarray(qz.quantize(x, s_x), np.float64) @ np.asarray(w_q, np.float64)
+    ref = ref * np.asarray(s_x) * np.asarray(s_w)
+    # The product reads the kernel stored [out, in] (QuantDense's layout).
+    np.testing.assert_allclose(quantized_product(x, w_q.T, s_w, "token"), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_zero_rows_and_channels_do_not_divide_by_zero():
+    _, qd = dense_pair("token")
+    x = jnp.zeros((4, 64)).at[1].set(1.0)
+    y = qd(x)
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(y[0] == 0))
+
+
+def int8_dots(hlo: str) -> list[str]:
+    """dot instructions of a compiled HLO text with s32 results and two s8 operands."""
+    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"(%[\w.\-]+) = s32\[[^\]]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", line)
+        if m and types.get(m.group(2)) == "s8" and types.get(m.group(3)) == "s8":
+            found.append(line.strip())
+    return found
+
+
+def float_dot_widths(hlo: str) -> list[int]:
+    """Contracted length of every f32 dot in a compiled HLO text."""
+    shapes = {n: [int(d) for d in dims.split(",") if d]
+              for n, dims in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
+    widths = []
+    for lhs, dim in re.findall(r"= f32\[[^\]]*\]\S* dot\((%[\w.\-]+), %[\w.\-]+\), "
+                               r"lhs_contracting_dims=\{(\d+)\}", hlo):
+        widths.append(shapes[lhs][int(dim)])
+    return widths
+
+
+def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
+    _, qd = dense_pair("token")
+    graphdef, state = nnx.split(qd)
+    fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+    x = jnp.ones((8, 64))
+    assert int8_dots(fn.lower(state, x).compile().as_text())
+    # ... and weight-only mode does not pretend to (its product is float).
+    _, w8 = dense_pair("none")
+    graphdef, state = nnx.split(w8)
+    assert not int8_dots(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+                         .lower(state, x).compile().as_text())
+
+
+@pytest.mark.parametrize("stored", ["out_in", "in_out"])
+def test_a_one_token_int8_product_stays_int8_and_exact(stored):
+    """Batch-1 decoding multiplies one row. XLA:CPU compiles a 1-row s8 dot by converting the
+    whole int8 kernel to s32 first (9 bytes moved per weight instead of 1): `int8_matmul_t`
+    (QuantDense's kernel, stored [out, in]) and `int8_matmul` ([in, out]) pad the row so the
+    compiled program keeps an s8 x s8 dot and never widens the kernel."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-127, 128, (1, 64)), jnp.int8)
+    w = jnp.asarray(rng.integers(-127, 128, (64, 96)), jnp.int8)
+    want = np.asarray(x, np.int64) @ np.asarray(w, np.int64)
+    fn, kernel = (int8_matmul_t, w.T) if stored == "out_in" else (int8_matmul, w)
+    np.testing.assert_array_equal(np.asarray(fn(x, kernel)), want)
+    hlo = jax.jit(fn).lower(x, kernel).compile().as_text()
+    shape = ",".join(map(str, kernel.shape))
+    widened = [ln for ln in hlo.splitlines() if re.search(rf"= s32\[{shape}\]", ln)]
+    assert not widened, widened
+    assert f"s8[{shape}]" in hlo
+
+
+def test_quantized_model_compiles_to_int8_dots_in_the_layer_scan(float_model, batches):
+    graphdef, params = float_model
+    g, q, plan, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:1])
+    hlo = jax.jit(lambda p, t: nnx.merge(g, p)(t)).lower(q, batches[0][:, :-1]).compile()
+    assert len(int8_dots(hlo.as_text())) >= 6  # q, k, v, o, up, down
+
+
+def test_outlier_columns_go_through_float():
+    _, plain = dense_pair("token")
+    _, split = dense_pair("token", outlier_threshold=6.0)
+    dense, _ = dense_pair("none")
+    x = jax.random.normal(jax.random.key(4), (32, 64)).at[:, 7].multiply(200.0)
+    err = lambda y: float(jnp.linalg.norm(y - dense(x)) / jnp.linalg.norm(dense(x)))
+    assert err(split(x)) < 0.5 * err(plain(x))
+
+
+def masked_llm_int8(x, w_q, w_scale, threshold):
+    """Reference LLM.int8() with no capacity limit: every column over the threshold in float
+    (w_q stored [out, in])."""
+    outlier = jnp.max(jnp.abs(x), axis=0, keepdims=True) >= threshold
+    regular = quantized_product(jnp.where(outlier, 0.0, x), w_q, w_scale, "token")
+    return regular + jnp.where(outlier, x, 0.0) @ (w_q.T.astype(jnp.float32) * w_scale)
+
+
+@pytest.mark.parametrize("n_outliers", [0, 1, 4])
+def test_gathered_outlier_columns_match_the_masked_reference(n_outliers):
+    """Capacity 4 of 64 columns: the gathered float product equals the full masked one."""
+    _, split = dense_pair("token", outlier_threshold=6.0, outlier_capacity=4)
+    x = jax.random.normal(jax.random.key(5), (32, 64))
+    for c in (3, 17, 40, 63)[:n_outliers]:
+        x = x.at[:, c].multiply(100.0)
+    ref = masked_llm_int8(x, split.kernel_q[...], split.kernel_scale[...].reshape(1, -1), 6.0)
+    np.testing.assert_allclose(split(x), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_outliers_beyond_capacity_stay_int8():
+    """Capacity 1, two outlier columns: the larger (7) in float, the other (9) through int8."""
+    dense, _ = dense_pair("none")
+    _, one = dense_pair("token", outlier_threshold=6.0, outlier_capacity=1)
+    _, plain = dense_pair("token")
+    x = jax.random.normal(jax.random.key(6), (32, 64)).at[:, 7].multiply(300.0)
+    x = x.at[:, 9].multiply(100.0)
+    w_q, w_scale = one.kernel_q[...], one.kernel_scale[...].reshape(1, -1)
+    ref = quantized_product(x.at[:, 7].set(0.0), w_q, w_scale, "token") \
+        + x[:, 7:8] @ (w_q[:, 7:8].T.astype(jnp.float32) * w_scale)
+    y = one(x)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-3)
+    err = lambda v: float(jnp.linalg.norm(v - dense(x)) / jnp.linalg.norm(dense(x)))
+    assert err(y) < err(plain(x))
+
+
+def test_float_side_of_the_outlier_split_is_capacity_wide(float_model):
+    """The plan sizes the float product (1/16 of the inputs by default) and the compiled layer
+    multiplies only that many columns in float, beside the full-width int8 dot."""
+    graphdef, params = float_model
+    plan = make_plan(QuantConfig(mode="w8a8-outlier"), nnx.merge(graphdef, params))
+    assert plan["blocks/mlp/down"]["outlier_capacity"] == -(-CFG.d_ff // 16)
+    _, split = dense_pair("token", outlier_threshold=6.0, outlier_capacity=4)
+    g, state = nnx.split(split)
+    hlo = jax.jit(lambda st, x: nnx.merge(g, st)(x)).lower(state, jnp.ones((8, 64))).compile()
+    assert float_dot_widths(hlo.as_text()) == [4] and int8_dots(hlo.as_text())
+
+
+@pytest.mark.parametrize("act", ["token", "tensor", "static"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_activation_stays_nonfinite(act, bad):
+    """As in float: a NaN/inf in a token's input makes that token's output non-finite (and with
+    a per-tensor scale every token's), rather than rounding away into an int8 value."""
+    dense, qd = dense_pair(act)
+    x = jax.random.normal(jax.random.key(7), (4, 64)).at[2, 5].set(bad)
+    y, ref = np.asarray(qd(x)), np.asarray(dense(x))
+    assert not np.all(np.isfinite(ref[2])) and not np.all(np.isfinite(y[2]))
+    others = np.isfinite(y[[0, 1, 3]])
+    assert not np.any(others) if act == "tensor" else np.all(others)
+
