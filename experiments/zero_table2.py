@@ -73,23 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = capacity.table2_row(stage, 64, 32e9, search)
         row["paper_printed_psi"] = capacity.PAPER_TABLE2_64X32GB[stage]
         table2.append(row)
-    planning = []
-    found: dict = {}
-    for mem in MEMORIES_GB:
-        for n in DEVICE_COUNTS:
-            for stage in capacity.STAGES:
-                compile_it = n in compiled_devices
-                if compile_it:
-                    say(f"planning: {stage}, {n} devices x {mem} GB "
-                        f"({time.perf_counter() - start:.0f} s)")
-                # Fits at fewer devices (sharded stages) or less memory: a lower bracket.
-                lo = max((w for (s, m, k), w in found.items()
-                          if s == stage and m <= mem and k <= n), default=0)
-                row = capacity.table2_row(stage, n, mem * 1e9, search if compile_it else None,
-                                          lo=lo)
-                if compile_it and row["compiled_width"]:
-                    found[(stage, mem, n)] = row["compiled_width"]
-                planning.append(row)
+    planning = _planning_rows(capacity, search, compiled_devices,
+                              lambda line: say(f"{line} ({time.perf_counter() - start:.0f} s)"))
     png = pathlib.Path(args.out).with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
     capacity.plot(planning, png)
@@ -118,6 +103,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(out))
     return out
+
+
+def _planning_rows(capacity, search, compiled_devices: list[int], say) -> list[dict]:
+    """The planning table: every (memory, device count, stage) cell, compiled where asked."""
+    planning = []
+    found: dict = {}
+    for mem in MEMORIES_GB:
+        for n in DEVICE_COUNTS:
+            for stage in capacity.STAGES:
+                compile_it = n in compiled_devices
+                if compile_it:
+                    say(f"planning: {stage}, {n} devices x {mem} GB")
+                # Fits at fewer devices (sharded stages) or less memory: a lower bracket.
+                lo = max((w for (s, m, k), w in found.items()
+                          if s == stage and m <= mem and k <= n), default=0)
+                row = capacity.table2_row(stage, n, mem * 1e9, search if compile_it else None,
+                                          lo=lo)
+                if compile_it and row["compiled_width"]:
+                    found[(stage, mem, n)] = row["compiled_width"]
+                planning.append(row)
+    return planning
 
 
 if __name__ == "__main__":
