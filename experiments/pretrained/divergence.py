@@ -2,7 +2,7 @@
 (an int8 model against its float one): KL(reference || model) per position, and whether both
 put the same token first. A perplexity change sums per-token changes of both signs, which can
 cancel; these cannot. Summarised with the statistics llama.cpp's `perplexity --kl-divergence`
-reports. Used by the pretrained LM's perplexity (`experiments.pretrained.llm`) and the byte
+reports. Used by the pretrained LM's perplexity (`experiments.pretrained.scoring`) and the byte
 model's int8 table (`experiments.quant_table`)."""
 
 from __future__ import annotations
