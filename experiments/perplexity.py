@@ -12,7 +12,7 @@ after a window's first is scored. `--corpus docstrings` reads another text inste
 standard library's docstrings (`experiments/pretrained/eval_text.py`). The last line with --json:
 {"model", "quant", "corpus", "tokens", "scored", "window", "nll", "perplexity", "param_bytes",
 "quantized_fraction"}. --vs-float (with an int8 --quant) runs the float model beside the int8
-one (both in memory, about twice the scoring time) and adds "divergence": {"reference",
+one (both in memory, every window scored by both) and adds "divergence": {"reference",
 "kl_mean", "kl_median", "kl_p99", "kl_max", "top1_agree"}, KL(float || int8) of the
 next-token distributions in nats over the scored positions and the share of them where both
 models' most likely next token is the same (what greedy decoding follows) -- a closer look

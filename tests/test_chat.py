@@ -126,7 +126,7 @@ def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, f
 def test_streamed_text_is_whole_characters_and_adds_up_to_the_reply(truncated):
     """chat prints each token as it comes; a byte-level token can end inside a character (CJK,
     emoji, accents), so the stream holds bytes back until the character is whole: no piece
-    shows U+FFFD, and the pieces add up to the reply. Per-token decoding, as before, did not."""
+    shows U+FFFD, and the pieces add up to the reply (decoding each token alone would not)."""
     from model.tokenizer import StreamDecoder
 
     tok = truncated.tokenizer

@@ -222,10 +222,9 @@ def make_encode_fn(graphdef):
 
 # Padded lengths: every multiple of 8 up to 128 (where sentences live), then steps of 16, 32 and
 # 64. Rounding a batch's longest text up wastes at most 7 positions below 128 and an eighth above,
-# for at most len(BUCKETS) compiled lengths (times the row counts of `batch_rows`). Lengths 1.5x
-# apart (16, 24, 32, 48, ...) compiled 7 lengths for bench_encoder's 512 texts instead of 9 but
-# padded 25% of the positions instead of 19%: a compile is paid once, padding on every pass
-# (docs/inference_speed.md).
+# for at most len(BUCKETS) compiled lengths (times the row counts of `batch_rows`). Sparser
+# lengths would compile fewer programs but pad more positions: a compile is paid once, padding
+# on every pass (bench_encoder's ablation compares the two; docs/inference_speed.md).
 BUCKETS = (tuple(range(8, 129, 8)) + tuple(range(144, 257, 16)) + tuple(range(288, 385, 32))
            + tuple(range(448, 513, 64)))
 

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--texts-from", type=Path, default=None,
                    help="score the texts of this fixture instead of the built-in ones")
     args = p.parse_args(argv)
-
+    # The reference environment's packages: imported after the flags, so --help answers in any
+    # interpreter.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

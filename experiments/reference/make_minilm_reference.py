@@ -71,7 +71,7 @@ def sentences() -> list[str]:
     for n in range(2, 5):
         out.append(" ".join(PARAGRAPHS[:n]))
         out.append(" ".join(reversed(PARAGRAPHS[-n:])))
-    out.append(" ".join(PARAGRAPHS[:5]))  # ~250 tokens
+    out.append(" ".join(PARAGRAPHS[:5]))  # a long text: several sentences in one
     out.append(" ".join(SHORT[10:24]))  # punctuation, numbers and scripts in one text
     return out
 
@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub lookup would be a bug: fail instead
+    # The reference environment's packages, imported once the variable above is set (they read
+    # it when they load) and after the flags, so --help answers in any interpreter.
     import numpy as np
     import sentence_transformers
     import torch

@@ -42,6 +42,7 @@ import importlib.util
 import random
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run by path from the torch venv:
 # the project root, for its JAX-free modules
@@ -112,8 +113,6 @@ def long_text(tok, limit: int = LONG_TOKENS) -> str:
     """The longest prefix, at a line break, of the pydoc topics (sorted by name, joined) that
     tokenizes to at most `limit` tokens. The fixture stores the text, so a later Python whose
     topics differ does not change the test."""
-    from pydoc_data.topics import topics
-
     lines = "\n\n".join(topics[k] for k in sorted(topics)).splitlines(keepends=True)
     lo, hi = 0, len(lines)  # the largest line count whose text fits
     while lo < hi:
@@ -134,6 +133,8 @@ def package_dir() -> Path:
 
 def reference_tokenizer(folder: Path):
     """transformers' GGUF tokenizer with the `smollm` pre-tokenizer restored (see docstring)."""
+    # The reference environment's packages, here and below: imported once they are needed, so
+    # --help and --fuzz-only's flags answer in any interpreter.
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
