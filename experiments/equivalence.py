@@ -16,25 +16,16 @@ zero3_auto on --devices devices in fp32 (--strategies and --device-counts pick a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import time
 
-import numpy as np
-from tqdm import tqdm
-
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import PRESETS, Parser, fail
 from experiments.reporting.results_io import results_path, write_result
-from experiments.training.data import SequenceSampler, load_corpus, pack
-from experiments.training.optim import make_optimizer
-from experiments.training.pretrained_init import truncated_model
-from parallel.sharded_run import max_tree_diff, run_label
 from parallel.strategies import LABELS
 
 PROG = "experiments.equivalence"
-FP32_TOLERANCE = 1e-5
-PRECISIONS = ("float32", "bfloat16")
+PRECISIONS = ("float32", "bfloat16")  # the keys of strategy_equivalence.grid's models
+DEFAULT_OUT = str(results_path("equivalence.json"))
 
 
 def _subset(field: str, value: str, allowed: tuple[str, ...]) -> list[str]:
@@ -47,7 +38,7 @@ def _subset(field: str, value: str, allowed: tuple[str, ...]) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices (largest mesh)")
@@ -68,9 +59,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--precisions", default=None,
                    help="comma-separated subset of float32,bfloat16 (default: both; with "
                         "--model float32 only)")
-    p.add_argument("--out", default=str(results_path("equivalence.json")))
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[str], list[int] | None]:
+    """The flags checked (bad input: exit 2): the strategies, precisions and device counts."""
     if args.steps < 1:
         fail(PROG, f"steps={args.steps}: must be a positive integer")
     if args.devices < 1 or args.devices & (args.devices - 1):
@@ -81,94 +76,39 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"layers={args.layers}: must be a positive integer")
     strategies = _subset("strategies", args.strategies, LABELS) if args.strategies else \
         [s for s in LABELS if not (args.model and s == "zero3_auto")]
-    precisions_kept = _subset("precisions", args.precisions, PRECISIONS) if args.precisions \
+    precisions = _subset("precisions", args.precisions, PRECISIONS) if args.precisions \
         else (["float32"] if args.model else list(PRECISIONS))
-    if args.model and precisions_kept != ["float32"]:
+    if args.model and precisions != ["float32"]:
         fail(PROG, f"precisions={args.precisions!r}: --model runs float32 only")
     allowed_counts = tuple(str(n) for n in (1, 2, 4, 8) if n <= args.devices)
     counts = [int(n) for n in _subset("device_counts", args.device_counts, allowed_counts)] \
         if args.device_counts else None
-    runtime.start(args.devices)
-    if args.model:
-        return pretrained(args, strategies, counts or [args.devices])
+    return strategies, precisions, counts
 
-    base = PRESETS[args.preset]
-    train = base.train
-    tx = make_optimizer(train)
-    rows = pack(load_corpus(None)[0], base.model.max_len)
-    sampler = SequenceSampler(rows, seed=0)
-    batch = max(train.batch_size, args.devices)
-    batches = [sampler.next_batch(batch).reshape(args.micro_steps, -1, rows.shape[1])
-               for _ in range(args.steps)]
-    meshes = [(n, None) for n in (1, 2, 4, 8) if n <= args.devices]
-    if args.devices >= 8:
-        meshes.append((8, "data=2,fsdp=4"))
-    if counts:
-        meshes = [(n, m) for n, m in meshes if n in counts]
-    precisions = {"float32": base.model, "bfloat16": dataclasses.replace(
-        base.model, param_dtype="bfloat16", compute_dtype="bfloat16")}
-    precisions = {d: cfg for d, cfg in precisions.items() if d in precisions_kept}
-    results = []
-    cells = [(d, s, n, m) for d in precisions for s in strategies for n, m in meshes]
-    t0 = time.perf_counter()
-    refs = {d: run_label("dp", 1, batches, precisions[d], tx, seed=train.seed,
-                           clip_norm=train.clip_norm) for d in precisions}
-    for dtype, strategy, n, mesh in tqdm(cells, desc="equivalence"):
-        ref_losses, ref_params = refs[dtype]
-        losses, params = run_label(strategy, n, batches, precisions[dtype], tx, seed=train.seed,
-                                   clip_norm=train.clip_norm, mesh_spec=mesh)
-        results.append({"strategy": strategy, "devices": n, "mesh": mesh or f"data=1,fsdp={n}",
-                        "dtype": dtype, "max_loss_diff": float(np.abs(losses - ref_losses).max()),
-                        "max_param_diff": max_tree_diff(params, ref_params),
-                        "final_loss": float(losses[-1])})
-    fp32 = [r["max_loss_diff"] for r in results if r["dtype"] == "float32"]
-    out = {"preset": args.preset, "steps": args.steps, "global_batch": batch,
-           "micro_steps": args.micro_steps, "reference": "dp on 1 device, same precision",
-           "fp32_tolerance": FP32_TOLERANCE,
-           # None when the grid has no fp32 run: nothing to hold to the tolerance.
-           "fp32_max_loss_diff": max(fp32) if fp32 else None,
-           "fp32_all_within_tolerance": all(d <= FP32_TOLERANCE for d in fp32) if fp32 else None,
-           "seconds": time.perf_counter() - t0, "results": results}
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    strategies, precisions, counts = _check(args)
+    (equivalence,) = startup.begin("experiments.training.strategy_equivalence",
+                                   devices=args.devices)
+    if args.model:
+        out = equivalence.pretrained(layers=args.layers, steps=args.steps,
+                                     micro_steps=args.micro_steps, devices=args.devices,
+                                     strategies=strategies, counts=counts or [args.devices])
+        path = (str(results_path("equivalence_smollm2.json")) if args.out == DEFAULT_OUT
+                else args.out)
+        write_result(path, out)
+        print(json.dumps({k: v for k, v in out.items() if k != "results"}))
+        return out
+    out = equivalence.grid(PRESETS[args.preset], steps=args.steps, micro_steps=args.micro_steps,
+                           devices=args.devices, strategies=strategies, counts=counts,
+                           precisions=precisions)
     write_result(args.out, out)
     if not args.json:
-        for r in results:
+        for r in out["results"]:
             print(f"{r['dtype']:8s} {r['strategy']:10s} {r['mesh']:14s} "
                   f"loss diff {r['max_loss_diff']:.2e}  param diff {r['max_param_diff']:.2e}")
     print(json.dumps(out))
-    return out
-
-
-def pretrained(args, strategies: list[str], counts: list[int]) -> dict:
-    """Each strategy on each device count against dp on one device, from pretrained weights."""
-    cfg, params, rows = truncated_model("smollm2", args.layers)
-    train = PRESETS["smollm2"].train
-    tx = make_optimizer(train)
-    sampler = SequenceSampler(rows, seed=0)
-    batch = args.devices * args.micro_steps
-    batches = [sampler.next_batch(batch).reshape(args.micro_steps, -1, rows.shape[1])
-               for _ in range(args.steps)]
-    t0 = time.perf_counter()
-    ref_losses, ref_params = run_label("dp", 1, batches, cfg, tx, seed=0,
-                                       clip_norm=train.clip_norm, init_params=params)
-    results = []
-    for strategy, n in tqdm([(s, n) for s in strategies for n in counts], desc="equivalence"):
-        losses, out = run_label(strategy, n, batches, cfg, tx, seed=0,
-                                clip_norm=train.clip_norm, init_params=params)
-        results.append({"strategy": strategy, "devices": n,
-                        "max_loss_diff": float(np.abs(losses - ref_losses).max()),
-                        "max_param_diff": max_tree_diff(out, ref_params),
-                        "losses": losses.tolist()})
-    out = {"model": f"smollm2, first {args.layers} blocks (pretrained), fp32",
-           "steps": args.steps, "global_batch": batch, "micro_steps": args.micro_steps,
-           "seq_len": cfg.max_len, "reference": "dp on 1 device",
-           "reference_losses": ref_losses.tolist(), "fp32_tolerance": FP32_TOLERANCE,
-           "max_loss_diff": max(r["max_loss_diff"] for r in results),
-           "all_within_tolerance": all(r["max_loss_diff"] <= FP32_TOLERANCE for r in results),
-           "seconds": time.perf_counter() - t0, "results": results}
-    if args.out == str(results_path("equivalence.json")):
-        args.out = str(results_path("equivalence_smollm2.json"))
-    write_result(args.out, out)
-    print(json.dumps({k: v for k, v in out.items() if k != "results"}))
     return out
 
 
