@@ -7,6 +7,11 @@ layout left to the compiler (plain jit + sharding annotations).
 
 The loss is the mean next-token NLL over the global batch; gradients are accumulated over
 `micro_steps` micro-batches inside the step.
+
+zero2 keeps whole parameters on every device but never the whole gradient: the step
+differentiates with respect to this device's shards, and each layer's whole parameters enter
+the layer through `attach_whole`, an identity whose backward reduce-scatters the layer's
+gradient inside the backward layer scan, as the layer produces it.
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ def _per_layer_leaf(fn) -> Callable[[nnx.State], nnx.State]:
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-# Primitives whose outputs are (views of) gathered weights: cheap to redo, costly to keep.
-_GATHER_PRIMITIVES = frozenset({"all_gather", "pvary", "pcast"})
+# Primitives whose outputs are (views of) gathered or attached weights: cheap to redo, costly to
+# keep (`custom_vjp_call` is zero2's `attach_whole`, the only custom_vjp inside a layer scan).
+_GATHER_PRIMITIVES = frozenset({"all_gather", "pvary", "pcast", "custom_vjp_call"})
 
 
 def _keep_all_but_gathered(prim, *_, **params) -> bool:
@@ -110,6 +116,63 @@ def gathering_runner(gather: Callable[[nnx.State], nnx.State], model_cfg: ModelC
 
     def runner(run_layer, stacked, x, aux):
         return scan_layers(gathered(run_layer), stacked, x, aux, policy=policy,
+                           unroll=model_cfg.scan_unroll)
+
+    return runner
+
+
+def attach_whole(shard, whole, dim):
+    """`whole` (this leaf's replicated parameter) as a value the layer computes with, with its
+    gradient delivered to `shard` (this device's slice of it) reduce-scattered over fsdp.
+
+    Forward it is the identity on `whole` (no communication); backward the whole-size
+    cotangent is reduce-scattered right where it is produced, so only the shard outlives the
+    layer. The gradient stays unreduced over `data` (summed once per step); a leaf without an
+    fsdp dimension is summed over every device here."""
+
+    @jax.custom_vjp
+    def attach(shard, whole):
+        return lax.pcast(whole, BATCH_AXES, to="varying")
+
+    def fwd(shard, whole):
+        return attach(shard, whole), None
+
+    def bwd(_, g):
+        if dim is None:
+            return lax.psum(g, BATCH_AXES), None
+        return lax.psum_scatter(g, FSDP, scatter_dimension=dim, tiled=True), None
+
+    attach.defvjp(fwd, bwd)
+    return attach(shard, whole)
+
+
+def attaching_runner(whole_blocks, model_cfg: ModelConfig) -> Runner:
+    """ZeRO-2's layer scan: the runner receives the blocks' shards (what is differentiated) and
+    scans them beside the whole stacked blocks (`whole_blocks`, a pure dict, not
+    differentiated); each layer computes with its whole weights through `attach_whole`."""
+    # As under zero3, the backward pass redoes the (free) attach instead of saving its output:
+    # a saved copy would stack every layer's whole weights again.
+    policy = REMAT_POLICIES[model_cfg.remat] or _keep_all_but_gathered
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def attached(run_layer):
+        def run(pair, x, aux):
+            shards, whole = pair
+            variables, treedef = jax.tree.flatten(shards, is_leaf=is_var)
+
+            def one(var, w):
+                dim = sharded_dim(P(*var.get_metadata()["out_sharding"][1:]))
+                return var.replace(checkpoint_name(attach_whole(var[...], w, dim), GATHERED))
+
+            layer = jax.tree.unflatten(treedef, [one(v, w) for v, w in
+                                                 zip(variables, whole, strict=True)])
+            return run_layer(layer, x, aux)
+        return run
+
+    def runner(run_layer, stacked, x, aux):
+        # Both trees flatten in key order, so the i-th whole leaf is the i-th variable's.
+        whole = jax.tree.leaves(whole_blocks)
+        return scan_layers(attached(run_layer), (stacked, whole), x, aux, policy=policy,
                            unroll=model_cfg.scan_unroll)
 
     return runner
@@ -157,6 +220,25 @@ def _clip(grads, norm_sq, clip_norm):
     return jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads), norm
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a step builder reads: the model, the strategy and its state layout, the update."""
+    graphdef: nnx.GraphDef
+    axes: dict  # logical axis names of every parameter
+    model_cfg: ModelConfig
+    strategy: Strategy
+    mesh: Mesh
+    specs: dict  # PartitionSpec of every state leaf
+    tx: optax.GradientTransformation
+    step_cfg: StepConfig
+
+    @property
+    def denom(self) -> int:
+        """Tokens per step: the loss is a sum of per-token NLLs divided by this."""
+        c = self.step_cfg
+        return c.global_batch * c.seq_len * c.micro_steps
+
+
 def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: ModelConfig,
                     strategy: Strategy, mesh: Mesh, tx: optax.GradientTransformation,
                     step_cfg: StepConfig):
@@ -164,9 +246,8 @@ def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: Model
     specs = state_specs(abstract_state, axes, strategy, tx)
     shardings = to_shardings(specs, mesh)
     batch_sharding = NamedSharding(mesh, batch_spec())
-    denom = step_cfg.global_batch * step_cfg.seq_len * step_cfg.micro_steps
-    builder = _explicit_step if strategy.explicit else _auto_step
-    fn = builder(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom)
+    plan = StepPlan(graphdef, axes, model_cfg, strategy, mesh, specs, tx, step_cfg)
+    fn = (_explicit_step if strategy.explicit else _auto_step)(plan)
     step = jax.jit(fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
     return step, shardings, batch_sharding
@@ -200,95 +281,126 @@ def _finish(state, target, adam, params, mixed, metrics):
                                          "params_finite": params_finite}
 
 
-def _explicit_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):
-    dims = _gather_dims(axes)
-    cdt, pdt = dtype_of(model_cfg.compute_dtype), dtype_of(model_cfg.param_dtype)
-    mixed = model_cfg.param_dtype != "float32"
-    runner = None
+def _is_dim(x) -> bool:
+    return x is None or isinstance(x, int)
+
+
+def _explicit_loss(plan: StepPlan, dims: dict):
+    """loss(diff_params, params, tokens) as each strategy differentiates it: diff_params are
+    what the gradient is taken with respect to (shards for zero2 and zero3, a device-varying
+    copy of the whole parameters for dp and zero1); `params` are the step's parameters."""
+    strategy, cfg = plan.strategy, plan.model_cfg
+    cdt, pdt = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+    gather_runner = None
     if strategy.gathers_layers:
         gather = make_layer_gather(cdt)
-        runner = (prefetching_runner(gather, make_layer_scatter(pdt)) if strategy.prefetch
-                  else gathering_runner(gather, model_cfg))
-    is_dim = lambda x: x is None or isinstance(x, int)
+        gather_runner = (prefetching_runner(gather, make_layer_scatter(pdt)) if strategy.prefetch
+                         else gathering_runner(gather, cfg))
 
-    def loss_fn(params, tokens):
+    def loss_fn(diff_params, params, tokens):
+        runner = gather_runner
         if strategy.gathers_layers:  # the embedding, final norm and head are gathered whole
-            params = {k: v if k == "blocks" else jax.tree.map(
+            diff_params = {k: v if k == "blocks" else jax.tree.map(
                 lambda x, d: _gather(x, d, cdt), v, dims[k], is_leaf=None)
-                for k, v in params.items()}
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1], runner=runner)
-        return nll_sum(logits, tokens[:, 1:]) / denom
+                for k, v in diff_params.items()}
+        elif strategy.grad_reduce == SCATTER_PER_MICRO:  # zero2: shards carry whole weights
+            runner = attaching_runner(params["blocks"], cfg)
+            diff_params = {k: v if k == "blocks" else jax.tree.map(
+                attach_whole, v, params[k], dims[k], is_leaf=_is_dim)
+                for k, v in diff_params.items()}
+        logits = nnx.merge(plan.graphdef, diff_params)(tokens[:, :-1], runner=runner)
+        return nll_sum(logits, tokens[:, 1:]) / plan.denom
 
-    def scatter(g, d):  # gradient leaves leave as a reduce-scatter over fsdp
-        return lax.psum(g, BATCH_AXES) if d is None else lax.psum_scatter(
-            g, FSDP, scatter_dimension=d, tiled=True)
+    return loss_fn
+
+
+def _differentiated(strategy: Strategy, params, dims):
+    """What each strategy differentiates (see `_explicit_loss`)."""
+    if strategy.gathers_layers:
+        # Autodiff transposes each all_gather into a psum_scatter: gradients arrive sharded.
+        return params
+    if strategy.grad_reduce == SCATTER_PER_MICRO:
+        # This device's shards, typed as varying so their gradient may stay unreduced over
+        # `data` until the step sums it; a leaf without an fsdp dimension is summed whole.
+        return jax.tree.map(lambda p, d: p if d is None else _varying(_local_slice(p, d),
+                                                                      BATCH_AXES),
+                            params, dims, is_leaf=_is_dim)
+    # A device-varying copy, so gradients stay local (unreduced) until reduced once per step.
+    return lax.pcast(params, BATCH_AXES, to="varying")
+
+
+def _reduce_step_grads(strategy: Strategy, grads, dims):
+    """The accumulated gradient, summed over every device as the strategy's layout needs."""
+    if strategy.grad_reduce == ALL_REDUCE:
+        grads = lax.psum(grads, BATCH_AXES)
+    elif strategy.grad_reduce == SCATTER_PER_STEP:
+        grads = jax.tree.map(lambda g, d: lax.psum(g, BATCH_AXES) if d is None else
+                             lax.psum_scatter(g, FSDP, scatter_dimension=d, tiled=True),
+                             grads, dims, is_leaf=_is_dim)
+    if strategy.updates_shards_of_replicas:  # shards are replicated across `data`
+        grads = jax.tree.map(lambda g, d: g if d is None else lax.psum(g, "data"), grads, dims,
+                             is_leaf=_is_dim)
+    return grads
+
+
+def _explicit_step(plan: StepPlan):
+    strategy, cfg = plan.strategy, plan.model_cfg
+    dims = _gather_dims(plan.axes)
+    pdt = dtype_of(cfg.param_dtype)
+    mixed = cfg.param_dtype != "float32"
+    loss_fn = _explicit_loss(plan, dims)
 
     def local_step(state, batch):
         params = state["params"]
-        if strategy.gathers_layers:
-            # Autodiff transposes each all_gather into a psum_scatter: gradients arrive sharded.
-            diff_params = params
-        else:
-            # Differentiate w.r.t. a device-varying copy so gradients stay local (unreduced) until
-            # we reduce them ourselves: once per step (dp, zero1) or per micro-step (zero2).
-            diff_params = lax.pcast(params, BATCH_AXES, to="varying")
+        diff_params = _differentiated(strategy, params, dims)
 
         def micro(carry, tokens):
             acc, loss_acc = carry
-            loss, g = jax.value_and_grad(loss_fn)(diff_params, tokens)
-            if strategy.grad_reduce == SCATTER_PER_MICRO:
-                g = jax.tree.map(scatter, g, dims, is_leaf=is_dim)
+            loss, g = jax.value_and_grad(loss_fn)(diff_params, params, tokens)
             return (jax.tree.map(jnp.add, acc, g), loss_acc + loss), None
 
-        acc_shape = (jax.tree.map(lambda p, d: jax.ShapeDtypeStruct(_shard_shape(p.shape, d),
-                                                                    p.dtype),
-                                  params, dims, is_leaf=is_dim)
-                     if strategy.grad_reduce == SCATTER_PER_MICRO else params)
-        acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), acc_shape)
-        # The accumulator must carry the same device-variance as the gradients it sums: gathered
-        # layers' arrive reduced over `data` and sharded over fsdp; the others are still local.
-        acc0 = lax.pcast(acc0, FSDP if strategy.gathers_layers else BATCH_AXES, to="varying")
+        # The accumulator has the gradient's shapes and device-variance: those of diff_params.
+        acc0 = jax.tree.map(_zeros_varying_like, diff_params)
         (grads, loss), _ = lax.scan(micro, (acc0, lax.pcast(jnp.zeros((), jnp.float32),
                                                            BATCH_AXES, to="varying")), batch)
         loss = lax.psum(loss, BATCH_AXES)
-        if strategy.grad_reduce == ALL_REDUCE:
-            grads = lax.psum(grads, BATCH_AXES)
-        elif strategy.grad_reduce == SCATTER_PER_STEP:
-            grads = jax.tree.map(scatter, grads, dims, is_leaf=is_dim)
-        if strategy.updates_shards_of_replicas:  # shards are replicated across `data`
-            grads = jax.tree.map(lambda g, d: g if d is None else lax.psum(g, "data"), grads, dims,
-                                 is_leaf=is_dim)
+        grads = _reduce_step_grads(strategy, grads, dims)
         with jax.named_scope(UPDATE_SCOPE):
             norm_sq = _global_norm_sq(grads, dims, strategy.shards_optimizer)
-            grads, gnorm = _clip(grads, norm_sq, step_cfg.clip_norm)
+            grads, gnorm = _clip(grads, norm_sq, plan.step_cfg.clip_norm)
 
             if mixed:
                 target = state["opt"]["master"]
             elif strategy.updates_shards_of_replicas:  # this device's slice of the whole params
-                target = jax.tree.map(_local_slice, params, dims, is_leaf=is_dim)
+                target = jax.tree.map(_local_slice, params, dims, is_leaf=_is_dim)
             else:
                 target = params
-            updates, adam = tx.update(grads, state["opt"]["adam"], target)
+            updates, adam = plan.tx.update(grads, state["opt"]["adam"], target)
             target = optax.apply_updates(target, updates)
             if strategy.updates_shards_of_replicas:  # re-assemble the whole parameters everywhere
                 new_params = jax.tree.map(
                     lambda t, d: t.astype(pdt) if d is None else lax.all_gather(
                         t.astype(pdt), FSDP, axis=d, tiled=True, to="invarying"),
-                    target, dims, is_leaf=is_dim)
+                    target, dims, is_leaf=_is_dim)
             else:
                 new_params = jax.tree.map(lambda t: t.astype(pdt), target)
             return _finish(state, target, adam, new_params, mixed,
                            {"loss": loss, "grad_norm": gnorm})
 
-    return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, batch_spec()),
-                         out_specs=(specs, P()))
+    return jax.shard_map(local_step, mesh=plan.mesh, in_specs=(plan.specs, batch_spec()),
+                         out_specs=(plan.specs, P()))
 
 
-def _shard_shape(shape, dim):
-    if dim is None:
-        return shape
-    n = lax.axis_size(FSDP)
-    return tuple(s // n if i == dim else s for i, s in enumerate(shape))
+def _varying(x, axes):
+    """x typed as varying over `axes` (those it already varies over are left as they are)."""
+    missing = tuple(a for a in axes if not _varies_over(x, a))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zeros_varying_like(x):
+    """Zeros of x's shape and dtype, typed as varying over the mesh axes x varies over."""
+    return _varying(jnp.zeros(x.shape, x.dtype),
+                    tuple(a for a in BATCH_AXES if _varies_over(x, a)))
 
 
 def _local_slice(x, dim):
@@ -298,14 +410,15 @@ def _local_slice(x, dim):
     return lax.dynamic_slice_in_dim(x, lax.axis_index(FSDP) * size, size, axis=dim)
 
 
-def _auto_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, denom):
+def _auto_step(plan: StepPlan):
     """zero3_auto: global-view code; shardings are annotations, the compiler adds collectives."""
-    mixed = model_cfg.param_dtype != "float32"
-    pdt = dtype_of(model_cfg.param_dtype)
-    grad_shardings = to_shardings(specs["params"], mesh)
+    mixed = plan.model_cfg.param_dtype != "float32"
+    pdt = dtype_of(plan.model_cfg.param_dtype)
+    grad_shardings = to_shardings(plan.specs["params"], plan.mesh)
 
     def loss_fn(params, tokens):
-        return nll_sum(nnx.merge(graphdef, params)(tokens[:, :-1]), tokens[:, 1:]) / denom
+        return nll_sum(nnx.merge(plan.graphdef, params)(tokens[:, :-1]),
+                       tokens[:, 1:]) / plan.denom
 
     def step(state, batch):
         params = state["params"]
@@ -321,9 +434,10 @@ def _auto_step(graphdef, axes, specs, model_cfg, strategy, mesh, tx, step_cfg, d
         (grads, loss), _ = lax.scan(micro, (acc0, jnp.zeros((), jnp.float32)), batch)
         with jax.named_scope(UPDATE_SCOPE):
             dims = jax.tree.map(lambda _: None, params)
-            grads, gnorm = _clip(grads, _global_norm_sq(grads, dims, False), step_cfg.clip_norm)
+            grads, gnorm = _clip(grads, _global_norm_sq(grads, dims, False),
+                                 plan.step_cfg.clip_norm)
             target = state["opt"]["master"] if mixed else params
-            updates, adam = tx.update(grads, state["opt"]["adam"], target)
+            updates, adam = plan.tx.update(grads, state["opt"]["adam"], target)
             target = optax.apply_updates(target, updates)
             new_params = jax.tree.map(lambda t: t.astype(pdt), target)
             return _finish(state, target, adam, new_params, mixed,
