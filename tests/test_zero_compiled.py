@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from experiments.cli.config import TrainConfig
 from experiments.training.optim import make_optimizer
@@ -27,6 +29,8 @@ from experiments.zero.evidence import (
 from model.config import MODEL_PRESETS
 from model.flops import param_count
 from parallel import hlo, sharded_run
+from parallel.rules import sharded_dim
+from parallel.state import abstract_model
 from parallel.strategies import get_strategy
 
 N = 8
@@ -139,6 +143,53 @@ def test_model_state_bytes_match_zero_formulas_exactly(stage):
     assert parts["grads"] == 2 * psi // (N if strategy.shards_grads else 1)
     assert parts["optimizer"] == 12 * psi // (N if strategy.shards_optimizer else 1) + \
         OPT_COUNTERS_BYTES
+
+
+# Layer weights dominate this shape (the gradient of the stacked layers is most of the model's),
+# so what ZeRO-2 saves over ZeRO-1 stands clear of the activations and the embedding.
+LAYERED = dataclasses.replace(MODEL_PRESETS["tiny"], d_model=64, d_ff=256, n_heads=2, n_layers=4,
+                              param_dtype="float32", compute_dtype="float32", scan_unroll=1)
+
+
+@functools.cache
+def _layered_compiled(stage: str):
+    return compile_step(LAYERED, stage, N, seq_len=16, micro_steps=2)
+
+
+def _layer_loop_carry_shapes(text: str, n_layers: int) -> set[tuple[int, ...]]:
+    """Shapes of every carry element a layer loop (any while loop of n_layers trips) updates."""
+    module = hlo.parse_module(text)
+    shapes = set()
+    for computation in module.computations:
+        for loop in hlo.while_loops(text, computation):
+            if hlo.trip_count(loop) == n_layers:
+                shapes |= {dims for e in hlo.loop_updated_carry(text, loop)
+                           for _, dims in hlo.array_shapes(e.type_text)}
+    return shapes
+
+
+def test_zero2_backward_layer_scan_carries_gradient_shards_not_whole_gradients():
+    # Each layer's gradient is reduce-scattered as the backward scan produces it, so the layer
+    # loops build stacked gradient shards; the stacked whole gradient never exists.
+    _, axes, abstract_params = abstract_model(LAYERED)
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(abstract_params["blocks"])}
+    dims = {tuple(x.shape): sharded_dim(a) for x, a in zip(
+        jax.tree.leaves(abstract_params["blocks"]),
+        jax.tree.leaves(axes["blocks"], is_leaf=lambda x: isinstance(x, P)), strict=True)}
+    shards = {tuple(s // N if i == d else s for i, s in enumerate(shape))
+              for shape, d in dims.items() if d is not None}
+    compiled, _ = _layered_compiled("zero2")
+    carried = _layer_loop_carry_shapes(compiled.as_text(), LAYERED.n_layers)
+    assert not carried & stacked, sorted(carried & stacked)
+    assert shards <= carried, sorted(shards - carried)
+
+
+def test_zero2_peak_is_below_zero1_by_more_than_the_whole_gradient():
+    # zero1 holds a whole accumulator and a whole micro-step gradient; zero2 neither (only their
+    # shards and one layer's whole gradient at a time).
+    grads = 4 * param_count(LAYERED)
+    peaks = {s: hlo.memory_peak(_layered_compiled(s)[0]).peak for s in ("zero1", "zero2")}
+    assert peaks["zero1"] - peaks["zero2"] >= grads, (peaks, grads)
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "zero3_prefetch"])
