@@ -24,9 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
-import jax
-
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -36,28 +34,10 @@ from experiments.cli.config import (
     config_from_args,
     fail,
 )
-from experiments.reporting import plots
 from experiments.reporting.results_io import project_relative, results_path, write_result
-from experiments.speed.machine import describe
-from experiments.training.guards import RunStopped
-from experiments.training.trainer import prepare, train_and_evaluate
-from parallel import hlo
 
 PROG = "experiments.finetune"
 OUT = results_path("finetune_smollm2.json")
-
-
-def state_memory(cfg) -> dict:
-    """Per-device bytes of the compiled step's parameters and optimizer state, and its peak."""
-    run = prepare(cfg)
-    state, batch = run.sharded.abstract_args()
-    compiled = run.sharded.step.lower(state, batch).compile()
-    per_device = hlo.input_bytes_per_device(compiled, (state, batch))[0]
-    peak = hlo.memory_peak(compiled)
-    return {"params_bytes_per_device": sum(jax.tree.leaves(per_device["params"])),
-            "optimizer_bytes_per_device": sum(jax.tree.leaves(per_device["opt"])),
-            "compiled_peak_bytes_per_device": peak.peak,
-            "float32_model_bytes": 4 * sum(a.size for a in jax.tree.leaves(state["params"]))}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,13 +61,16 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"workdir={args.workdir!r}: not empty; give a new folder")
     except ConfigError as e:
         fail(PROG, str(e))
-    runtime.start(cfg.train.devices or 8, cfg.model)
+    guards, trainer, step_memory, machine, plots = startup.begin(
+        "experiments.training.guards", "experiments.training.trainer",
+        "experiments.training.step_memory", "experiments.speed.machine",
+        "experiments.reporting.plots", devices=cfg.train.devices or 8, model=cfg.model)
     try:
-        summary = train_and_evaluate(cfg, args.workdir, progress=not args.no_progress)
-        memory = state_memory(cfg)
+        summary = trainer.train_and_evaluate(cfg, args.workdir, progress=not args.no_progress)
+        memory = step_memory.state_memory(cfg)
     except ConfigError as e:
         fail(PROG, str(e))
-    except RunStopped as e:
+    except guards.RunStopped as e:
         fail(PROG, str(e), code=1)
     metrics = (Path(args.workdir) / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in metrics if line.strip()]
@@ -107,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
               "load_rss_before_gb": summary["load"]["rss_peak_before_gb"],
               "largest_tensor_gb": summary["load"]["largest_tensor_gb"], **memory,
               "config": cfg.to_json(), "workdir": project_relative(args.workdir),
-              "plot": project_relative(plot), "machine": describe(),
+              "plot": project_relative(plot), "machine": machine.describe(),
               "losses": [[r["step"], r["loss"]] for r in train_rows]}
     result["perplexity_drop_pct"] = 100 * (1 - result["perplexity_after"]
                                            / result["perplexity_before"])

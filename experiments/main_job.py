@@ -15,9 +15,7 @@ import json
 import time
 from pathlib import Path
 
-import jax
-
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -27,12 +25,7 @@ from experiments.cli.config import (
     config_from_args,
     fail,
 )
-from experiments.reporting.plots import loss_curve
 from experiments.reporting.results_io import write_result
-from experiments.training.guards import RunStopped
-from experiments.training.restore import restore_params, validation_rows
-from experiments.training.trainer import make_eval_fn, train_and_evaluate
-from model.flops import param_bytes
 
 PROG = "experiments.main_job"
 TARGET_BITS_PER_BYTE = 2.5
@@ -59,26 +52,30 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         fail(PROG, str(e))
     workdir = Path(args.workdir or f"runs/main-{time.strftime('%Y%m%d-%H%M%S')}")
-    runtime.start(cfg.train.devices, cfg.model)
+    jax, guards, restore, trainer, flops, plots = startup.begin(
+        "jax", "experiments.training.guards", "experiments.training.restore",
+        "experiments.training.trainer", "model.flops", "experiments.reporting.plots",
+        devices=cfg.train.devices, model=cfg.model)
     t0 = time.perf_counter()
 
     try:
-        trained = train_and_evaluate(cfg, workdir, progress=not args.no_progress)
+        trained = trainer.train_and_evaluate(cfg, workdir, progress=not args.no_progress)
     except ConfigError as e:
         fail(PROG, str(e))
-    except RunStopped as e:  # a non-finite step, a checkpoint that could not be written
+    except guards.RunStopped as e:  # a non-finite step, a checkpoint that could not be written
         fail(PROG, str(e), code=1)
     t_train = time.perf_counter()
     # Reload from the Orbax checkpoint in a fresh layout and evaluate what was *stored*.
-    model = restore_params(workdir, cfg)
+    model = restore.restore_params(workdir, cfg)
     params, step = model.params, model.step
-    val_loss = make_eval_fn(model.graphdef, model.mesh, validation_rows(cfg))(params)
+    val_loss = trainer.make_eval_fn(model.graphdef, model.mesh,
+                                    restore.validation_rows(cfg))(params)
     t_end = time.perf_counter()
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]  # first includes compile
     summary = {
         "preset": cfg.preset, "devices": jax.device_count(), "strategy": cfg.train.strategy,
-        "params": trained["params"], "param_bytes": param_bytes(params), "step": step,
+        "params": trained["params"], "param_bytes": flops.param_bytes(params), "step": step,
         "val_loss": val_loss, "bits_per_byte": val_loss / 0.6931471805599453,
         "train_val_loss": trained["val_loss"],
         "train_s": t_train - t0, "reload_eval_s": t_end - t_train, "job_s": t_end - t0,
@@ -91,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     title = f"{cfg.preset}: {summary['bits_per_byte']:.3f} bits/byte in {summary['job_s']:.0f} s"
     for path in [workdir / "summary.json"] + ([Path(args.record)] if args.record else []):
         write_result(path, summary)
-        loss_curve(workdir / "metrics.jsonl", path.with_suffix(".png"), title)
+        plots.loss_curve(workdir / "metrics.jsonl", path.with_suffix(".png"), title)
     print(f"\nmain job: {cfg.preset} ({summary['params']:,} params) on {summary['devices']} "
           f"devices, {step} steps\n  validation {summary['bits_per_byte']:.3f} bits/byte "
           f"(target <= {TARGET_BITS_PER_BYTE}) after reload from the Orbax checkpoint\n"

@@ -22,19 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, fail
-from experiments.pretrained import divergence
 from experiments.reporting.results_io import project_relative, results_path, write_result
-from experiments.training.restore import calibration_rows, restore_params, validation_rows
-from experiments.training.trainer import make_eval_fn
-from quant import checkpoint as qckpt
-from quant.convert import MODES, QuantConfig, QuantError, quantized_fraction
-from quant.modes import PAPER_ALPHA
-from quant.pipeline import dense_bytes, param_bytes
-from quant.stored import quantize_with_meta, save_atomic
+from quant.modes import MODES, PAPER_ALPHA, QuantConfig, QuantError
 
 PROG = "experiments.quant_table"
 OUT = results_path("quant_eval.json")
@@ -53,18 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def variants(args) -> list[tuple[str, str, dict]]:
-    """(row name, mode, QuantConfig overrides)."""
+def variants(modes: str | None = None) -> list[tuple[str, str, dict]]:
+    """(row name, mode, QuantConfig overrides) of each row, or of those named in `modes`
+    (comma-separated)."""
 
     rows = [(m, m, {}) for m in MODES]
     rows += [("w8a8-tensor-naive", "w8a8-tensor", {"weights": "tensor"}),
              ("w8a8+head+embed", "w8a8", {"rules": ("blocks/*", "head", "embed")}),
-             # small's last MLP input has ~100 of 512 columns over the threshold: room for all
+             # room for every column over the threshold where the default capacity is short
+             # (small's last MLP input)
              ("w8a8-outlier-cap0.25", "w8a8-outlier", {"outlier_capacity": 0.25}),
              # the paper's recipe beside the searched default
              (f"smoothquant-alpha{PAPER_ALPHA:g}", "smoothquant", {"alpha": PAPER_ALPHA})]
-    if args.modes:
-        keep = set(args.modes.split(","))
+    if modes:
+        keep = set(modes.split(","))
         rows = [r for r in rows if r[0] in keep]
     return rows
 
@@ -85,44 +78,47 @@ def main(argv: list[str] | None = None) -> dict:
                     calib_batches=args.calib_batches).validate()
     except QuantError as e:
         fail(PROG, str(e))
-    runtime.start(None)
+    jax, divergence, restore, trainer, qckpt, convert, pipeline, stored = startup.begin(
+        "jax", "experiments.pretrained.divergence", "experiments.training.restore",
+        "experiments.training.trainer", "quant.checkpoint", "quant.convert", "quant.pipeline",
+        "quant.stored", devices=None)
     try:
-        model = restore_params(args.workdir)
-        val = validation_rows(model.cfg)
-        calib_rows, calibration = calibration_rows(model.cfg, args.calib_batches)
+        model = restore.restore_params(args.workdir)
+        val = restore.validation_rows(model.cfg)
+        calib_rows, calibration = restore.calibration_rows(model.cfg, args.calib_batches)
     except ConfigError as e:
         fail(PROG, str(e))
     cfg, step = model.cfg, model.step
     params = jax.device_get(model.params)
-    float_loss = make_eval_fn(model.graphdef, model.mesh, val)(params)
+    float_loss = trainer.make_eval_fn(model.graphdef, model.mesh, val)(params)
     with tempfile.TemporaryDirectory() as tmp:
         float_disk = qckpt.save_float_reference(Path(tmp) / "float", params)
     rows = [{"mode": "none", "val_loss": float_loss, "bits_per_byte": float_loss / math.log(2),
-             "rel_to_float": 0.0, "param_bytes": param_bytes(params), "quantized_fraction": 0.0,
-             "disk_bytes": float_disk}]
-    for name, mode, over in variants(args):
+             "rel_to_float": 0.0, "param_bytes": pipeline.param_bytes(params),
+             "quantized_fraction": 0.0, "disk_bytes": float_disk}]
+    for name, mode, over in variants(args.modes):
         t0 = time.perf_counter()
         alpha = {"alpha": args.alpha} if QuantConfig(mode=mode).smooth else {}
         qcfg = QuantConfig(**{"mode": mode, "calib_batches": args.calib_batches, **alpha,
                               **over})
         try:
-            graphdef, qparams, plan, report, meta = quantize_with_meta(
+            graphdef, qparams, plan, report, meta = stored.quantize_with_meta(
                 model.graphdef, params, qcfg, calib_rows, cfg.model, calibration,
                 {"source_step": step})
         except QuantError as e:
             fail(PROG, str(e))
-        out = save_atomic(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
+        out = stored.save_atomic(qckpt.quant_dir(args.workdir, name), qparams, meta, report)
         quant_s = time.perf_counter() - t0
-        loss = make_eval_fn(graphdef, model.mesh, val)(qparams)
+        loss = trainer.make_eval_fn(graphdef, model.mesh, val)(qparams)
         diverged = divergence.make_batch_divergence_fn(graphdef, model.graphdef, model.mesh,
                                                        val)(qparams, params)
-        qb, fb = dense_bytes(qparams, plan)
+        qb, fb = pipeline.dense_bytes(qparams, plan)
         disk = qckpt.disk_bytes(out / "ckpt")
         rows.append({"mode": name, "quant_mode": mode, "val_loss": loss,
                      "bits_per_byte": loss / math.log(2),
                      "rel_to_float": (loss - float_loss) / float_loss, "divergence": diverged,
-                     "param_bytes": param_bytes(qparams),
-                     "quantized_fraction": quantized_fraction(params, plan),
+                     "param_bytes": pipeline.param_bytes(qparams),
+                     "quantized_fraction": convert.quantized_fraction(params, plan),
                      "dense_bytes_ratio": qb / fb, "disk_bytes": disk,
                      "disk_ratio_vs_fp32": float_disk / disk,
                      "float_layers": sum(len(e.get("float_layers", [])) for e in plan.values()),
