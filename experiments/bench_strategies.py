@@ -19,8 +19,9 @@ import time
 from tqdm import tqdm
 
 from experiments.cli import startup
-from experiments.cli.config import PRESETS, ConfigError, Parser, check_output_file, fail
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
+from experiments.training.config import PRESETS
 from parallel.strategies import LABELS, from_label
 
 PROG = "experiments.bench_strategies"

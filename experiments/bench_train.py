@@ -22,8 +22,9 @@ import os
 from pathlib import Path
 
 from experiments.cli import startup
-from experiments.cli.config import PRESETS, TORCH_PYTHON_ENV, ConfigError, Parser, fail
+from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError, Parser, fail
 from experiments.reporting.results_io import results_path, write_result
+from experiments.training.config import PRESETS
 
 PROG = "experiments.bench_train"
 

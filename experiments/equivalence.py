@@ -19,8 +19,9 @@ import argparse
 import json
 
 from experiments.cli import startup
-from experiments.cli.config import PRESETS, Parser, fail
+from experiments.cli.config import Parser, fail
 from experiments.reporting.results_io import results_path, write_result
+from experiments.training.config import PRESETS
 from parallel.strategies import LABELS
 
 PROG = "experiments.equivalence"

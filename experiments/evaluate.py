@@ -21,7 +21,8 @@ import json
 import math
 
 from experiments.cli import startup
-from experiments.cli.config import ConfigError, Parser, check_devices, fail, load_config
+from experiments.cli.config import ConfigError, Parser, check_devices, fail
+from experiments.training.config import load_config
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 

@@ -3,14 +3,14 @@
   python -m experiments.finetune --json                     # the documented defaults
   python -m experiments.finetune --steps 48 --lr 5e-5 --workdir runs/ft2 --json
 
-The `smollm2` preset of experiments/cli/config.py (every field a flag, as for `train`): the GGUF's
-weights placed one tensor at a time straight into their ZeRO-3 shards, the training topics of
-`pydoc_data` tokenized with the model's tokenizer, bf16 working weights and compute with fp32
-master weights and Adam moments, full remat, context 128, 8 sequences per step, 24 steps of
-AdamW (warm-up 2, cosine to 10%). It is the ordinary trainer (`experiments/training/trainer.py`:
+The `smollm2` preset of experiments/training/config.py (every field a flag, as for `train`): the
+GGUF's weights placed one tensor at a time straight into their ZeRO-3 shards, the training topics
+of `pydoc_data` tokenized with the model's tokenizer, bf16 working weights and compute with fp32
+master weights and Adam moments, full remat, context 128, 8 sequences per step, 24 steps of AdamW
+(warm-up 2, cosine to 10%). It is the ordinary trainer (`experiments/training/trainer.py`:
 checkpoints, exact --resume, the non-finite guard, SIGTERM), so this launcher only adds the
-measurements: validation loss and perplexity on the held-out topics before and after, tokens/s,
-the per-device model state read from the compiled step, the host memory peak of loading, and a
+measurements: validation loss and perplexity on the held-out topics before and after, tokens/s, the
+per-device model state read from the compiled step, the host memory peak of loading, and a
 loss-curve plot. With --json the last line holds them (`perplexity_before`, `perplexity_after`,
 `val_loss_before`, `val_loss_after`, `devices`, `strategy`, `steps`, `tokens_per_s`,
 `load_peak_rss_gb`, ...); the same goes to experiments/results/finetune_smollm2.json.
@@ -28,12 +28,11 @@ from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
-    add_override_flags,
     check_output_file,
     check_output_folder,
-    config_from_args,
     fail,
 )
+from experiments.cli.flags import add_override_flags, config_from_args
 from experiments.reporting.results_io import project_relative, results_path, write_result
 
 PROG = "experiments.finetune"

@@ -19,12 +19,11 @@ from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
-    add_override_flags,
     check_output_file,
     check_output_folder,
-    config_from_args,
     fail,
 )
+from experiments.cli.flags import add_override_flags, config_from_args
 from experiments.reporting.results_io import write_result
 
 PROG = "experiments.main_job"

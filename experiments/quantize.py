@@ -17,15 +17,9 @@ import json
 import sys
 
 from experiments.cli import startup
-from experiments.cli.config import (
-    ConfigError,
-    Parser,
-    add_field_flags,
-    check_devices,
-    fail,
-    field_overrides,
-    load_config,
-)
+from experiments.cli.config import ConfigError, Parser, check_devices, fail
+from experiments.cli.flags import add_field_flags, field_overrides
+from experiments.training.config import load_config
 from quant.modes import MODES, QuantConfig, QuantError
 
 PROG = "experiments.quantize"

@@ -16,7 +16,8 @@ import json
 import numpy as np
 
 from experiments.cli import startup
-from experiments.cli.config import ConfigError, Parser, check_sampling, fail, load_config
+from experiments.cli.config import ConfigError, Parser, check_sampling, fail
+from experiments.training.config import load_config
 from quant.modes import ALL_MODES, QuantError
 
 PROG = "experiments.sample"

@@ -18,17 +18,9 @@ import json
 from pathlib import Path
 
 from experiments.cli import startup
-from experiments.cli.config import (
-    PRESETS,
-    Config,
-    ConfigError,
-    Parser,
-    add_override_flags,
-    check_output_folder,
-    config_from_args,
-    fail,
-    load_config,
-)
+from experiments.cli.config import ConfigError, Parser, check_output_folder, fail
+from experiments.cli.flags import add_override_flags, config_from_args
+from experiments.training.config import PRESETS, Config, load_config
 
 PROG = "experiments.train"
 DEFAULT_PRESET = "small"

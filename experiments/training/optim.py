@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from experiments.cli.config import TrainConfig
+from experiments.training.config import TrainConfig
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:

@@ -14,9 +14,10 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from experiments.cli.config import Config, ConfigError, load_config
+from experiments.cli.config import ConfigError
 from experiments.cli.runtime import attention_here
 from experiments.training import checkpoint as ckpt
+from experiments.training.config import Config, load_config
 from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.training.pretrained_init import check_model
 from model import ModelConfig

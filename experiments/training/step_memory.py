@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from experiments.cli.config import Config
+from experiments.training.config import Config
 from experiments.training.trainer import prepare
 from parallel import hlo
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from experiments.cli.config import PRESETS, Config
+from experiments.training.config import PRESETS, Config
 from experiments.training.data import SequenceSampler, load_corpus, pack
 from experiments.training.optim import make_optimizer
 from experiments.training.pretrained_init import truncated_model

@@ -22,9 +22,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from experiments.cli.config import Config, ConfigError, dumps, load_config
+from experiments.cli.config import ConfigError
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, pretrained_init
+from experiments.training.config import Config, dumps, load_config
 from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
 from experiments.training.guards import FiniteWatch, Preemption, WriteFailed
 from experiments.training.optim import learning_rate, make_optimizer

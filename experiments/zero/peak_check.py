@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from experiments.cli.config import TrainConfig
+from experiments.training.config import TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.plan_estimate import COMPILER_OPTIONS
 from model.config import ModelConfig

@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from experiments.cli.config import TrainConfig
+from experiments.training.config import TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.evidence import gradient_accumulator_bytes
 from experiments.zero.plan_request import Candidate, PlanRequest
