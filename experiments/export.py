@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.pretrained.export_checks import check_out
 from experiments.reporting.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
@@ -50,13 +52,10 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
         if args.step is not None and args.model is not None:
             raise ConfigError("step: only with --workdir (a pretrained model has no steps)")
-        from experiments.cli import runtime
-        from experiments.pretrained import exporter
-
-        exporter.check_out(args.out, args.force)
+        check_out(args.out, args.force)
         if args.record is not None:
             check_output_file("record", args.record, "the export summary")
-        runtime.start(1)
+        (exporter,) = startup.begin("experiments.pretrained.exporter", devices=1)
         source = (exporter.run_source(args.workdir, args.layers, args.step)
                   if args.workdir is not None else
                   exporter.pretrained_source(args.model, args.layers))

