@@ -20,12 +20,15 @@ and at our presets' exact parameter count. `peak_gb` is the compiler's per-devic
 (argument + output + temp - alias, see parallel/hlo.py). GB = 1e9 bytes.
 
 Batch: one sequence of --seq-len tokens (default 128) per device per micro-step.
+zero2 never holds the whole gradient (each layer's is reduce-scattered inside the backward
+layer scan), so its peak sits below zero1's, which holds a whole accumulator and a whole
+micro-step gradient.
+
 Hardware: CPU only; the JSON records each cell's compile time ("compile_s") and the total
 ("total_compile_s"). Expected: every cell within 2% of the paper (our presets
 are within 1% of the paper's Psi) and exact at our own Psi. `peak_gb` is XLA:CPU's: that backend
-widens bf16 collectives to f32 (the gradient reduce-scatter / all-reduce runs on an f32 copy, 4
-bytes per parameter), so the temporaries are CPU-specific (zero2's peak even comes out above
-zero1's); it is not the peak a GPU/TPU backend would report.
+widens bf16 collectives to f32 (a reduce-scatter or all-reduce runs on an f32 copy), so the
+temporaries are CPU-specific; it is not the peak a GPU/TPU backend would report.
 
 The real step is built by parallel/sharded_run.py and lowered abstractly (nothing allocated).
 """
@@ -40,10 +43,15 @@ import time
 
 from tqdm import tqdm
 
-from experiments.cli.config import Parser, fail
+from experiments.cli import startup
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
-from experiments.zero.evidence import OTHER_MEMORY_PRESETS, PAPER_PSI, STAGES, measure_cell
-from parallel.devices import request_cpu_devices
+from experiments.zero.settings import (
+    OTHER_MEMORY_PRESETS,
+    PAPER_PSI,
+    STAGES,
+    check_device_counts,
+)
 
 PROG = "experiments.zero_memory"
 DEVICE_COUNTS = (1, 4, 16, 64, 256, 1024)
@@ -81,18 +89,24 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.micro_steps < 2:
-        fail(PROG, f"micro-steps={args.micro_steps}: must be >= 2 (see --help)")
-
-    request_cpu_devices(max(args.devices))
+    try:
+        if args.micro_steps < 2:
+            raise ConfigError(f"micro_steps={args.micro_steps}: must be >= 2 (see --help)")
+        if args.seq_len < 1:
+            raise ConfigError(f"seq_len={args.seq_len}: must be a positive integer")
+        check_device_counts(args.devices)
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
+    (evidence,) = startup.begin("experiments.zero.evidence", devices=max(args.devices))
 
     cells = [(p, n, s) for p in args.presets for n in args.devices for s in args.stages]
     start = time.perf_counter()
     results, skipped = [], []
     for p, n, s in tqdm(cells, desc="compiling", file=sys.stderr):
         try:
-            results.append(measure_cell(p, n, s, seq_len=args.seq_len,
-                                        micro_steps=args.micro_steps))
+            results.append(evidence.measure_cell(p, n, s, seq_len=args.seq_len,
+                                                 micro_steps=args.micro_steps))
         except ValueError as e:  # a shape that does not divide over N_d (e.g. smollm2's 576)
             if "does not divide" not in str(e):
                 raise

@@ -101,12 +101,25 @@ def make_layer_gather(dtype) -> Callable[[nnx.State], nnx.State]:
     return _per_layer_leaf(lambda x, d: _gather(x, d, dtype))
 
 
-def gathering_runner(gather: Callable[[nnx.State], nnx.State], model_cfg: ModelConfig) -> Runner:
+def _also_keep_gathered(policy):
+    """`policy`, but every gathered layer is saved for the backward pass as well."""
+    base = policy or (lambda *_, **__: True)
+    return lambda prim, *args, **params: (
+        (prim.name == "name" and params.get("name") == GATHERED) or base(prim, *args, **params))
+
+
+def gathering_runner(gather: Callable[[nnx.State], nnx.State], model_cfg: ModelConfig,
+                     keep_gathered: bool = False) -> Runner:
     """Gather-then-release: the model's layer scan, each layer's shards all-gathered inside the
     scan body right before the layer runs. The gathered weights are never kept for the backward
     pass (it gathers them again): "full" and "save_dots" keep no weights anyway, and under
-    remat "none" every activation is kept except the gathered weights."""
-    policy = REMAT_POLICIES[model_cfg.remat] or _keep_all_but_gathered
+    remat "none" every activation is kept except the gathered weights.
+
+    `keep_gathered` builds the control the release check must catch: the same step, but every
+    gathered layer is saved for the backward pass (no re-gather, one gathered layer per layer
+    of depth kept alive)."""
+    policy = REMAT_POLICIES[model_cfg.remat]
+    policy = _also_keep_gathered(policy) if keep_gathered else policy or _keep_all_but_gathered
 
     def gathered(run_layer):
         def run(layer_params, x, aux):
@@ -231,6 +244,7 @@ class StepPlan:
     specs: dict  # PartitionSpec of every state leaf
     tx: optax.GradientTransformation
     step_cfg: StepConfig
+    keep_gathered: bool = False  # the release check's control (see gathering_runner)
 
     @property
     def denom(self) -> int:
@@ -241,12 +255,19 @@ class StepPlan:
 
 def make_train_step(graphdef, axes: dict, abstract_state: dict, model_cfg: ModelConfig,
                     strategy: Strategy, mesh: Mesh, tx: optax.GradientTransformation,
-                    step_cfg: StepConfig):
-    """Returns (jitted step(state, batch) -> (state, metrics), state shardings, batch sharding)."""
+                    step_cfg: StepConfig, *, keep_gathered: bool = False):
+    """Returns (jitted step(state, batch) -> (state, metrics), state shardings, batch sharding).
+
+    `keep_gathered` (zero3 without prefetch only) builds the release check's control, never a
+    training step: see `gathering_runner`."""
+    if keep_gathered and not (strategy.gathers_layers and not strategy.prefetch):
+        raise ValueError(f"keep_gathered=True: only for zero3 without prefetch, not "
+                         f"{strategy.label!r}")
     specs = state_specs(abstract_state, axes, strategy, tx)
     shardings = to_shardings(specs, mesh)
     batch_sharding = NamedSharding(mesh, batch_spec())
-    plan = StepPlan(graphdef, axes, model_cfg, strategy, mesh, specs, tx, step_cfg)
+    plan = StepPlan(graphdef, axes, model_cfg, strategy, mesh, specs, tx, step_cfg,
+                    keep_gathered)
     fn = (_explicit_step if strategy.explicit else _auto_step)(plan)
     step = jax.jit(fn, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,))
@@ -295,7 +316,7 @@ def _explicit_loss(plan: StepPlan, dims: dict):
     if strategy.gathers_layers:
         gather = make_layer_gather(cdt)
         gather_runner = (prefetching_runner(gather, make_layer_scatter(pdt)) if strategy.prefetch
-                         else gathering_runner(gather, cfg))
+                         else gathering_runner(gather, cfg, plan.keep_gathered))
 
     def loss_fn(diff_params, params, tokens):
         runner = gather_runner

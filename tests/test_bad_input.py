@@ -332,3 +332,30 @@ def test_every_launcher_refuses_an_unknown_flag_in_one_line():
         assert row["status"] == 2 and len(lines) == 1, (name, row)
         assert "--no-such-flag" in lines[0] or "are required" in lines[0], (name, lines)
         assert lines[0].startswith(f"experiments.{name}: error: "), (name, lines)
+
+
+# The compile-only ZeRO launchers: each refusal names its field, before JAX is imported.
+ZERO_REFUSALS = [
+    ("zero_memory", ["--devices", "0"], "devices"),
+    ("zero_memory", ["--devices", "4", "-2"], "devices"),
+    ("zero_memory", ["--seq-len", "0"], "seq_len"),
+    ("zero_memory", ["--out", "{folder}"], "out"),
+    ("zero_release", ["--devices", "3", "8"], "devices"),
+    ("zero_release", ["--out", "{folder}"], "out"),
+]
+
+
+def test_zero_launchers_refuse_in_one_line_before_compiling(tmp_path):
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    out = tmp_path / "o.json"
+    cases = [(f"experiments.{m}", [a.format(folder=folder) for a in argv] + (
+        [] if "--out" in argv else ["--out", str(out)])) for m, argv, _ in ZERO_REFUSALS]
+    rows = launch_in_one_process(cases, timeout=120)
+    for (module, argv, field), row in zip(ZERO_REFUSALS, rows, strict=True):
+        assert row["status"] == 2, (module, argv, row)
+        assert not row["jax_imported"], (module, argv)
+        lines = row["stderr"].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"experiments.{module}: error: {field}="), (module, argv, lines)
+    assert not out.exists() and os.listdir(folder) == []

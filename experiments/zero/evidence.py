@@ -13,20 +13,16 @@ import time
 
 import jax
 
-from experiments.cli.config import ConfigError, TrainConfig
+from experiments.training.config import TrainConfig
 from experiments.training.optim import make_optimizer
-from model.config import MODEL_PRESETS, ModelConfig
+from experiments.zero.settings import KEEP_GATHERED, PAPER_PSI, STAGES, ReleaseSetup
+from model.config import MODEL_PRESETS
 from model.flops import param_count
 from parallel import hlo, sharded_run
-
-PAPER_PSI = {"7.5b": 7.5e9, "7.5b-gqa": 7.5e9, "128b": 128e9, "1t": 1e12}
-
-# Shapes without a paper row: their Table-1 figure is the paper's formula at their own Psi.
-OTHER_MEMORY_PRESETS = ("smollm2",)
-
-
-STAGES = ("dp", "zero1", "zero2", "zero3")
-
+from parallel.mesh import make_mesh
+from parallel.state import abstract_model, check_divisible, init_state
+from parallel.strategies import get_strategy
+from parallel.train_step import StepConfig, make_train_step
 
 K = 12  # fp32 master + momentum + variance, bytes per parameter
 
@@ -181,52 +177,34 @@ STATE_BYTES_PER_PARAM = 2 + 2 + 12  # bf16 params + bf16 grads + fp32 master/mu/
 
 
 # Released if what grows per layer independently of N_d, beyond the carry, is less than this
-# fraction of one layer's gathered weights (keeping them would make it 1.0 or more).
+# fraction of one layer's gathered weights (keeping them makes it 1.0 or more).
 RELEASE_TOLERANCE = 0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class ReleaseSetup:
-    d_model: int = 1024
-    n_heads: int = 8
-    d_ff: int = 4096
-    depths: tuple[int, int] = (4, 12)
-    devices: tuple[int, int] = (4, 8)  # the second is the headline device count
-    seq_len: int = 128
-    seqs_per_device: int = 4
+def release_layer_params(setup: ReleaseSetup) -> int:
+    return param_count(setup.model(1)) - param_count(setup.model(0))
 
-    def validate(self) -> None:
-        """Raise ConfigError naming the field: the report divides by the difference of the two
-        depths and of the two device counts, so each pair must hold two different values."""
-        for name in ("depths", "devices"):
-            a, b = getattr(self, name)
-            if a < 1 or b < 1 or a == b:
-                raise ConfigError(f"{name}={a} {b}: must be two different positive integers")
-        if self.seqs_per_device < 1:
-            raise ConfigError(f"seqs_per_device={self.seqs_per_device}: must be a positive "
-                              f"integer")
-        try:
-            self.model(max(self.depths)).validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
-    def model(self, n_layers: int):
-        return ModelConfig(d_model=self.d_model, n_layers=n_layers, n_heads=self.n_heads,
-                           d_ff=self.d_ff, max_len=self.seq_len, param_dtype="bfloat16",
-                           compute_dtype="bfloat16", remat="full")
+def gathered_layer_bytes(setup: ReleaseSetup) -> int:
+    return release_layer_params(setup) * 2  # one layer's weights, gathered, in bf16
 
-    @property
-    def layer_params(self) -> int:
-        return param_count(self.model(1)) - param_count(self.model(0))
 
-    @property
-    def carry_bytes(self) -> int:
-        """The activation the layer scan saves per layer under remat=full (bf16)."""
-        return self.seqs_per_device * self.seq_len * self.d_model * 2
-
-    @property
-    def gathered_layer_bytes(self) -> int:
-        return self.layer_params * 2  # one layer's weights, gathered, in bf16
+def fit_growth(growth: dict[int, float]) -> tuple[float, float]:
+    """(u, s) >= 0 that fit g(N) = u + s / N to the per-layer growth at each device count, by
+    non-negative least squares: the part that does not shrink with N_d and the sharded part.
+    A memory model whose parts could go negative could explain any measurement."""
+    ns = sorted(growth)
+    xs, gs = [1.0 / n for n in ns], [float(growth[n]) for n in ns]
+    k = len(ns)
+    mx, mg = sum(xs) / k, sum(gs) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    s = sum((x - mx) * (g - mg) for x, g in zip(xs, gs, strict=True)) / sxx
+    u = mg - s * mx
+    if u < 0:  # the best fit through the origin in u
+        u, s = 0.0, sum(x * g for x, g in zip(xs, gs, strict=True)) / sum(x * x for x in xs)
+    if s < 0:  # the best constant
+        u, s = mg, 0.0
+    return max(u, 0.0), max(s, 0.0)
 
 
 def measure_depth(setup: ReleaseSetup, strategy: str, n_layers: int, n_devices: int) -> dict:
@@ -245,23 +223,25 @@ def measure_depth(setup: ReleaseSetup, strategy: str, n_layers: int, n_devices: 
 
 
 def release_report(setup: ReleaseSetup, strategy: str, peaks: dict[tuple[int, int], int]) -> dict:
-    """Growth per added layer at each device count and its split into sharded / unsharded."""
+    """Growth per added layer at each device count, its split into a part that shrinks with N_d
+    (shards) and one that does not (`fit_growth`), and how many gathered layers the latter
+    holds beyond the saved carry."""
     setup.validate()
     (l1, l2), (n1, n2) = setup.depths, setup.devices
     growth = {n: (peaks[(l2, n)] - peaks[(l1, n)]) / (l2 - l1) for n in (n1, n2)}
-    unsharded = (n2 * growth[n2] - n1 * growth[n1]) / (n2 - n1)
-    sharded = (growth[n1] - unsharded) * n1
-    expected_n2 = setup.carry_bytes + STATE_BYTES_PER_PARAM * setup.layer_params / n2
-    kept = (unsharded - setup.carry_bytes) / setup.gathered_layer_bytes
+    unsharded, sharded = fit_growth(growth)
+    layer_params, gathered = release_layer_params(setup), gathered_layer_bytes(setup)
+    expected_n2 = setup.carry_bytes + STATE_BYTES_PER_PARAM * layer_params / n2
+    kept = max(0.0, unsharded - setup.carry_bytes) / gathered
     return {
         "strategy": strategy,
         "peak_bytes": {f"L{layers}_N{n}": peak for (layers, n), peak in sorted(peaks.items())},
         "growth_per_layer_bytes": {f"N{n}": g for n, g in growth.items()},
         "unsharded_growth_per_layer_bytes": unsharded,
         "unsharded_growth_in_carries": unsharded / setup.carry_bytes,
-        "sharded_growth_bytes_per_param": sharded / setup.layer_params,
+        "sharded_growth_bytes_per_param": sharded / layer_params,
         "carry_bytes": setup.carry_bytes,
-        "gathered_layer_bytes": setup.gathered_layer_bytes,
+        "gathered_layer_bytes": gathered,
         "kept_gathered_layers": kept,
         "released": kept < RELEASE_TOLERANCE,
         f"growth_vs_carry_plus_state_shards_N{n2}": growth[n2] / expected_n2,
@@ -269,7 +249,30 @@ def release_report(setup: ReleaseSetup, strategy: str, peaks: dict[tuple[int, in
 
 
 def compile_step(model_cfg, strategy: str, n_devices: int, **kwargs):
-    """The trainer's step for `strategy` (a label, zero3_prefetch included) compiled on
-    abstract inputs, with the trainer's default optimizer: (compiled, (state, batch) args)."""
+    """The trainer's step for `strategy` (a label, zero3_prefetch included; or the release
+    check's control KEEP_GATHERED) compiled on abstract inputs, with the trainer's default
+    optimizer: (compiled, (state, batch) args)."""
+    if strategy == KEEP_GATHERED:
+        return _compile_keep_gathered(model_cfg, n_devices, **kwargs)
     return sharded_run.compile_step(model_cfg, strategy, n_devices,
                                     tx=make_optimizer(TrainConfig()), **kwargs)
+
+
+def _compile_keep_gathered(model_cfg, n_devices: int, *, seq_len: int, micro_steps: int,
+                           seqs_per_device: int = 1):
+    """The control: the zero3 step built as `sharded_run.build` builds it, except that the
+    backward pass keeps every gathered layer (never a training step, so built here)."""
+    tx, strategy = make_optimizer(TrainConfig()), get_strategy("zero3")
+    mesh = make_mesh(n_devices, f"fsdp={n_devices}")
+    graphdef, axes, abstract_params = abstract_model(model_cfg)
+    check_divisible(abstract_params, axes, mesh, strategy)
+    abstract_state = jax.eval_shape(lambda: init_state(model_cfg, tx, 0))
+    step_cfg = StepConfig(global_batch=seqs_per_device * n_devices, seq_len=seq_len,
+                          micro_steps=micro_steps)
+    step, shardings, batch_sharding = make_train_step(
+        graphdef, axes, abstract_state, model_cfg, strategy, mesh, tx, step_cfg,
+        keep_gathered=True)
+    run = sharded_run.ShardedRun(model_cfg, strategy, mesh, tx, step_cfg, graphdef, axes,
+                                 abstract_state, shardings, batch_sharding, step)
+    args = run.abstract_args()
+    return step.lower(*args).compile(), args
