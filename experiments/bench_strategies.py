@@ -19,7 +19,7 @@ import time
 from tqdm import tqdm
 
 from experiments.cli import startup
-from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.cli.config import ConfigError, Parser, check_devices, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
 from experiments.training.config import PRESETS
 from parallel.strategies import LABELS, from_label
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
         if n not in LABELS:
             fail(PROG, f"strategies: {n!r} is not one of {', '.join(LABELS)}")
     try:
+        if args.devices is not None:
+            check_devices(args.devices)
         check_output_file("out", args.out)
     except ConfigError as e:
         fail(PROG, str(e))
