@@ -33,22 +33,16 @@ exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import jax
-
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
-from experiments.cli.runtime import backend_refusal
 from experiments.reporting import plots
 from experiments.reporting.results_io import command_line, results_path, write_result
-from experiments.speed import gpu as accel_bench
-from experiments.speed.machine import describe
-from model import MODEL_PRESETS, ModelConfig
 from model.config import ATTENTION_IMPLS, REMAT_NAMES
 from parallel.strategies import LABELS as STRATEGY_LABELS
 
@@ -59,9 +53,11 @@ OUT = results_path("bench_gpu.json")  # GPU figures only
 COMMITTED = Path(__file__).with_name("results") / OUT.name
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
 PARTS = ("attention", "training", "matmuls", "inference")
-VARIANTS = accel_bench.VARIANTS
-# The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
-ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
+# (strategy, remat, attention) per training variant the GPU benchmark times; the first two are
+# the baseline (full rematerialisation, XLA's attention).
+VARIANTS = (("dp", "full", "xla"), ("zero3", "full", "xla"), ("dp", "full", "cudnn"),
+            ("dp", "save_dots", "xla"), ("dp", "save_dots", "cudnn"),
+            ("zero3", "save_dots", "cudnn"), ("dp", "none", "cudnn"))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
         "matmuls": (4096, 8192, 16384), "matmul_repeats": 10,
         "inference_batch": 8}
@@ -113,59 +109,6 @@ def parse_variants(text: str | None) -> tuple[tuple[str, str, str], ...]:
                               f"{', '.join(REMAT_NAMES)}, attention in "
                               f"{', '.join(ATTENTION_IMPLS)}")
     return variants
-
-
-def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dict:
-    """One training row; a variant that cannot run here is a row with its reason, not a crash."""
-    label = {"strategy": strategy, "remat": remat, "attention": attention}
-    cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16",
-                              remat=remat, attention=attention)
-    refusal = backend_refusal(cfg)  # no NVIDIA GPU, or a head dimension its cuDNN lacks
-    if refusal:
-        return {**label, "skipped": refusal}
-    try:
-        return accel_bench.train_mfu(cfg, strategy, shape["global_batch"], shape["seq_len"],
-                                     shape["steps"], shape["warmup"])
-    except (RuntimeError, NotImplementedError) as e:  # out of memory (JaxRuntimeError), a
-        # kernel this chip or library lacks: a result here; anything else is a bug and stops
-        return {**label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
-
-
-def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> None:
-    """Fill `out` part by part, rewriting `path` after every row."""
-    out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
-               inference=[], complete=False)
-    # The parity checks' head dimension (the last of each ATTENTION_CHECKS entry) decides too.
-    refusal = backend_refusal(ModelConfig(d_model=ATTENTION_CHECKS[0][-1], n_heads=1,
-                                          attention="cudnn", compute_dtype="bfloat16"))
-    if "attention" in parts and refusal:
-        out["attention_skipped"] = refusal
-    elif "attention" in parts:
-        for dims in ATTENTION_CHECKS:
-            out["attention_parity"].append(accel_bench.attention_parity(*dims))
-            write_result(path, out)
-            print(json.dumps(out["attention_parity"][-1]), flush=True)
-    if "training" in parts:
-        for variant in variants:
-            row = train_variant(shape, *variant)
-            out["training"].append(row)
-            write_result(path, out)
-            print(json.dumps({k: row[k] for k in ("strategy", "remat", "attention", "step_s",
-                                                   "tokens_per_s", "mfu", "error", "skipped")
-                              if k in row}), flush=True)
-    if "matmuls" in parts:
-        for n in shape["matmuls"]:
-            out["matmuls"].append(accel_bench.matmul_ratio(n, shape["matmul_repeats"]))
-            write_result(path, out)
-    if "inference" in parts:
-        cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16")
-        for mode in accel_bench.INFERENCE_MODES:
-            row = accel_bench.prefill_rate(cfg, mode, shape["inference_batch"], shape["seq_len"],
-                                           shape["steps"], shape["warmup"])
-            out["inference"].append(row)
-            write_result(path, out)
-            print(json.dumps({k: row[k] for k in ("mode", "step_s", "tokens_per_s")}), flush=True)
-    out["complete"] = True
 
 
 def summarise(out: dict, path) -> dict:
@@ -229,10 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Read before the backend starts: the GPU runtime's flag parser moves XLA_FLAGS into argv.
     argv = list(sys.argv[1:] if argv is None else argv)
     xla_flags = os.environ.get("XLA_FLAGS", "")
+    jax, accel_bench, machine = startup.load("jax", "experiments.speed.gpu",
+                                             "experiments.speed.machine")
     backend = jax.default_backend()
     if args.out and Path(args.out).resolve() == COMMITTED.resolve() and backend != "gpu":
         fail(PROG, f"out={args.out}: {OUT.name} holds GPU figures only; give another path")
-    out = {"machine": {**describe(), "load_1min": os.getloadavg()[0], "xla_flags": xla_flags},
+    out = {"machine": {**machine.describe(), "load_1min": os.getloadavg()[0],
+                       "xla_flags": xla_flags},
            "command": command_line(PROG, argv, {"XLA_FLAGS": xla_flags} if xla_flags else None),
            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if backend != "gpu" and not args.tiny:
@@ -248,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = args.out or (OUT if backend == "gpu" and not args.tiny else NOT_GPU_OUT)
     out.update(skipped=False, tiny=args.tiny, parts=list(parts),
                shape={k: list(v) if isinstance(v, tuple) else v for k, v in shape.items()})
-    measure(shape, parts, variants, out, path)
+    accel_bench.measure(shape, parts, variants, out, path)
     out["seconds"] = time.perf_counter() - t0
     write_result(path, out)
     if out["training"] and out["matmuls"]:

@@ -21,26 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
-import numpy as np
-
-from experiments.cli import runtime
+from experiments.cli import startup
 from experiments.cli.config import Parser, fail
-from experiments.pretrained.minilm import (
-    encode,
-    load_encoder,
-    make_encode_fn,
-    outlier_table,
-    quantize_encoder,
-    retrieval,
-    stdlib_sentences,
-    throughput,
-)
 from experiments.reporting.results_io import results_path, write_result
-from quant.convert import MODES
-from quant.encoder import calibration_rows
-from quant.pipeline import param_bytes
+from quant.modes import MODES
 
 PROG = "experiments.embed_fidelity"
 RESULTS = results_path("embed_fidelity.json")
@@ -68,34 +53,14 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"modes={args.modes!r}: allowed {', '.join(MODES)}")
     if args.sentences < 11 or args.calib < 1:
         fail(PROG, "sentences must be >= 11 (top-10 retrieval) and calib >= 1")
-    runtime.start(1)
-
+    minilm, minilm_fidelity = startup.begin("experiments.pretrained.minilm",
+                                            "experiments.pretrained.minilm_fidelity", devices=1)
     try:
-        texts = stdlib_sentences(args.sentences)
-        calib = stdlib_sentences(args.calib, offset=args.sentences)
+        texts = minilm.stdlib_sentences(args.sentences)
+        calib = minilm.stdlib_sentences(args.calib, offset=args.sentences)
     except ValueError as e:
         fail(PROG, str(e))
-    graphdef, params, tok = load_encoder()
-    float_fn = make_encode_fn(graphdef)
-    ref = encode(float_fn, params, tok, texts)
-    results, speed = [], {"float": throughput(float_fn, params, tok, texts)}
-    for mode in modes:
-        qdef, qparams, _ = quantize_encoder(graphdef, params, tok, mode, calib)
-        qfn = make_encode_fn(qdef)
-        emb = encode(qfn, qparams, tok, texts)
-        cos = np.sum(emb * ref, axis=1)  # both unit-norm
-        top1, top10 = retrieval(ref, emb)
-        results.append({"mode": mode, "mean_cosine": float(cos.mean()),
-                        "min_cosine": float(cos.min()), "top1_agreement": top1,
-                        "top10_overlap": top10, "param_bytes": param_bytes(qparams)})
-        if mode == "w8a8":
-            speed["w8a8"] = throughput(qfn, qparams, tok, texts)
-        print(json.dumps(results[-1]), flush=True)
-    out = {"results": results, "float_param_bytes": param_bytes(params),
-           "sentences_per_s": speed, "n_sentences": len(texts), "n_calib": len(calib),
-           "python": platform.python_version(),
-           "outliers": outlier_table(graphdef, params,
-                                     calibration_rows(tok.encode(calib)[0], 32)[:2])}
+    out = minilm_fidelity.fidelity(modes, texts, calib)
     if args.out:
         write_result(args.out, out)
     if args.json:

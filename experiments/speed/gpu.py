@@ -11,6 +11,7 @@ matmul as int8 (no conversion of either operand to a wider type before it).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 
@@ -20,7 +21,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from model import DecoderLM, ModelConfig
+from experiments.cli.runtime import backend_refusal
+from experiments.reporting.results_io import write_result
+from model import MODEL_PRESETS, DecoderLM, ModelConfig
 from model.flops import param_bytes, param_count, train_flops_per_token
 from model.layers import causal_attention, fused_causal_attention
 from parallel.mesh import make_mesh
@@ -30,12 +33,6 @@ from parallel.train_step import StepConfig
 from quant.dense import int8_matmul, int8_matmul_t
 from quant.modes import QuantConfig
 from quant.pipeline import quantize
-
-# (strategy, remat, attention) per training variant the GPU benchmark times; the first two are
-# the baseline (full rematerialisation, XLA's attention).
-VARIANTS = (("dp", "full", "xla"), ("zero3", "full", "xla"), ("dp", "full", "cudnn"),
-            ("dp", "save_dots", "xla"), ("dp", "save_dots", "cudnn"),
-            ("zero3", "save_dots", "cudnn"), ("dp", "none", "cudnn"))
 
 # Dense bf16 tensor-core peak per chip, FLOP/s (vendor datasheets, SXM parts, no sparsity).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -224,3 +221,62 @@ def matmul_ratio(n: int, repeats: int = 10) -> dict:
             "hlo_keeps_s8": not widened and f"s8[{n},{n}]" in hlo["int8"], "hlo_converts": widened,
             "gemm_backends": {k: gemm_backends(h) for k, h in hlo.items()},
             "entry": {k: entry_instructions(h) for k, h in hlo.items()}}
+
+
+# The fused attention against XLA's before any timing: the 1.3b preset's heads, and a grouped one.
+ATTENTION_CHECKS = ((2, 2048, 16, 16, 128), (2, 2048, 16, 4, 128))
+
+
+def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dict:
+    """One training row; a variant that cannot run here is a row with its reason, not a crash."""
+    label = {"strategy": strategy, "remat": remat, "attention": attention}
+    cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16",
+                              remat=remat, attention=attention)
+    refusal = backend_refusal(cfg)  # no NVIDIA GPU, or a head dimension its cuDNN lacks
+    if refusal:
+        return {**label, "skipped": refusal}
+    try:
+        return train_mfu(cfg, strategy, shape["global_batch"], shape["seq_len"],
+                         shape["steps"], shape["warmup"])
+    except (RuntimeError, NotImplementedError) as e:  # out of memory (JaxRuntimeError), a
+        # kernel this chip or library lacks: a result here; anything else is a bug and stops
+        return {**label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
+
+
+def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> None:
+    """Fill `out` with the benchmark's `parts` at `shape` (bench_gpu's FULL or TINY), the
+    training part for each (strategy, remat, attention) of `variants`, rewriting the results
+    file `path` after every row so that a run cut short keeps what it measured."""
+    out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
+               inference=[], complete=False)
+    # The parity checks' head dimension (the last of each ATTENTION_CHECKS entry) decides too.
+    refusal = backend_refusal(ModelConfig(d_model=ATTENTION_CHECKS[0][-1], n_heads=1,
+                                          attention="cudnn", compute_dtype="bfloat16"))
+    if "attention" in parts and refusal:
+        out["attention_skipped"] = refusal
+    elif "attention" in parts:
+        for dims in ATTENTION_CHECKS:
+            out["attention_parity"].append(attention_parity(*dims))
+            write_result(path, out)
+            print(json.dumps(out["attention_parity"][-1]), flush=True)
+    if "training" in parts:
+        for variant in variants:
+            row = train_variant(shape, *variant)
+            out["training"].append(row)
+            write_result(path, out)
+            print(json.dumps({k: row[k] for k in ("strategy", "remat", "attention", "step_s",
+                                                   "tokens_per_s", "mfu", "error", "skipped")
+                              if k in row}), flush=True)
+    if "matmuls" in parts:
+        for n in shape["matmuls"]:
+            out["matmuls"].append(matmul_ratio(n, shape["matmul_repeats"]))
+            write_result(path, out)
+    if "inference" in parts:
+        cfg = dataclasses.replace(MODEL_PRESETS[shape["preset"]], compute_dtype="bfloat16")
+        for mode in INFERENCE_MODES:
+            row = prefill_rate(cfg, mode, shape["inference_batch"], shape["seq_len"],
+                               shape["steps"], shape["warmup"])
+            out["inference"].append(row)
+            write_result(path, out)
+            print(json.dumps({k: row[k] for k in ("mode", "step_s", "tokens_per_s")}), flush=True)
+    out["complete"] = True
