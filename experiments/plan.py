@@ -37,10 +37,20 @@ from experiments.cli.config import (
     fail,
 )
 from experiments.reporting.results_io import command_line, write_result
+from experiments.zero.plan_request import (
+    GB,
+    REMATS,
+    STRATEGIES,
+    PlanRequest,
+    check_fields,
+    parse_bytes,
+    parse_count,
+)
 from model.config import MODEL_PRESETS, ModelConfig
 
 PROG = "experiments.plan"
 SHAPE_FLAGS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab")
+DEFAULT_SEQ = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,9 +100,54 @@ def _names(text: str | None) -> tuple[str, ...] | None:
     return None if text is None else tuple(x.strip() for x in text.split(","))
 
 
-def request_from_args(args):
-    """The PlanRequest the flags ask for; ConfigError on bad input. Imports the request module
-    (and JAX) only once the model flags are known to be sound."""
+def request_from_args(args) -> PlanRequest:
+    """The PlanRequest the flags ask for; ConfigError naming the first bad flag. Every flag is
+    checked before JAX is imported; only --params then needs it, to find the family member."""
+    _check_single_flags(args)
+    seq = args.seq or (MODEL_PRESETS[args.preset].max_len if args.preset in MODEL_PRESETS
+                       else DEFAULT_SEQ)
+    extra = {k: v for k, v in (("headroom", args.headroom), ("tflops", args.tflops),
+                               ("link_gb_s", args.link_gb_s)) if v is not None}
+    fields = dict(
+        devices=args.devices, device_memory=parse_bytes(args.device_memory), seq_len=seq,
+        global_batch=args.global_batch if args.global_batch is not None else 8 * args.devices,
+        strategies=_names(args.strategies) or STRATEGIES, remats=_names(args.remats) or REMATS,
+        micro_batches=_ints(args.micro_batches, "micro-batches"),
+        data_sizes=_ints(args.data_sizes, "data-sizes"), **extra)
+    check_fields(**fields)
+    model, note = _model(args)
+    model = dataclasses.replace(model, param_dtype=args.dtype, compute_dtype=args.dtype,
+                                max_len=seq)
+    req = PlanRequest(model=model, shape_note=note, **fields)
+    req.validate()
+    return req
+
+
+def _check_single_flags(args) -> None:
+    """The flags whose values are wrong on their own, whatever else is given."""
+    for f in SHAPE_FLAGS:
+        if getattr(args, f) is not None and getattr(args, f) <= 0:
+            raise ConfigError(f"{f.replace('_', '-')}={getattr(args, f)}: must be a positive "
+                              f"integer")
+    if args.dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"dtype={args.dtype!r}: allowed bfloat16, float32")
+    if args.seq is not None and args.seq < 1:
+        raise ConfigError(f"seq={args.seq}: must be a positive integer")
+    if args.preset is not None and args.preset not in MODEL_PRESETS:
+        raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(MODEL_PRESETS)}")
+    if args.params is not None:
+        parse_count(args.params)
+    check_devices(args.devices)  # the plan compiles on this many fake CPU devices
+    if args.budget_s is not None and not args.budget_s >= 0:
+        raise ConfigError(f"budget-s={args.budget_s}: must be >= 0")
+    if args.out is not None:
+        check_output_file("out", args.out, "the plan")
+    if not args.no_cache:
+        check_output_folder("cache", args.cache, "the compile cache")
+
+
+def _model(args) -> tuple[ModelConfig, str]:
+    """(model shape, note) from exactly one of --preset, --params or the shape flags."""
     shape_given = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
     chosen = [name for name, given in (("--preset", args.preset is not None),
                                        ("--params", args.params is not None),
@@ -101,61 +156,19 @@ def request_from_args(args):
         raise ConfigError(f"model: give exactly one of --preset, --params or the shape flags "
                           f"(--d-model --n-layers --n-heads --d-ff [--n-kv-heads --vocab]); "
                           f"got {', '.join(chosen) or 'none'}")
-    if args.dtype not in ("bfloat16", "float32"):
-        raise ConfigError(f"dtype={args.dtype!r}: allowed bfloat16, float32")
-    if args.seq is not None and args.seq < 1:
-        raise ConfigError(f"seq={args.seq}: must be a positive integer")
-    (plan_request,) = startup.load("experiments.zero.plan_request")
-    seq = args.seq
-    note = ""
     if args.preset is not None:
-        if args.preset not in MODEL_PRESETS:
-            raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(MODEL_PRESETS)}")
-        model = MODEL_PRESETS[args.preset]
-        seq = seq or model.max_len
-        note = f"preset {args.preset}"
-    elif args.params is not None:
-        psi = plan_request.parse_count(args.params)
-        model = plan_request.family_shape(plan_request.family_width_for(psi))
-        note = (f"--params {args.params}: our GPT family's closest member")
-    else:
-        missing = [f for f in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(args, f)
-                   is None]
-        if missing:
-            raise ConfigError(f"shape: --{missing[0].replace('_', '-')} is required with the "
-                              f"shape flags (--d-model --n-layers --n-heads --d-ff)")
-        for f in shape_given:
-            if getattr(args, f) <= 0:
-                raise ConfigError(f"{f.replace('_', '-')}={getattr(args, f)}: must be a positive "
-                                  f"integer")
-        model = ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                            n_kv_heads=args.n_kv_heads, d_ff=args.d_ff,
-                            vocab_size=args.vocab or 256)
-        note = "shape flags"
-    seq = seq or 2048
-    model = dataclasses.replace(model, param_dtype=args.dtype, compute_dtype=args.dtype,
-                                max_len=seq)
-    if args.devices < 1:
-        raise ConfigError(f"devices={args.devices}: must be a positive integer")
-    extra = {k: v for k, v in (("headroom", args.headroom), ("tflops", args.tflops),
-                               ("link_gb_s", args.link_gb_s)) if v is not None}
-    req = plan_request.PlanRequest(
-        model=model, devices=args.devices,
-        device_memory=plan_request.parse_bytes(args.device_memory), seq_len=seq,
-        global_batch=args.global_batch if args.global_batch is not None else 8 * args.devices,
-        strategies=_names(args.strategies) or plan_request.STRATEGIES,
-        remats=_names(args.remats) or plan_request.REMATS,
-        micro_batches=_ints(args.micro_batches, "micro-batches"),
-        data_sizes=_ints(args.data_sizes, "data-sizes"), shape_note=note, **extra)
-    req.validate()
-    check_devices(req.devices)  # the plan compiles on this many fake CPU devices
-    if args.budget_s is not None and not args.budget_s >= 0:
-        raise ConfigError(f"budget-s={args.budget_s}: must be >= 0")
-    if args.out is not None:
-        check_output_file("out", args.out, "the plan")
-    if not args.no_cache:
-        check_output_folder("cache", args.cache, "the compile cache")
-    return req
+        return MODEL_PRESETS[args.preset], f"preset {args.preset}"
+    if args.params is not None:
+        (family,) = startup.load("experiments.zero.plan_family")
+        member = family.family_shape(family.family_width_for(parse_count(args.params)))
+        return member, f"--params {args.params}: our GPT family's closest member"
+    missing = [f for f in ("d_model", "n_layers", "n_heads", "d_ff") if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"shape: --{missing[0].replace('_', '-')} is required with the "
+                          f"shape flags (--d-model --n-layers --n-heads --d-ff)")
+    return ModelConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       n_kv_heads=args.n_kv_heads, d_ff=args.d_ff,
+                       vocab_size=args.vocab or 256), "shape flags"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -165,12 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         fail(PROG, str(e))
 
-    plan_request, search, estimate = startup.begin(
-        "experiments.zero.plan_request", "experiments.zero.plan_search",
+    family, search, estimate = startup.begin(
+        "experiments.zero.plan_family", "experiments.zero.plan_search",
         "experiments.zero.plan_estimate", devices=req.devices)
-    gb = plan_request.GB
-    print(f"model: {plan_request.describe_shape(req.model)} [{req.shape_note}]; "
-          f"{req.devices} devices x {req.device_memory / gb:g} GB, usable {req.usable / gb:.3g} GB "
+    print(f"model: {family.describe_shape(req.model)} [{req.shape_note}]; "
+          f"{req.devices} devices x {req.device_memory / GB:g} GB, usable {req.usable / GB:.3g} GB "
           f"(headroom {req.headroom:.0%}); seq {req.seq_len}, global batch {req.global_batch}, "
           f"{req.model.param_dtype}", file=sys.stderr)
     cache = estimate.CompileCache(None if args.no_cache else args.cache)
@@ -185,13 +197,13 @@ def main(argv: list[str] | None = None) -> dict:
     rec = result["recommended"]
     if rec is None:
         least = min(result["candidates"], key=lambda r: r["model_state_gb"])
-        print(f"nothing fits in {req.usable / gb:.3g} GB usable: the smallest model "
+        print(f"nothing fits in {req.usable / GB:.3g} GB usable: the smallest model "
               f"state is {least['model_state_gb']:.3g} GB ({least['strategy']} on "
               f"{least['mesh']}), and no compiled peak was within the memory", file=out)
     else:
         print(f"recommended: {rec['strategy']} on {rec['mesh']}, remat {rec['remat']}, "
               f"micro-batch {rec['micro_batch']} ({rec['micro_steps']} micro-steps): peak "
-              f"{rec['peak_gb']:.2f} GB of {req.usable / gb:.3g} GB usable "
+              f"{rec['peak_gb']:.2f} GB of {req.usable / GB:.3g} GB usable "
               f"({req.headroom:.0%} headroom), {rec['comm_volume_psi']:.2f} Ψ per step, "
               f"estimated {rec['est_step_s']:.2f} s/step at {req.tflops:g} TFLOP/s and "
               f"{req.link_gb_s:g} GB/s" + ("" if result["complete"] else

@@ -2,7 +2,7 @@
 
   python -m experiments.zero_table2 --json [--quick] [--no-cache] [--out FILE]
 
-Largest member of our GPT family (experiments/zero/plan_request.py: the GPT-3-style presets'
+Largest member of our GPT family (experiments/zero/plan_family.py: the GPT-3-style presets'
 width/depth curve, head dim 128, d_ff = 4 d_model) whose training step fits a device, per ZeRO
 stage:
 - 64 devices of 32 GB (the paper's Table 2 row): model state only (the paper's count at our

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from experiments.cli.config import ConfigError
-from experiments.zero import plan_estimate, plan_request, plan_search
+from experiments.zero import plan_estimate, plan_family, plan_request, plan_search
 from experiments.zero.evidence import paper_bytes
 from experiments.zero.peak_check import (
     PeakSampler,
@@ -200,10 +200,10 @@ def test_units_and_family():
     for bad in ("80 apples", "-1GB", "GB", "80XB", "0GB"):
         with pytest.raises(ConfigError, match="device-memory"):
             plan_request.parse_bytes(bad)
-    for name in plan_request.FAMILY_PRESETS:  # every GPT-style preset is a member of the family
+    for name in plan_family.FAMILY_PRESETS:  # every GPT-style preset is a member of the family
         preset = MODEL_PRESETS[name]
-        assert plan_request.family_shape(preset.d_model).n_layers == preset.n_layers
-    member = plan_request.family_shape(plan_request.family_width_for(70e9))
+        assert plan_family.family_shape(preset.d_model).n_layers == preset.n_layers
+    member = plan_family.family_shape(plan_family.family_width_for(70e9))
     assert param_count(member) == pytest.approx(70e9, rel=0.02)
 
 

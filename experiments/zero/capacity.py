@@ -8,7 +8,7 @@ Two answers per (stage, device count, device memory):
 - with activations: bisection over widths, each step the real training step compiled for fake
   CPU devices (experiments.zero.plan_estimate.compile_candidate): the largest width whose
   compiled peak (XLA:CPU's, activations and temporaries included) fits, at a pinned activation
-  setting (ActivationSetting). Members are widths in multiples of 128 (plan_request.family_shape).
+  setting (ActivationSetting). Members are widths in multiples of 128 (plan_family.family_shape).
 
 JAX must already have as many fake devices as the largest device count compiled.
 """
@@ -23,14 +23,8 @@ from pathlib import Path
 
 from experiments.zero.evidence import STAGES, paper_bytes
 from experiments.zero.plan_estimate import CompileCache, cache_key, compile_candidate
-from experiments.zero.plan_request import (
-    GB,
-    WIDTH_STEP,
-    Candidate,
-    PlanRequest,
-    family_depth,
-    family_shape,
-)
+from experiments.zero.plan_family import WIDTH_STEP, family_depth, family_shape
+from experiments.zero.plan_request import GB, Candidate, PlanRequest
 from model.flops import param_count
 
 # The ZeRO paper's Table 2 at 64 devices of 32 GB, model state only (as printed).

@@ -2,9 +2,10 @@
 
 A request is a model shape, a device count and memory, a sequence length and a global batch,
 plus the subsets of the grid to search and the rates the ranking assumes. `PlanRequest.validate`
-refuses bad input with a ConfigError naming the field before anything is compiled. Sizes come
-as text with a unit (`parse_bytes`, `parse_count`); `--params` picks a member of our GPT family
-(`family_shape`, `family_width_for`).
+refuses bad input with a ConfigError naming the field before anything is compiled; `check_fields`
+checks everything but the model, so that a launcher can refuse a bad flag before it has a model.
+Sizes come as text with a unit (`parse_bytes`, `parse_count`). JAX-free: launchers import it at
+their top.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import math
 import re
 
 from experiments.cli.config import ConfigError
-from model.config import DTYPES, MODEL_PRESETS, ModelConfig
-from model.flops import param_count
+from model.config import DTYPES, ModelConfig
 
 GB = 1e9
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "zero3_prefetch")
@@ -53,63 +53,52 @@ def parse_count(text: str, field: str = "params") -> float:
     return _parse_quantity(text, _COUNT_UNITS, field, "70B")
 
 
-# ---------------------------------------------------------------- the GPT family
-
-# Our GPT family: the GPT-3-style presets' (width, depth) points, depth interpolated log-linearly
-# in width between them (and extended along the end segments), head dim 128, d_ff = 4 d_model,
-# byte vocabulary. Every one of these presets is a member.
-FAMILY_PRESETS = ("1.3b", "7.5b", "128b", "1t")
-HEAD_DIM = 128
-WIDTH_STEP = 128  # widths searched are multiples of this (the head dim)
-
-
-def _family_points() -> list[tuple[int, int]]:
-    return [(MODEL_PRESETS[p].d_model, MODEL_PRESETS[p].n_layers) for p in FAMILY_PRESETS]
-
-
-def family_depth(d_model: int) -> int:
-    pts = _family_points()
-    logd = math.log(d_model)
-    i = 0
-    while i < len(pts) - 2 and logd > math.log(pts[i + 1][0]):
-        i += 1
-    (d0, l0), (d1, l1) = pts[i], pts[i + 1]
-    slope = (math.log(l1) - math.log(l0)) / (math.log(d1) - math.log(d0))
-    return max(1, round(math.exp(math.log(l0) + slope * (logd - math.log(d0)))))
-
-
-def family_shape(d_model: int, *, seq_len: int = 2048, dtype: str = "bfloat16",
-                 remat: str = "full") -> ModelConfig:
-    """The member of width d_model (a multiple of WIDTH_STEP)."""
-    return ModelConfig(vocab_size=256, d_model=d_model, n_layers=family_depth(d_model),
-                       n_heads=max(1, d_model // HEAD_DIM), d_ff=4 * d_model, max_len=seq_len,
-                       param_dtype=dtype, compute_dtype=dtype, remat=remat)
-
-
-def family_width_for(psi: float, max_width: int = 1 << 17) -> int:
-    """The member width (multiple of WIDTH_STEP) whose parameter count is closest to psi."""
-    lo, hi = 1, max_width // WIDTH_STEP
-    while lo < hi:  # smallest width with at least psi parameters
-        mid = (lo + hi) // 2
-        if param_count(family_shape(mid * WIDTH_STEP)) >= psi:
-            hi = mid
-        else:
-            lo = mid + 1
-    cands = [w for w in (lo - 1, lo) if w >= 1]
-    return WIDTH_STEP * min(cands, key=lambda w: abs(param_count(family_shape(w * WIDTH_STEP))
-                                                     - psi))
-
-
-def describe_shape(cfg: ModelConfig) -> str:
-    kv = f", n_kv_heads {cfg.n_kv_heads}" if cfg.n_kv_heads else ""
-    n = param_count(cfg)
-    size = next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"),
-                                                              (1, "")) if n >= scale or scale == 1)
-    return (f"d_model {cfg.d_model}, n_layers {cfg.n_layers}, n_heads {cfg.n_heads}{kv}, "
-            f"d_ff {cfg.d_ff}, vocab {cfg.vocab_size} ({size} params)")
-
-
 # ---------------------------------------------------------------- request and candidates
+
+
+def check_fields(*, devices: int, device_memory: float, seq_len: int, global_batch: int,
+                 headroom: float = DEFAULT_HEADROOM, strategies: tuple[str, ...] = STRATEGIES,
+                 remats: tuple[str, ...] = REMATS, micro_batches: tuple[int, ...] | None = None,
+                 data_sizes: tuple[int, ...] | None = None, tflops: float = DEFAULT_TFLOPS,
+                 link_gb_s: float = DEFAULT_LINK_GB_S) -> None:
+    """ConfigError naming the first bad field of a request, its model aside."""
+    _check_sizes(devices, device_memory, seq_len, global_batch, headroom, tflops, link_gb_s)
+    _check_grid(devices, global_batch // devices, strategies, remats, micro_batches, data_sizes)
+
+
+def _check_sizes(devices, device_memory, seq_len, global_batch, headroom, tflops,
+                 link_gb_s) -> None:
+    if devices < 1:
+        raise ConfigError(f"devices={devices}: must be a positive integer")
+    if seq_len < 1:
+        raise ConfigError(f"seq={seq_len}: must be a positive integer")
+    if global_batch < 1 or global_batch % devices:
+        raise ConfigError(f"global-batch={global_batch}: must be a positive multiple "
+                          f"of devices={devices} (every device gets whole sequences)")
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"headroom={headroom}: must be in [0, 1)")
+    if not device_memory > 0:
+        raise ConfigError(f"device-memory={device_memory}: must be positive")
+    for name, value in (("tflops", tflops), ("link-gb-s", link_gb_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name}={value}: must be a positive number")
+
+
+def _check_grid(devices, per_device_batch, strategies, remats, micro_batches,
+                data_sizes) -> None:
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise ConfigError(f"strategies: {s!r} not allowed; allowed {', '.join(STRATEGIES)}")
+    for r in remats:
+        if r not in REMATS:
+            raise ConfigError(f"remats: {r!r} not allowed; allowed {', '.join(REMATS)}")
+    for m in micro_batches or ():
+        if m < 1 or per_device_batch % m:
+            raise ConfigError(f"micro-batches: {m} must divide the per-device batch "
+                              f"{per_device_batch} (global-batch / devices)")
+    for a in data_sizes or ():
+        if a < 1 or devices % a:
+            raise ConfigError(f"data-sizes: {a} must divide devices={devices}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,47 +127,14 @@ class PlanRequest:
 
     def validate(self) -> None:
         """ConfigError naming the field and what is allowed."""
-        self._check_sizes()
-        self._check_grid()
+        check_fields(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                        if f.name not in ("model", "shape_note")})
         if self.model.param_dtype not in DTYPES:
             raise ConfigError(f"dtype={self.model.param_dtype!r}: allowed {', '.join(DTYPES)}")
         try:
             dataclasses.replace(self.model, max_len=self.seq_len).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-    def _check_sizes(self) -> None:
-        if self.devices < 1:
-            raise ConfigError(f"devices={self.devices}: must be a positive integer")
-        if self.seq_len < 1:
-            raise ConfigError(f"seq={self.seq_len}: must be a positive integer")
-        if self.global_batch < 1 or self.global_batch % self.devices:
-            raise ConfigError(f"global-batch={self.global_batch}: must be a positive multiple "
-                              f"of devices={self.devices} (every device gets whole sequences)")
-        if not 0 <= self.headroom < 1:
-            raise ConfigError(f"headroom={self.headroom}: must be in [0, 1)")
-        if not self.device_memory > 0:
-            raise ConfigError(f"device-memory={self.device_memory}: must be positive")
-        for name in ("tflops", "link_gb_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ConfigError(f"{name.replace('_', '-')}={getattr(self, name)}: must be a "
-                                  f"positive number")
-
-    def _check_grid(self) -> None:
-        for s in self.strategies:
-            if s not in STRATEGIES:
-                raise ConfigError(f"strategies: {s!r} not allowed; allowed "
-                                  f"{', '.join(STRATEGIES)}")
-        for r in self.remats:
-            if r not in REMATS:
-                raise ConfigError(f"remats: {r!r} not allowed; allowed {', '.join(REMATS)}")
-        for m in self.micro_batches or ():
-            if m < 1 or self.per_device_batch % m:
-                raise ConfigError(f"micro-batches: {m} must divide the per-device batch "
-                                  f"{self.per_device_batch} (global-batch / devices)")
-        for a in self.data_sizes or ():
-            if a < 1 or self.devices % a:
-                raise ConfigError(f"data-sizes: {a} must divide devices={self.devices}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,14 +190,3 @@ def candidates(req: PlanRequest) -> list[Candidate]:
                 for m in micro:
                     out.append(Candidate(s, a, fsdp, r, m))
     return out
-
-
-def request_json(req: PlanRequest) -> dict:
-    return {"shape": describe_shape(req.model), "shape_note": req.shape_note,
-            "params": param_count(req.model), "devices": req.devices,
-            "device_memory_gb": req.device_memory / GB, "headroom": req.headroom,
-            "usable_gb": req.usable / GB, "seq": req.seq_len, "global_batch": req.global_batch,
-            "dtype": req.model.param_dtype, "tflops": req.tflops, "link_gb_s": req.link_gb_s,
-            "ranking": "estimated step time = (training + recomputed FLOPs) / tflops + bytes "
-                       "moved / link bandwidth; zero3_prefetch hides its in-loop all-gathers",
-            "peak": "XLA:CPU compiled peak per device (argument + output + temp - alias)"}

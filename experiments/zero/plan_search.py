@@ -45,7 +45,9 @@ from experiments.zero.plan_estimate import (
     layout_state,
     saved_activation_bytes,
 )
-from experiments.zero.plan_request import GB, Candidate, PlanRequest, candidates, request_json
+from experiments.zero.plan_family import describe_shape
+from experiments.zero.plan_request import GB, Candidate, PlanRequest, candidates
+from model.flops import param_count
 
 DEFAULT_BUDGET_S = 60.0
 HARD_LIMIT_FACTOR = 4  # an unsettled search stops at this many budgets
@@ -231,6 +233,17 @@ def plan(req: PlanRequest, *, cache: CompileCache | None = None,
         "wall_s": round(search.elapsed(), 1),
         "counts": {s: sum(r.status == s for r in rows) for s in STATUSES},
     }
+
+
+def request_json(req: PlanRequest) -> dict:
+    return {"shape": describe_shape(req.model), "shape_note": req.shape_note,
+            "params": param_count(req.model), "devices": req.devices,
+            "device_memory_gb": req.device_memory / GB, "headroom": req.headroom,
+            "usable_gb": req.usable / GB, "seq": req.seq_len, "global_batch": req.global_batch,
+            "dtype": req.model.param_dtype, "tflops": req.tflops, "link_gb_s": req.link_gb_s,
+            "ranking": "estimated step time = (training + recomputed FLOPs) / tflops + bytes "
+                       "moved / link bandwidth; zero3_prefetch hides its in-loop all-gathers",
+            "peak": "XLA:CPU compiled peak per device (argument + output + temp - alias)"}
 
 
 def format_table(result: dict, show_all: bool = False) -> str:
