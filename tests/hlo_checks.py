@@ -13,7 +13,8 @@ import re
 
 # `%name = type[dims]{layout} opcode(operands), attributes` (the layout is optional)
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(\w+)\[[^\]]*\]\S*\s+(\w[\w\-]*)\((.*)")
+    r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(\w+)\[([^\]]*)\]\S*\s+(\w[\w\-]*)\((.*)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _OPERAND = re.compile(r"(?:(\w+)\[[^\]]*\]\S*\s+)?(%[\w.\-]+)")
 
 
@@ -32,22 +33,46 @@ def _operands(rest: str) -> list[tuple[str | None, str]]:
     return _OPERAND.findall(rest[:end])
 
 
-def int8_dots(hlo: str) -> list[str]:
-    """The `dot` instructions of a compiled HLO text that multiply two s8 operands into an s32
-    result, one stripped line each. Instruction names are unique in a module, so an operand's
-    type is the type of the instruction (or parameter) that defines it."""
-    types, dots = {}, []
+def _instructions(hlo: str) -> tuple[dict, list]:
+    """({name: (type, dims)} of every instruction, [(line, type, operands, rest)] of its dots).
+    Instruction names are unique in a module, so an operand's type and shape are those of the
+    instruction (or parameter) that defines it."""
+    shapes, dots = {}, []
     for line in hlo.splitlines():
         m = _INSTRUCTION.match(line)
         if not m:
             continue
-        name, dtype, opcode, rest = m.groups()
-        types[name] = dtype
+        name, dtype, dims, opcode, rest = m.groups()
+        shapes[name] = (dtype, [int(d) for d in dims.split(",") if d])
         if opcode == "dot":
-            dots.append((line.strip(), dtype, _operands(rest)))
+            dots.append((line.strip(), dtype, _operands(rest), rest))
+    return shapes, dots
+
+
+def int8_dots(hlo: str) -> list[str]:
+    """The `dot` instructions of a compiled HLO text that multiply two s8 operands into an s32
+    result, one stripped line each."""
+    shapes, dots = _instructions(hlo)
     found = []
-    for line, dtype, operands in dots:
-        kinds = [written or types.get(name) for written, name in operands]
-        if dtype == "s32" and len(kinds) == 2 and kinds == ["s8", "s8"]:
+    for line, dtype, operands, _ in dots:
+        kinds = [written or shapes.get(name, (None,))[0] for written, name in operands]
+        if dtype == "s32" and kinds == ["s8", "s8"]:
             found.append(line)
     return found
+
+
+def float_dot_widths(hlo: str) -> list[int]:
+    """The contracted length of every f32 `dot` of a compiled HLO text: which float products a
+    program still has (attention's, say) once its Dense products run in int8."""
+    shapes, dots = _instructions(hlo)
+    widths = []
+    for _, dtype, operands, rest in dots:
+        m = _LHS_CONTRACTING.search(rest)
+        if dtype != "f32" or not operands or not m:
+            continue
+        lhs = shapes[operands[0][1]][1]
+        width = 1
+        for d in m.group(1).split(","):
+            width *= lhs[int(d)]
+        widths.append(width)
+    return widths

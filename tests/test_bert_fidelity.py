@@ -1,6 +1,7 @@
 """int8 encoder: w8a8 stays close to float on real sentences; the encoder's SmoothQuant fold
 leaves the float function unchanged; quantised params shard like float ones."""
 
+import re
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from experiments.pretrained.minilm import (  # noqa: E402
     retrieval,
     stdlib_sentences,
 )
+from tests.hlo_checks import float_dot_widths, int8_dots  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +79,6 @@ def test_w8a8_encoder_multiplies_in_int8(setup):
     up, down in the layer scan), and the only float dots left are attention's (contracting
     over head_dim or the sequence), so no int8 operand was widened to float; and no int8
     operand is transposed on the way (the stored [in, out] kernels feed the dot as they are)."""
-    import re
-
-    from tests.test_quant_dense import float_dot_widths, int8_dots
-
     graphdef, params, tok, texts, calib, _ = setup
     qdef, qparams, _ = quantize_encoder(graphdef, params, tok, "w8a8", calib)
     tokens, mask = tok.encode(texts[:4], pad_to=16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tests.hlo_checks import int8_dots
+from tests.hlo_checks import float_dot_widths, int8_dots
 
 A = jnp.ones((8, 64), jnp.int8)
 B = jnp.ones((64, 32), jnp.int8)
@@ -39,3 +39,10 @@ def test_operand_types_written_inline_are_read_too():
            "  %d = s32[4,4]{1,0} dot(s8[4,4]{1,0} %a, s8[4,4]{1,0} %a), lhs_contracting_dims={1}\n"
            "  ROOT %e = s32[4,4]{1,0} dot(%c, %a), lhs_contracting_dims={1}\n}\n")
     assert [line.split(" =")[0] for line in int8_dots(hlo)] == ["%d"]
+
+
+def test_float_dot_widths_are_the_contracted_lengths():
+    hlo = compiled(lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32))
+    assert float_dot_widths(hlo) == [64]
+    assert float_dot_widths(compiled(
+        lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.int32))) == []
