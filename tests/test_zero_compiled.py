@@ -17,8 +17,10 @@ from experiments.training.config import TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.evidence import (
     EXPECTED_PSI,
+    KEEP_GATHERED,
     ReleaseSetup,
     compile_step,
+    fit_growth,
     layer_param_count,
     measure_depth,
     model_config,
@@ -192,22 +194,41 @@ def test_zero2_peak_is_below_zero1_by_more_than_the_whole_gradient():
     assert peaks["zero1"] - peaks["zero2"] >= grads, (peaks, grads)
 
 
-@pytest.mark.parametrize("strategy", ["zero3", "zero3_prefetch"])
-def test_zero3_peak_grows_with_depth_by_activations_and_shards_only(strategy):
-    setup = ReleaseSetup(d_model=64, n_heads=2, d_ff=256, depths=(4, 6), devices=(4, 8),
-                         seq_len=16, seqs_per_device=1)
+RELEASE_SETUP = ReleaseSetup(d_model=64, n_heads=2, d_ff=256, depths=(4, 6), devices=(4, 8),
+                             seq_len=16, seqs_per_device=1)
+
+
+@functools.cache
+def _release_row(strategy: str) -> dict:
+    setup = RELEASE_SETUP
     peaks = {(layers, n): measure_depth(setup, strategy, layers, n)["peak"]
              for layers in setup.depths for n in setup.devices}
-    report = release_report(setup, strategy, peaks)
-    # Keeping the gathered weights would add about one gathered layer per added layer (>= 1.0);
-    # at this size the fit's noise from the compiler's sharded temporaries is below 0.1.
+    return release_report(setup, strategy, peaks)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_prefetch"])
+def test_zero3_peak_grows_with_depth_by_activations_and_shards_only(strategy):
+    report = _release_row(strategy)
     assert report["released"], report
-    # Nothing gathered is kept: "kept" gathered layers are not positive. They come out negative
-    # (about -1) because per-layer *sharded* state grows faster than the shards alone: the
-    # update guard decides on the updated parameters' finiteness, so the new parameters, master
-    # and moments are written beside the old ones (kept until the verdict) instead of in place.
-    # zero3_prefetch also saves its stacked per-layer gradient shards in the backward loop.
     assert report["kept_gathered_layers"] < 0.25, report
+
+
+def test_the_release_check_catches_a_step_that_keeps_every_gathered_layer():
+    # The control is zero3 whose backward pass saves each gathered layer instead of gathering
+    # it again: about one gathered layer (or more, in f32 copies) per layer of depth.
+    report = _release_row(KEEP_GATHERED)
+    assert not report["released"], report
+    assert report["kept_gathered_layers"] >= 0.9, report
+
+
+def test_the_release_fit_has_no_negative_part():
+    # Growth that falls faster than 1/N alone: a free fit would give a negative unsharded part.
+    u, s = fit_growth({4: 360_000, 8: 130_000})
+    assert u == 0 and s > 0
+    u, s = fit_growth({8: 5_000 + 800_000 / 8, 32: 5_000 + 800_000 / 32})
+    assert (u, s) == (pytest.approx(5_000), pytest.approx(800_000))
+    u, s = fit_growth({8: 1_000, 32: 2_000})  # growing with N: no sharded part
+    assert s == 0 and u == pytest.approx(1_500)
 
 
 # Backslash-newline joins the long HLO lines (the string is not raw).
