@@ -148,3 +148,11 @@ def test_an_unreadable_config_is_one_line_naming_the_work_dir(tmp_path):
     one_line_error(cli("evaluate", "--workdir", str(workdir)), f"workdir={str(workdir)!r}",
                    "config.json cannot be read")
     assert sorted(os.listdir(workdir)) == ["config.json"]
+
+
+def test_fault_injection_refuses_bad_input_before_running(tmp_path):
+    one_line_error(cli("fault_injection", "--scenarios", "nonfinite,nonfinite"),
+                   "scenarios='nonfinite,nonfinite'", "distinct names")
+    one_line_error(cli("fault_injection", "--scenarios", "nonfinite", "--out", str(tmp_path)),
+                   f"out={str(tmp_path)!r}", "is a folder")
+    assert os.listdir(tmp_path) == []
