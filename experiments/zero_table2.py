@@ -27,6 +27,7 @@ import time
 
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
+from experiments.reporting import plots
 from experiments.reporting.results_io import project_relative, results_path, write_result
 
 PROG = "experiments.zero_table2"
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                               lambda line: say(f"{line} ({time.perf_counter() - start:.0f} s)"))
     png = pathlib.Path(args.out).with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)
-    capacity.plot(planning, png)
+    plots.zero_table2_planning(planning, png)
     s = search.setting
     out = {
         "table2": table2, "planning": planning,

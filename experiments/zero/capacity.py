@@ -19,9 +19,8 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from experiments.zero.evidence import STAGES, paper_bytes
+from experiments.zero.evidence import paper_bytes
 from experiments.zero.plan_estimate import CompileCache, cache_key, compile_candidate
 from experiments.zero.plan_family import WIDTH_STEP, family_depth, family_shape
 from experiments.zero.plan_request import GB, Candidate, PlanRequest
@@ -149,37 +148,3 @@ def table2_row(stage: str, n_devices: int, memory: float, search: CompiledSearch
                        compiled_state_gb=(found["params_bytes"] + found["optimizer_bytes"]
                                           + found["grads_bytes"]) / GB)
     return row
-
-
-def plot(planning: list[dict], out_path: Path) -> Path:
-    """Largest trainable member vs devices, per stage, log-log: a panel per device memory, the
-    state-only search as lines, the compiled search (activations included) as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    memories = sorted({r["memory_gb"] for r in planning})
-    fig, axes = plt.subplots(1, len(memories), figsize=(5.2 * len(memories), 4.2), dpi=120,
-                             sharey=True, squeeze=False)
-    colors = dict(zip(STAGES, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True))
-    for ax, mem in zip(axes[0], memories, strict=True):
-        for stage in STAGES:
-            rows = sorted((r for r in planning if r["memory_gb"] == mem and r["stage"] == stage),
-                          key=lambda r: r["devices"])
-            ax.plot([r["devices"] for r in rows], [r["state_psi"] for r in rows], "-",
-                    color=colors[stage], label=f"{stage} (model state)")
-            done = [r for r in rows if r.get("compiled_psi")]
-            ax.plot([r["devices"] for r in done], [r["compiled_psi"] for r in done], "o",
-                    color=colors[stage], label=f"{stage} (compiled, with activations)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("devices")
-        ax.set_title(f"{mem:g} GB per device")
-        ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("largest trainable model (parameters)")
-    axes[0][-1].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return out_path
