@@ -132,3 +132,17 @@ def first_token_spread(pre: Pretrained, prompt: str, seeds: int, rel: float,
             "p_reference": p_ref,
             "p_min": min(p_ref), "p_max": max(p_ref), "argmax": argmax,
             "argmax_not_reference": sum(a != reference_token for a in argmax)}
+
+
+def chat_parity(pre: Pretrained, chat: dict, key: str, near_tie: float) -> dict:
+    """Our chat template and greedy KV-cache decoding against a parity fixture's `chat` entry
+    (its replies under `key`): per prompt, the prompt ids and the reply compared
+    (`against_reference`)."""
+    prompts = []
+    for text, ids, ref in zip(chat["prompts"], chat["tokens"], chat[key], strict=True):
+        ours = greedy_reply(pre, text, chat["max_new_tokens"])
+        prompts.append({"prompt": text, "template_identical": chat_ids(pre, text)
+                        == ids, "reply": pre.tokenizer.decode(ours, skip_special=True),
+                        **against_reference(ours, ref, near_tie)})
+    return {"max_new_tokens": chat["max_new_tokens"], "near_tie": near_tie,
+            "prompts": prompts}
