@@ -16,6 +16,7 @@ bit for bit. It also reads only the written part of a long cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,15 +37,16 @@ def padded_length(length: int) -> int:
 # Jitted so that an eager caller (a prefill run layer by layer, a test stepping token by token)
 # compiles the block loop once per shape, not at every call; inside a jitted step it
 # is inlined.
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("window",))
 def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,
-                             last_position) -> jax.Array:
+                             last_position, window: int | None = None) -> jax.Array:
     """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].
 
     `cache` offers `length`, `kv_heads` and `block(start, size, dtype)` -> (k, v)
     [B, size, K, H] with K = `kv_heads` (K divides N: grouped-query attention, query head n
     reads kv head n // (N / K), as Llama does). `last_position` (traced or static) is the
-    largest query position: blocks past it are never read.
+    largest query position: blocks past it are never read. With `window` (sliding-window
+    attention) query t also stops seeing positions before t - window + 1.
     """
     B, T, N, H = q_BxTxNxH.shape
     S = cache.length
@@ -61,13 +63,19 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
         start = b * CACHE_BLOCK
         k, v = cache.block(start, CACHE_BLOCK, jnp.float32)  # [B, C, K, H]
         s = jnp.einsum("bkgth,bckh->bkgtc", q, k)
-        seen = (start + jnp.arange(CACHE_BLOCK))[None, None, :] <= positions_BxT[:, :, None]
+        key = (start + jnp.arange(CACHE_BLOCK))[None, None, :]
+        seen = key <= positions_BxT[:, :, None]
+        if window is not None:
+            seen = seen & (key > positions_BxT[:, :, None] - window)
         s = jnp.where(seen[:, None, None], s, -jnp.inf)  # [B, K, G, T, C]
         # The first block holds position 0, which every query sees, so m is finite after it and a
         # block a query cannot see changes nothing: its weights are exp(-inf) = 0, its rescale 1.
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        rescale = jnp.exp(m - m_new)
+        # A sliding window hides position 0 from late queries: until a block holds a key they
+        # see, m stays -inf, and the shift is taken as 0 so that exp(-inf - 0) = 0, not NaN.
+        shift = m_new if window is None else jnp.where(jnp.isinf(m_new), 0.0, m_new)
+        p = jnp.exp(s - shift[..., None])
+        rescale = jnp.exp(m - shift)
         denom = denom * rescale + p.sum(axis=-1)
         acc = acc * rescale[..., None] + jnp.einsum("bkgtc,bckh->bkgth", p, v)
         return m_new, denom, acc

@@ -48,10 +48,23 @@ class ModelConfig:
     attention: str = "xla"  # xla | cudnn (see ATTENTION_IMPLS)
     # Unrolling the short layer scan removes the loop overhead that dominates tiny models on CPU.
     scan_unroll: int = 1
+    # Architecture options of other decoder families (all off: the Llama form above).
+    # Size of one attention head; None: d_model / n_heads. Qwen3 and Gemma set it explicitly,
+    # and then the query/output projections map d_model <-> n_heads * head_size.
+    head_size: int | None = None
+    qkv_bias: bool = False  # q, k and v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query / key head before rotary (Qwen3)
+    # Query t sees keys t - sliding_window + 1 .. t only (Mistral); None: the whole prefix.
+    sliding_window: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads (d_model unless `head_size` says otherwise)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -63,14 +76,19 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be a positive integer")
-        if self.d_model % self.n_heads:
+        if self.head_size is not None and self.head_size <= 0:
+            raise ValueError(f"head_size={self.head_size}: must be a positive integer")
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"n_heads={self.n_heads}: must divide d_model={self.d_model}"
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"n_heads={self.n_heads}: d_model/n_heads={self.head_dim} must be even for rotary"
+                f"n_heads={self.n_heads}: head dimension {self.head_dim} must be even for rotary"
             )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window}: must be a positive integer "
+                             f"or None")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "

@@ -129,7 +129,7 @@ def attention_block(length: int) -> int:
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
-                     block: int | None = None) -> jax.Array:
+                     block: int | None = None, window: int | None = None) -> jax.Array:
     """Causal softmax attention (T == S) with K key/value heads, K dividing the N query heads
     (K == N: multi-head; K < N: grouped-query, query head n attending with key/value head
     n // (N / K), as Llama does): [B, T, N, H].
@@ -145,6 +145,8 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.
       a block's [rows, b] scores are smaller, so more of them stay in cache through the softmax;
     - the backward is written out (`_attention_blocks`), with fewer passes over the scores than
       autodiff's.
+    With `window` (sliding-window attention) position t also stops seeing keys before
+    t - window + 1; a masked score's probability is 0, so the backward needs no change.
     """
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxSxKxH.shape[2]
@@ -154,7 +156,10 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.
         raise ValueError(f"block: must be a positive number of positions, got {block}")
     q = q_BxTxNxH.reshape(B, T, K, group, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * group, H)
     k, v = (jnp.swapaxes(a, 1, 2) for a in (k_BxSxKxH, v_BxSxKxH))  # B,K,S,H
-    out = _attention_blocks(q, k, v, group, block)  # B,K,T*G,H
+    if window is None:
+        out = _attention_blocks(q, k, v, group, block)  # B,K,T*G,H
+    else:
+        out = _windowed_attention_blocks(q, k, v, group, block, window)
     return out.reshape(B, K, T, group, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
 
 
@@ -163,7 +168,7 @@ def _spans(length: int, block: int) -> list[tuple[int, int]]:
     return [(a, min(a + block, length)) for a in range(0, length, block)]
 
 
-def _blocks_forward(q, k, v, group, block):
+def _blocks_forward(q, k, v, group, block, window=None):
     """softmax(mask(q k^T / sqrt(H))) v for q [B, K, T * G, H] and k, v [B, K, S, H], block by
     block; also each block's probabilities [B, K, (b - a) * G, b]."""
     S, H = k.shape[2], q.shape[-1]
@@ -176,6 +181,8 @@ def _blocks_forward(q, k, v, group, block):
         # (iota), not as a constant: a long sequence's masks would bloat it.
         position = a + jnp.arange((b - a) * group) // group
         causal = jnp.arange(b)[None, :] <= position[:, None]
+        if window is not None:
+            causal = causal & (jnp.arange(b)[None, :] > position[:, None] - window)
         # The masked value jax.nn.dot_product_attention uses (finite: no inf - inf anywhere).
         scores = jnp.where(causal, scores, -0.7 * float(jnp.finfo(jnp.float32).max))
         p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -226,8 +233,27 @@ def _attention_blocks_bwd(group, block, residuals, d_out):
 _attention_blocks.defvjp(_attention_blocks_fwd, _attention_blocks_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _windowed_attention_blocks(q, k, v, group, block, window):
+    """`_attention_blocks` with a sliding window: the same backward (masked probabilities are 0
+    whichever mask made them)."""
+    return _blocks_forward(q, k, v, group, block, window)[0]
+
+
+def _windowed_fwd(q, k, v, group, block, window):
+    out, probs = _blocks_forward(q, k, v, group, block, window)
+    return out, (q, k, v, out, probs)
+
+
+def _windowed_bwd(group, block, window, residuals, d_out):
+    return _attention_blocks_bwd(group, block, residuals, d_out)
+
+
+_windowed_attention_blocks.defvjp(_windowed_fwd, _windowed_bwd)
+
+
 def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
-                           v_BxSxKxH: jax.Array) -> jax.Array:
+                           v_BxSxKxH: jax.Array, window: int | None = None) -> jax.Array:
     """Causal attention through cuDNN's fused kernel (flash attention; K divides N for
     grouped-query attention): the [T, S] scores stay on chip instead of being written out, forward
     and backward. Only an NVIDIA GPU backend has it; elsewhere this is refused in one line."""
@@ -235,8 +261,10 @@ def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
     if backend != "gpu":
         raise ValueError(f"attention='cudnn': needs an NVIDIA GPU, the JAX backend is {backend!r} "
                          f"(use attention='xla')")
+    # local_window_size (left, right): a query sees `window - 1` keys before it and itself.
+    local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True,
-                                        implementation="cudnn")
+                                        implementation="cudnn", local_window_size=local)
 
 
 def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:

@@ -3,6 +3,8 @@
 The Llama family's options are config fields of the same class: grouped-query attention
 (`n_kv_heads`), a gated SwiGLU MLP (`mlp="swiglu"`), a head tied to the input embedding
 (`tie_embeddings`), `rope_base` and `norm_eps` (see `model.config.MODEL_PRESETS["smollm2"]`).
+Other families are fields too: Mistral's `sliding_window`, Qwen2's `qkv_bias`, Qwen3's
+`qk_norm` and `head_size` (model/hf_decoder.py reads them from a Hugging Face config).
 
 The blocks are created with `nnx.vmap`, so every block parameter is stacked on a leading
 `layers` axis, and a runner (model/layer_stack.py; by default one `lax.scan`) runs them. A
@@ -40,36 +42,46 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, dt = cfg.d_model, dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
         kv = cfg.kv_heads * cfg.head_dim  # grouped-query attention: fewer key/value heads
-        self.q = Dense(d, d, axes=("embed", "heads"), rngs=rngs, **dt)
-        self.k = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **dt)
-        self.v = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **dt)
+        bias = dict(use_bias=cfg.qkv_bias)
+        self.q = Dense(d, cfg.q_dim, axes=("embed", "heads"), rngs=rngs, **bias, **dt)
+        self.k = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **bias, **dt)
+        self.v = Dense(d, kv, axes=("embed", "kv_heads"), rngs=rngs, **bias, **dt)
         # Residual-branch outputs start small (GPT-2 style 1/sqrt(2L)) so deep stacks train stably.
-        self.o = Dense(d, d, axes=("heads", "embed"), rngs=rngs,
+        self.o = Dense(cfg.q_dim, d, axes=("heads", "embed"), rngs=rngs,
                        init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
+        if cfg.qk_norm:  # one scale per position within a head, shared by every head
+            norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype, axes=("head_dim",))
+            self.q_norm = RMSNorm(cfg.head_dim, **norm)
+            self.k_norm = RMSNorm(cfg.head_dim, **norm)
 
     def __call__(self, x_BxTxD, positions_BxT, cache=None, cache_index=None):
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         split = lambda y: y.reshape(B, T, -1, cfg.head_dim)
-        q = rotary(split(self.q(x_BxTxD)), positions_BxT, cfg.rope_base)
-        k = rotary(split(self.k(x_BxTxD)), positions_BxT, cfg.rope_base)
+        q, k = split(self.q(x_BxTxD)), split(self.k(x_BxTxD))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, positions_BxT, cfg.rope_base)
+        k = rotary(k, positions_BxT, cfg.rope_base)
         v = split(self.v(x_BxTxD))
+        window = cfg.sliding_window
         # With GQA, k and v keep kv_heads heads (also in the cache): query head n attends with
         # key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
             with jax.named_scope(ATTENTION_SCOPE):
                 if cfg.attention == "cudnn":
-                    out = fused_causal_attention(q, k, v)
+                    out = fused_causal_attention(q, k, v, window=window)
                 else:
-                    out = causal_attention(q, k, v)
+                    out = causal_attention(q, k, v, window=window)
             new_cache = None
         else:
             # Write this chunk's keys/values at cache_index, attend over everything written so far
             # (block by block: the result does not depend on how long the cache is).
             new_cache = cache.write(k, v, cache_index)
             with jax.named_scope(ATTENTION_SCOPE):
-                out = blocked_cached_attention(q, new_cache, positions_BxT, cache_index + T - 1)
-        return self.o(out.reshape(B, T, cfg.d_model)), new_cache
+                out = blocked_cached_attention(q, new_cache, positions_BxT, cache_index + T - 1,
+                                               window=window)
+        return self.o(out.reshape(B, T, cfg.q_dim)), new_cache
 
 
 class Mlp(nnx.Module):

@@ -14,6 +14,17 @@ channel of every query head in its group, so those o rows share one factor (the 
 linear in up's output, so scaling up's output column j by 1/s_j scales down's input channel j
 by 1/s_j exactly: the fold the Llama family's "massive activations" (a few channels of down's
 input hundreds of times the median) need most.
+
+The other decoder families' fields keep every fold exact:
+- q/k/v biases (Qwen2): a bias is added after the kernel, so the norm -> q/k/v fold
+  ((x / s) (s W) + b = x W + b) leaves it alone; the v -> o fold scales v's output column j,
+  bias included, by 1/s_j (v's output is x W + b as a whole), so v's bias is divided too, and
+  o's input stays a convex combination of the scaled columns;
+- q/k RMSNorm per head (Qwen3) acts on q's and k's outputs, after the fold on their input; it
+  is never a fold site itself (its scale multiplies a per-head normalised vector that feeds the
+  rotary map, not a Dense's input channels), so it stays as it is;
+- a head size other than d_model / n_heads only changes the layout `_group_max` reads.
+A bias on `up` (no supported family has one) would be divided like v's.
 """
 
 from __future__ import annotations
@@ -73,6 +84,14 @@ def _expand_groups(s: jax.Array, groups: int, head_dim: int) -> jax.Array:
 def _scale(kernel: nnx.Param, factor: jax.Array) -> None:
     k = kernel[...]
     kernel.set_value((k.astype(jnp.float32) * factor).astype(k.dtype))
+
+
+def _divide_outputs(dense: nnx.Module, s: jax.Array) -> None:
+    """Divide a Dense's output column j by s_j: its kernel's column and, if it has one, its
+    bias (s [..., out])."""
+    _scale(dense.kernel, 1.0 / s[..., None, :])
+    if getattr(dense, "bias", None) is not None:
+        _scale(dense.bias, 1.0 / s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +162,16 @@ def fold(model: nnx.Module, x_absmax: dict[str, jax.Array],
             _scale(get_module(model, c).kernel, s[..., :, None])
 
     groups = cfg.n_heads // cfg.kv_heads
-    v, o = get_module(model, "blocks/attn/v").kernel, get_module(model, "blocks/attn/o").kernel
     s_o = factors["blocks/attn/o"]
     # v's columns: the first query head of each group holds its kv head's factors
     s_v = s_o.reshape(*s_o.shape[:-1], cfg.kv_heads, groups, cfg.head_dim)[..., 0, :]
     s_v = s_v.reshape(*s_o.shape[:-1], -1)
-    _scale(v, 1.0 / s_v[..., None, :])
-    _scale(o, s_o[..., :, None])
+    _divide_outputs(get_module(model, "blocks/attn/v"), s_v)
+    _scale(get_module(model, "blocks/attn/o").kernel, s_o[..., :, None])
     factors["blocks/attn/o"] = s_v
 
     if "blocks/mlp/down" in sites:
         s = factors["blocks/mlp/down"]
-        _scale(get_module(model, "blocks/mlp/up").kernel, 1.0 / s[..., None, :])
+        _divide_outputs(get_module(model, "blocks/mlp/up"), s)
         _scale(get_module(model, "blocks/mlp/down").kernel, s[..., :, None])
     return {k: jax.device_get(f).tolist() for k, f in factors.items()}
