@@ -1,0 +1,280 @@
+"""Hugging Face decoder folders -> `ModelConfig` + float32 parameters of `DecoderLM`.
+
+A folder holds `config.json`, the weights (`model.safetensors`, or shards listed by
+`model.safetensors.index.json`) and `tokenizer.json` (model/hf_tokenizer.py reads that). The
+families read here differ only in fields of the one decoder:
+  llama    the base form (SmolLM2 is one);
+  mistral  `sliding_window` (None: full attention);
+  qwen2    q/k/v biases (`qkv_bias`);
+  qwen3    q/k RMSNorm per head (`qk_norm`) and an explicit `head_dim` (`head_size`).
+
+Name mapping (HF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). HF
+Linear weights are [out, in], Dense kernels [in, out]: every one is transposed. HF stores q and
+k in the rotate-half layout `model.layers.rotary` uses, so (unlike a GGUF, see
+model/llama_gguf.py's `_unpermute`) no rows are reordered.
+  model.embed_tokens.weight                  -> embed/embedding
+  lm_head.weight                             -> head/kernel (absent when tied)
+  model.norm.weight                          -> final_norm/scale
+  model.layers.N.input_layernorm.weight      -> blocks/attn_norm/scale
+  model.layers.N.self_attn.{q,k,v,o}_proj.weight -> blocks/attn/{q,k,v,o}/kernel
+  model.layers.N.self_attn.{q,k,v}_proj.bias -> blocks/attn/{q,k,v}/bias
+  model.layers.N.self_attn.{q,k}_norm.weight -> blocks/attn/{q,k}_norm/scale
+  model.layers.N.post_attention_layernorm.weight -> blocks/mlp_norm/scale
+  model.layers.N.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/{gate,up,down}/kernel
+
+Tensors are read one at a time (`safetensors.safe_open`), converted to float32 and written
+into one preallocated array per parameter, so the host holds the float32 model plus about one
+tensor while loading.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from model.config import ModelConfig
+from model.llama_gguf import set_path
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_MAP = {  # HF name within a layer -> NNX path
+    "input_layernorm.weight": "blocks/attn_norm/scale",
+    "self_attn.q_proj.weight": "blocks/attn/q/kernel",
+    "self_attn.k_proj.weight": "blocks/attn/k/kernel",
+    "self_attn.v_proj.weight": "blocks/attn/v/kernel",
+    "self_attn.o_proj.weight": "blocks/attn/o/kernel",
+    "self_attn.q_proj.bias": "blocks/attn/q/bias",
+    "self_attn.k_proj.bias": "blocks/attn/k/bias",
+    "self_attn.v_proj.bias": "blocks/attn/v/bias",
+    "self_attn.q_norm.weight": "blocks/attn/q_norm/scale",
+    "self_attn.k_norm.weight": "blocks/attn/k_norm/scale",
+    "post_attention_layernorm.weight": "blocks/mlp_norm/scale",
+    "mlp.gate_proj.weight": "blocks/mlp/gate/kernel",
+    "mlp.up_proj.weight": "blocks/mlp/up/kernel",
+    "mlp.down_proj.weight": "blocks/mlp/down/kernel",
+}
+_TOP_MAP = {"model.embed_tokens.weight": "embed/embedding", "lm_head.weight": "head/kernel",
+            "model.norm.weight": "final_norm/scale"}
+
+
+class HFError(ValueError):
+    """A folder that is not a readable Hugging Face decoder; the message is one line naming
+    the folder and what is wrong."""
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HFError(f"{str(folder)!r}: no config.json (not a Hugging Face model folder)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFError(f"{str(path)!r}: not readable JSON ({str(e).splitlines()[0]})") from None
+
+
+def _rope_base(hf: dict, where: str) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise HFError(f"{where}: rope_type={kind!r} is not supported (only 'default')")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def _refuse(where: str, hf: dict, key: str, ok) -> None:
+    if key in hf and hf[key] not in ok:
+        raise HFError(f"{where}: {key}={hf[key]!r} is not supported (allowed: "
+                      f"{', '.join(map(repr, ok))})")
+
+
+def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = None,
+                   max_len: int | None = None) -> ModelConfig:
+    """The decoder's config from a Hugging Face config.json (as a dict); `n_layers` keeps the
+    first layers, `max_len` shortens the context (None: max_position_embeddings)."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise HFError(f"{where}: model_type={kind!r} is not supported (allowed: "
+                      f"{', '.join(MODEL_TYPES)})")
+    _refuse(where, hf, "hidden_act", ("silu",))
+    _refuse(where, hf, "mlp_bias", (False,))
+    if kind in ("llama", "mistral", "qwen3"):
+        _refuse(where, hf, "attention_bias", (False,))  # would put a bias on o as well
+    _refuse(where, hf, "use_sliding_window", (False,))  # Qwen's per-layer windows
+    window = hf.get("sliding_window") if kind == "mistral" else None
+    types = set(hf.get("layer_types") or ())
+    if types and (types - {"full_attention", "sliding_attention"} or len(types) > 1
+                  or ("sliding_attention" in types) != (window is not None)):
+        raise HFError(f"{where}: layer_types={sorted(types)} is not supported (every layer "
+                      f"the same attention, sliding only with a Mistral sliding_window)")
+    try:
+        layers = int(hf["num_hidden_layers"])
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim")
+        if n_layers is not None and not 1 <= n_layers <= layers:
+            raise HFError(f"n_layers={n_layers}: must be in 1..{layers} (the model's layers)")
+        context = int(hf.get("max_position_embeddings", 2048))
+        cfg = ModelConfig(
+            vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers or layers,
+            n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            d_ff=int(hf["intermediate_size"]), mlp="swiglu",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_len=context if max_len is None else min(max_len, context),
+            rope_base=_rope_base(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
+                       else int(head_dim)),
+            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            sliding_window=None if window is None else int(window))
+        cfg.validate()
+    except KeyError as e:
+        raise HFError(f"{where}: missing field {e.args[0]!r}") from None
+    except HFError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{where}: describes no valid model ({e})") from None
+    return cfg
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF (numpy) shape of each tensor kind ([out, in] for Linear weights), per layer."""
+    d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.q_dim, cfg.kv_heads * cfg.head_dim
+    shapes = {"embed/embedding": (cfg.vocab_size, d), "final_norm/scale": (d,),
+              "blocks/attn_norm/scale": (d,), "blocks/mlp_norm/scale": (d,),
+              "blocks/attn/q/kernel": (q, d), "blocks/attn/k/kernel": (kv, d),
+              "blocks/attn/v/kernel": (kv, d), "blocks/attn/o/kernel": (d, q),
+              "blocks/mlp/gate/kernel": (f, d), "blocks/mlp/up/kernel": (f, d),
+              "blocks/mlp/down/kernel": (d, f)}
+    if cfg.qkv_bias:
+        shapes.update({"blocks/attn/q/bias": (q,), "blocks/attn/k/bias": (kv,),
+                       "blocks/attn/v/bias": (kv,)})
+    if cfg.qk_norm:
+        shapes.update({"blocks/attn/q_norm/scale": (cfg.head_dim,),
+                       "blocks/attn/k_norm/scale": (cfg.head_dim,)})
+    if not cfg.tie_embeddings:
+        shapes["head/kernel"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it}, from the one file or the shard index."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        try:
+            index = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (OSError, KeyError, TypeError, json.JSONDecodeError):
+            raise HFError(f"{str(folder / INDEX)!r}: no readable weight_map") from None
+        files = {f: folder / f for f in set(index.values())}
+        for f, path in files.items():
+            if Path(f).name != f or not path.is_file():
+                raise HFError(f"{str(folder / INDEX)!r}: lists shard {f!r}, not in the folder")
+        return {name: files[f] for name, f in index.items()}
+    if not (folder / SINGLE).is_file():
+        raise HFError(f"{str(folder)!r}: no {SINGLE} and no {INDEX}")
+    try:
+        with safe_open(folder / SINGLE, framework="numpy") as f:
+            return dict.fromkeys(f.keys(), folder / SINGLE)
+    except Exception as e:  # safetensors raises its own error types on a damaged header
+        raise HFError(f"{str(folder / SINGLE)!r}: not a safetensors file "
+                      f"({str(e).splitlines()[0][:120]})") from None
+
+
+def _target(name: str) -> tuple[str, int | None] | None:
+    if name in _TOP_MAP:
+        return _TOP_MAP[name], None
+    m = _LAYER.fullmatch(name)
+    if not m or m.group(2) not in _LAYER_MAP:
+        return None
+    return _LAYER_MAP[m.group(2)], int(m.group(1))
+
+
+def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, list[str]]:
+    """{NNX path: [HF name per layer]}, every name checked (shapes are checked on reading)."""
+    want = expected_shapes(cfg)
+    plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
+                             for p in want}
+    for name in files:
+        target = _target(name)
+        if target is None or target[0] not in want:
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                continue  # a tied head saved anyway: the embedding serves
+            raise HFError(f"{where}: tensor {name!r} is not part of this decoder")
+        path, layer = target
+        if layer is not None and layer >= cfg.n_layers:
+            continue  # a truncated model
+        plan[path][layer or 0] = name
+    for path, names in plan.items():
+        for i, name in enumerate(names):
+            if name is None:
+                at = f" of layer {i}" if path.startswith("blocks/") else ""
+                raise HFError(f"{where}: missing tensor for {path}{at}")
+    return plan
+
+
+def _read(handle, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """One tensor as float32, checked."""
+    dtype = handle.get_slice(name).get_dtype()
+    if dtype not in DTYPES:
+        raise HFError(f"{where}: tensor {name!r} is {dtype}; allowed {', '.join(DTYPES)}")
+    a = handle.get_tensor(name)
+    if tuple(a.shape) != shape:
+        raise HFError(f"{where}: tensor {name!r} has shape {list(a.shape)}, config.json implies "
+                      f"{list(shape)}")
+    a = a.astype(np.float32, copy=False)
+    if not (np.isfinite(a.min()) and np.isfinite(a.max())):
+        raise HFError(f"{where}: tensor {name!r} holds non-finite values")
+    return a
+
+
+def iter_params(folder: str | Path, cfg: ModelConfig):
+    """Yield (NNX path, float32 array) one parameter at a time: a caller that places each
+    array and drops it holds one parameter (plus one tensor being read) on the host."""
+    where = repr(str(folder))
+    files = weight_files(folder)
+    want = expected_shapes(cfg)
+    handles: dict[Path, object] = {}
+    try:
+        for path, names in _plan(files, cfg, where).items():
+            stacked = None
+            for i, name in enumerate(names):
+                file = files[name]
+                if file not in handles:
+                    handles[file] = safe_open(file, framework="numpy")
+                a = _read(handles[file], name, want[path], where)
+                a = a.T if path.endswith("/kernel") else a
+                if not path.startswith("blocks/"):
+                    stacked = np.ascontiguousarray(a)
+                    break
+                if stacked is None:
+                    stacked = np.empty((len(names), *a.shape), np.float32)
+                stacked[i] = a
+                del a
+            yield path, stacked
+            del stacked
+    finally:
+        handles.clear()
+
+
+def load_params(folder: str | Path, cfg: ModelConfig) -> dict:
+    """Pure-dict float32 params of `DecoderLM(cfg)`, matching `nnx.to_pure_dict(nnx.state(...))`."""
+    out: dict = {}
+    for path, array in iter_params(folder, cfg):
+        set_path(out, path, array)
+    return out
+
+
+def load_hf(folder: str | Path, n_layers: int | None = None,
+            max_len: int | None = None) -> tuple[ModelConfig, dict]:
+    """(config, float32 params) of a Hugging Face decoder folder; HFError (one line) on a bad
+    one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HFError(f"{str(folder)!r}: not a folder")
+    cfg = config_from_hf(read_config(folder), repr(str(folder / "config.json")), n_layers,
+                         max_len)
+    return cfg, load_params(folder, cfg)

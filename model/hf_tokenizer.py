@@ -1,0 +1,78 @@
+"""The tokenizer of a Hugging Face folder: `tokenizer.json` through the `tokenizers` library,
+BOS/EOS and the chat template from `tokenizer_config.json`.
+
+It offers what the pretrained code asks of `model.tokenizer.BPETokenizer`: `encode` (BOS first
+only when the folder asks for it), `decode`, `token_id`, `eos_id`, `vocab_size`, `bos`, plus
+`chat_prompt` for the folder's chat template. Rendering a general Jinja template needs jinja2,
+which the project does not depend on: a ChatML template (`<|im_start|>role\\n...<|im_end|>`)
+is written by `model.tokenizer.chat_prompt`, any other is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from model.tokenizer import chat_prompt
+
+
+class HFTokenizerError(ValueError):
+    """A tokenizer that cannot be read; one line naming the file."""
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise HFTokenizerError(f"{str(folder)!r}: no tokenizer.json")
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type on a bad file
+            raise HFTokenizerError(f"{str(path)!r}: not a tokenizers file "
+                                   f"({str(e).splitlines()[0][:120]})") from None
+        conf_path = folder / "tokenizer_config.json"
+        try:
+            conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HFTokenizerError(f"{str(conf_path)!r}: not readable JSON "
+                                   f"({str(e).splitlines()[0]})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        eos, bos = _token_text(conf.get("eos_token")), _token_text(conf.get("bos_token"))
+        self.eos_id = self.tok.token_to_id(eos) if eos else None
+        self.bos_id = self.tok.token_to_id(bos) if bos else None
+        if eos and self.eos_id is None:
+            raise HFTokenizerError(f"{str(conf_path)!r}: eos_token {eos!r} is not a token")
+        self.bos = ([self.bos_id] if conf.get("add_bos_token", False)
+                    and self.bos_id is not None else [])
+        self.chat_template = conf.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise HFTokenizerError(f"tokenizer: no token {token!r}")
+        return i
+
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The conversation in the folder's chat template (ChatML only; see the module)."""
+        template = self.chat_template or ""
+        if "<|im_start|>" not in template or self.tok.token_to_id("<|im_start|>") is None:
+            raise HFTokenizerError("chat_template: only a ChatML template is supported "
+                                   "(<|im_start|>role ... <|im_end|>)")
+        return chat_prompt(messages, add_generation_prompt, default_system=None)
