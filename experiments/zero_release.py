@@ -21,6 +21,10 @@ is measured at two device counts (default 8 and 32) and fitted as g(N) = u + s /
 XLA:CPU widens bf16 to f32 around some buffers, so u may hold a few carries and the control
 more than one gathered layer per layer; both are far from the threshold on either side.
 
+Every runnable preset users train under zero3 is also read as shipped ("shipped": its own
+scan_unroll, remat, depth and batch, on 8 devices, beside the control on the same config): its
+backward pass must gather every layer again and its peak stay below the control's.
+
 Hardware: CPU, fake devices, compile-only (a few seconds per compile).
 Output: one JSON line, also written to experiments/results/zero_release.json (--out); the
 control's rows are under "controls".
@@ -39,7 +43,13 @@ from tqdm import tqdm
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
-from experiments.zero.settings import KEEP_GATHERED, RELEASE_STRATEGIES, ReleaseSetup
+from experiments.zero.settings import (
+    KEEP_GATHERED,
+    RELEASE_STRATEGIES,
+    SHIPPED_DEVICES,
+    SHIPPED_ZERO3_PRESETS,
+    ReleaseSetup,
+)
 
 PROG = "experiments.zero_release"
 DEFAULT_OUT = str(results_path("zero_release.json"))
@@ -62,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--controls", nargs="*", default=[KEEP_GATHERED], choices=[KEEP_GATHERED],
                    help="variants that must come out not released (default the one control; "
                         "give the flag alone for none)")
+    p.add_argument("--shipped", nargs="*", default=list(SHIPPED_ZERO3_PRESETS),
+                   choices=list(SHIPPED_ZERO3_PRESETS),
+                   help="runnable presets whose zero3 step is also read as shipped, beside the "
+                        "control on the same config (default all; give the flag alone for none)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON output file (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
@@ -76,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
         check_output_file("out", args.out)
     except ConfigError as e:
         fail(PROG, str(e))
-    (evidence,) = startup.begin("experiments.zero.evidence", devices=max(setup.devices))
+    (evidence,) = startup.begin("experiments.zero.evidence",
+                                devices=max(*setup.devices, SHIPPED_DEVICES))
 
     variants = [*args.strategies, *args.controls]
     jobs = [(s, layers, n) for s in variants for layers in setup.depths for n in setup.devices]
@@ -89,10 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
         deepest = measured[(strategy, setup.depths[1], setup.devices[1])]
         rows[strategy] = {**evidence.release_report(setup, strategy, peaks),
                           "layer_loop_elements_per_step": deepest["layer_loop_elements"]}
+    shipped = [evidence.shipped_release(preset, SHIPPED_DEVICES)
+               for preset in tqdm(args.shipped, desc="shipped presets", file=sys.stderr)]
     model = dataclasses.asdict(setup.model(setup.depths[1]))
     del model["n_layers"]
     out = {"results": [rows[s] for s in args.strategies],
            "controls": [rows[s] for s in args.controls],
+           "shipped": shipped,
            "config": {**dataclasses.asdict(setup), "dtype": "bf16 mixed", "remat": "full",
                       "micro_steps": 1, "peak": "argument + output + temp - alias",
                       "fit": "g(N) = u + s / N, u and s >= 0 (non-negative least squares)",
@@ -106,6 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({r['unsharded_growth_in_carries']:.2f} carries) vs gathered layer "
                   f"{r['gathered_layer_bytes'] / 1e6:.2f} MB; kept gathered layers "
                   f"{r['kept_gathered_layers']:.3f}; released: {r['released']}")
+        for r in shipped:
+            print(f"{r['preset']:>19} as shipped: layers gathered {r['layer_param_gathers']:.2f}"
+                  f" times per step (control {r['control_layer_param_gathers']:.2f}); peak "
+                  f"{r['peak_bytes']} B (control {r['control_peak_bytes']} B); released: "
+                  f"{r['released']}")
     else:
         print(json.dumps(out))
     return out

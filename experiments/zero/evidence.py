@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from experiments.training.config import TrainConfig
+from experiments.training.config import PRESETS, TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.settings import KEEP_GATHERED, PAPER_PSI, STAGES, ReleaseSetup
 from model.config import MODEL_PRESETS
@@ -246,6 +246,39 @@ def release_report(setup: ReleaseSetup, strategy: str, peaks: dict[tuple[int, in
         "released": kept < RELEASE_TOLERANCE,
         f"growth_vs_carry_plus_state_shards_N{n2}": growth[n2] / expected_n2,
     }
+
+
+def _gathered_layers(compiled, cfg) -> float:
+    """All-gathered elements per step beyond one gather of the non-layer parameters, in units
+    of the layers' parameters: 2 when each layer is gathered in the forward pass and again in
+    the backward pass, 1 when the backward pass reuses the forward pass's gathered weights.
+    Counted wherever the gathers sit, so a program without a layer loop is read too."""
+    psi, psi_layers = param_count(cfg), layer_param_count(cfg)
+    gathered = sum(c.result_elements * c.executions for c in hlo.collectives(compiled.as_text())
+                   if c.kind == "all-gather")
+    return (gathered - (psi - psi_layers)) / psi_layers
+
+
+def shipped_release(preset: str, n_devices: int) -> dict:
+    """The zero3 step of a runnable preset as shipped (its scan_unroll, remat, dtypes, depth,
+    context and batch), beside the control built on the same config: released when the
+    backward pass gathers every layer again and the peak stays below the control's."""
+    run = PRESETS[preset]
+    cfg = run.model
+    seqs = max(1, run.train.batch_size // n_devices)
+    rows = {}
+    for variant in ("zero3", KEEP_GATHERED):
+        compiled, _ = compile_step(cfg, variant, n_devices, seq_len=cfg.max_len, micro_steps=1,
+                                   seqs_per_device=seqs)
+        rows[variant] = (hlo.memory_peak(compiled).peak, _gathered_layers(compiled, cfg))
+    (peak, gathers), (control_peak, control_gathers) = rows["zero3"], rows[KEEP_GATHERED]
+    regathers = gathers > 1.5  # halfway between regathering (2) and keeping (1)
+    return {"preset": preset, "model": dataclasses.asdict(cfg), "n_devices": n_devices,
+            "seqs_per_device": seqs, "seq_len": cfg.max_len, "micro_steps": 1,
+            "peak_bytes": peak, "control_peak_bytes": control_peak,
+            "layer_param_gathers": gathers, "control_layer_param_gathers": control_gathers,
+            "regathers_in_backward": regathers, "peak_below_control": peak < control_peak,
+            "released": regathers and peak < control_peak}
 
 
 def compile_step(model_cfg, strategy: str, n_devices: int, **kwargs):

@@ -20,6 +20,11 @@ STAGES = ("dp", "zero1", "zero2", "zero3")
 # The release check's control: zero3 whose backward pass keeps every gathered layer.
 KEEP_GATHERED = "zero3_keep_gathered"
 RELEASE_STRATEGIES = ("zero3", "zero3_prefetch", "zero3_auto")
+# Runnable presets users train under zero3 (smollm2 by default; README and docs/training.md run
+# small and tiny with --strategy zero3): their zero3 step is read as shipped, at the 8 devices
+# those commands use.
+SHIPPED_ZERO3_PRESETS = ("tiny", "small", "smollm2")
+SHIPPED_DEVICES = 8
 
 
 def check_device_counts(counts) -> None:
