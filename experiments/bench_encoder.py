@@ -34,7 +34,14 @@ import sys
 from pathlib import Path
 
 from experiments.cli import startup
-from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError, Parser, check_devices, fail
+from experiments.cli.config import (
+    TORCH_PYTHON_ENV,
+    ConfigError,
+    Parser,
+    check_devices,
+    check_output_file,
+    fail,
+)
 from experiments.pretrained.encoder_devices import MAX_DEVICES, default_devices
 from experiments.reporting.results_io import command_line, results_path, write_result
 from quant.modes import MODES
@@ -89,6 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.torch_python and not (Path(args.torch_python).is_file()
                                   or shutil.which(args.torch_python)):
         fail(PROG, f"torch-python={args.torch_python!r}: no such interpreter")
+    if args.out:  # '' skips writing
+        try:
+            check_output_file("out", args.out)
+        except ConfigError as e:
+            fail(PROG, str(e))
     encoder, encoder_ablations = startup.begin(  # 8: the dp ablation's mesh
         "experiments.speed.encoder", "experiments.speed.encoder_ablations",
         devices=max(8, devices) if args.ablations else devices)

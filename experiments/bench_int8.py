@@ -26,7 +26,7 @@ import argparse
 import json
 
 from experiments.cli import startup
-from experiments.cli.config import Parser, fail
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
 
 PROG = "experiments.bench_int8"
@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("batch", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             fail(PROG, f"{name}={getattr(args, name)}: must be a positive integer")
-
+    try:
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
     (int8_speed,) = startup.load("experiments.speed.int8_speed")
     out = int8_speed.measure(args.preset, args.batch, args.new_tokens, args.repeats, args.big)
     write_result(args.out, out)

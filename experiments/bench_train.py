@@ -22,7 +22,13 @@ import os
 from pathlib import Path
 
 from experiments.cli import startup
-from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError, Parser, fail
+from experiments.cli.config import (
+    TORCH_PYTHON_ENV,
+    ConfigError,
+    Parser,
+    check_output_file,
+    fail,
+)
 from experiments.reporting.results_io import results_path, write_result
 from experiments.training.config import PRESETS
 
@@ -57,6 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"warmup={args.warmup}: must be >= 1")
     if args.torch_python is not None and not os.access(args.torch_python, os.X_OK):
         fail(PROG, f"torch_python={args.torch_python!r}: not an executable file")
+    try:
+        check_output_file("out", args.out)
+        check_output_file("changes_out", args.changes_out)
+    except ConfigError as e:
+        fail(PROG, str(e))
     (train_speed,) = startup.begin("experiments.speed.training", devices=args.devices)
 
     base = PRESETS[args.preset]

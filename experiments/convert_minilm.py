@@ -15,6 +15,7 @@ staging folder beside OUT and renamed into place, so a failure leaves OUT as it 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, fail
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         check_out(args.out)  # before JAX starts, and before anything is read
+        if args.model_dir is not None and not Path(args.model_dir).is_dir():
+            raise ConfigError(f"model_dir={args.model_dir!r}: no such folder")
     except ConfigError as e:
         fail(PROG, str(e))
     minilm, hf_bert = startup.load("experiments.pretrained.minilm", "model.hf_bert")

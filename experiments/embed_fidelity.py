@@ -23,7 +23,7 @@ import argparse
 import json
 
 from experiments.cli import startup
-from experiments.cli.config import Parser, fail
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
 from quant.modes import MODES
 
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"modes={args.modes!r}: allowed {', '.join(MODES)}")
     if args.sentences < 11 or args.calib < 1:
         fail(PROG, "sentences must be >= 11 (top-10 retrieval) and calib >= 1")
+    if args.out:  # '' skips writing
+        try:
+            check_output_file("out", args.out)
+        except ConfigError as e:
+            fail(PROG, str(e))
     minilm, minilm_fidelity = startup.begin("experiments.pretrained.minilm",
                                             "experiments.pretrained.minilm_fidelity", devices=1)
     try:

@@ -22,7 +22,7 @@ import json
 
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
-from experiments.pretrained.export_checks import check_out
+from experiments.pretrained.export_checks import check_out, check_source
 from experiments.reporting.results_io import write_result
 from model.gguf import GGUFError
 from model.llama_export import FORMATS
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
         if args.step is not None and args.model is not None:
             raise ConfigError("step: only with --workdir (a pretrained model has no steps)")
+        check_source(args.model, args.layers)
         check_out(args.out, args.force)
         if args.record is not None:
             check_output_file("record", args.record, "the export summary")

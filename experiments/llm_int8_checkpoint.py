@@ -26,6 +26,7 @@ from experiments.cli.config import (
     Parser,
     check_devices,
     check_output_file,
+    check_output_folder,
     check_replaceable_folder,
     fail,
 )
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         qcfg = QuantConfig(mode=args.mode, rules=tuple(r for r in args.rules.split(",") if r))
         qcfg.validate()
         if args.out is not None:  # the checkpoint replaces the folder whole
+            check_output_folder("out", args.out, "an int8 checkpoint")  # before JAX loads
             (stored,) = startup.load("quant.stored")  # is_stored's module imports JAX
             check_replaceable_folder("out", args.out, "an int8 checkpoint", stored.is_stored)
         (int8_checkpoint,) = startup.begin("experiments.pretrained.int8_checkpoint",

@@ -7,6 +7,17 @@ from pathlib import Path
 
 from experiments.cli.config import ConfigError, check_output_folder
 
+PRETRAINED = ("smollm2",)  # the pretrained models an export can start from
+
+
+def check_source(model: str | None, layers: int | None) -> None:
+    """What can be judged of the export's source before anything is read: a known pretrained
+    model, a positive layer count (its upper bound needs the model)."""
+    if model is not None and model not in PRETRAINED:
+        raise ConfigError(f"model={model!r}: allowed {', '.join(PRETRAINED)}")
+    if layers is not None and layers < 1:
+        raise ConfigError(f"layers={layers}: must be a positive integer")
+
 
 def check_out(out: str | Path, force: bool) -> Path:
     """`out` as a Path: a folder the export may write (an existing non-empty one only with

@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained.export_checks import check_out
+from experiments.pretrained.export_checks import PRETRAINED, check_out
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity
 from experiments.training.config import load_config
@@ -54,7 +54,6 @@ from model.llama_gguf import config_from_gguf, expected_shapes, load_gguf, packa
 from model.tokenizer import tokenizer_from_gguf
 from parallel.state import abstract_model, is_mixed
 
-PRETRAINED = ("smollm2",)
 PROVENANCE_FILE = "shardq_export.json"
 
 
