@@ -1,0 +1,218 @@
+"""Hugging Face decoders (llama, mistral, qwen2, qwen3) read by model/hf_decoder.py against
+transformers itself: tests/fixtures/hf/<arch>/ holds tiny models made and scored by
+experiments/reference/make_hf_fixtures.py (transformers 5, float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from model import DecoderLM
+from model.generate import generate
+from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
+from model.hf_tokenizer import HFTokenizer
+from parallel.sharded_run import run_label
+from quant.modes import QuantConfig
+from quant.pipeline import quantize
+from quant.smoothquant import fold
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TOLERANCE = 1e-4  # nats, mean NLL against transformers
+
+
+def reference(arch: str) -> list[dict]:
+    return json.loads((FIXTURES / arch / "reference.json").read_text())["results"]
+
+
+def model_of(cfg, params):
+    graphdef = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))[0]
+    return graphdef, nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+
+
+def scores(model, ids: list[int]) -> tuple[float | None, int]:
+    """(mean NLL over positions 1..n-1, argmax after the text), as experiments.score."""
+    logp = jax.nn.log_softmax(model(jnp.asarray([ids], jnp.int32))[0], axis=-1)
+    nxt = int(jnp.argmax(logp[-1]))
+    if len(ids) < 2:
+        return None, nxt
+    picked = jnp.take_along_axis(logp[:-1], jnp.asarray(ids[1:], jnp.int32)[:, None], 1)[:, 0]
+    return float(np.mean(-np.asarray(picked, np.float64))), nxt
+
+
+def worst_error(model, rows: list[dict]) -> tuple[float, int]:
+    """(largest |mean NLL - transformers'|, how many next tokens differ) over the texts."""
+    worst, wrong = 0.0, 0
+    for r in rows:
+        nll, nxt = scores(model, r["tokens"])
+        if nll is not None:
+            worst = max(worst, abs(nll - r["mean_nll"]))
+        wrong += nxt != r["next_token"]
+    return worst, wrong
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def loaded(request):
+    cfg, params = load_hf(FIXTURES / request.param)
+    return request.param, cfg, params
+
+
+def test_fixtures_cover_each_architecture_field():
+    rows = {a: reference(a) for a in ARCHS}
+    assert all(len(r) >= 6 for r in rows.values())
+    cfgs = {a: load_hf(FIXTURES / a)[0] for a in ARCHS}
+    assert cfgs["mistral"].sliding_window is not None
+    assert max(len(r["tokens"]) for r in rows["mistral"]) > cfgs["mistral"].sliding_window
+    assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_embeddings
+    assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim * 4 != cfgs["qwen3"].d_model
+    assert not any(dataclasses.asdict(cfgs["llama"])[f] for f in ("qkv_bias", "qk_norm"))
+
+
+def test_tokenizer_matches_transformers_ids():
+    tok = HFTokenizer(FIXTURES / "qwen2")
+    for r in reference("qwen2"):
+        assert tok.encode(r["text"]) == r["tokens"]
+        assert tok.decode(r["tokens"]) == r["text"]
+    assert tok.bos == [] and tok.eos_id == tok.token_id("<|im_end|>")
+    prompt = tok.chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_scores_match_transformers(loaded):
+    arch, cfg, params = loaded
+    _, model = model_of(cfg, params)
+    worst, wrong = worst_error(model, reference(arch))
+    assert worst <= TOLERANCE and wrong == 0, (arch, worst, wrong)
+
+
+@pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
+                                         ("mistral", "sliding_window")])
+def test_dropping_a_field_misses_the_reference(arch, field):
+    """The control: each architecture field matters to its fixture, so the parity above
+    checks it (a reader that ignored biases, q/k norms or the window would fail)."""
+    cfg, params = load_hf(FIXTURES / arch)
+    attn = params["blocks"]["attn"]
+    if field == "qkv_bias":
+        for p in ("q", "k", "v"):
+            attn[p].pop("bias")
+    if field == "qk_norm":
+        attn.pop("q_norm"), attn.pop("k_norm")
+    off = dataclasses.replace(cfg, **{field: None if field == "sliding_window" else False})
+    worst, _ = worst_error(model_of(off, params)[1], reference(arch))
+    assert worst > 100 * TOLERANCE, (arch, field, worst)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_cached_decoding_follows_the_full_forward(arch):
+    """Greedy tokens through the KV cache equal the argmax of the full forward at each step,
+    the mistral prompt long enough that the window slides during decoding."""
+    cfg, params = load_hf(FIXTURES / arch)
+    graphdef, model = model_of(cfg, params)
+    prompt = reference(arch)[4]["tokens"][:14]
+    steps = 6
+    out = generate(graphdef, nnx.state(model), jnp.asarray([prompt], jnp.int32), steps,
+                   jax.random.key(0))
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(scores(model, seq)[1])
+    assert np.asarray(out[0]).tolist() == seq
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "smoothquant"])
+def test_int8_stays_near_float(mode):
+    cfg, params = load_hf(FIXTURES / "qwen2")
+    graphdef, model = model_of(cfg, params)
+    rows = [np.asarray([r["tokens"]], np.int32) for r in reference("qwen2") if
+            len(r["tokens"]) > 8]
+    qgraph, qparams, _, _ = quantize(graphdef, params, QuantConfig(mode=mode, alpha=0.5,
+                                                                   calib_batches=len(rows))
+                                     if mode == "smoothquant" else QuantConfig(mode=mode),
+                                     rows, error_report=False)
+    qmodel = nnx.merge(qgraph, jax.tree.map(jnp.asarray, qparams))
+    for r in reference("qwen2"):
+        if len(r["tokens"]) > 1:
+            assert abs(scores(qmodel, r["tokens"])[0] - scores(model, r["tokens"])[0]) < 0.5
+
+
+def test_smoothquant_fold_is_exact_with_biases_and_qk_norm():
+    """Folding any factors leaves the float function unchanged (up to rounding) on a model
+    with q/k/v biases and one with q/k norms: v's bias is divided with its columns."""
+    for arch in ("qwen2", "qwen3"):
+        cfg, params = load_hf(FIXTURES / arch)
+        _, model = model_of(cfg, params)
+        ids = reference(arch)[5]["tokens"]
+        before = np.asarray(model(jnp.asarray([ids], jnp.int32)))
+        rng = np.random.default_rng(0)
+        L, d, q = cfg.n_layers, cfg.d_model, cfg.q_dim
+        absmax = {p: jnp.asarray(rng.uniform(0.1, 10.0, (L, n)), jnp.float32)
+                  for p, n in (("blocks/attn/q", d), ("blocks/attn/o", q),
+                               ("blocks/mlp/gate", d), ("blocks/mlp/down", cfg.d_ff))}
+        fold(model, absmax, 0.5)
+        after = np.asarray(model(jnp.asarray([ids], jnp.int32)))
+        np.testing.assert_allclose(after, before, atol=2e-3 * np.abs(before).max())
+
+
+def test_zero3_training_step_on_eight_devices():
+    """A Hugging Face model trains under ZeRO-3 with remat: parameters stacked over `layers`,
+    biases and q/k norms included."""
+    for arch in ("qwen2", "qwen3"):
+        cfg, params = load_hf(FIXTURES / arch, max_len=32)
+        cfg = dataclasses.replace(cfg, remat="full")
+        batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 17), np.int32)
+        losses, new = run_label("zero3", 8, [batch, batch], cfg, optax.adam(1e-3), seed=0,
+                                mesh_spec="fsdp=8", init_params=params)
+        assert np.all(np.isfinite(losses)) and losses[1] < losses[0], (arch, losses)
+        assert new["blocks"]["attn"]["q"]["kernel"].shape == params["blocks"]["attn"]["q"][
+            "kernel"].shape
+
+
+def test_peak_host_memory_while_loading():
+    """At most the float32 model plus 1.5x its largest tensor (numpy's allocations, traced)."""
+    folder = FIXTURES / "qwen3"
+    cfg = load_hf(folder)[0]
+    shapes = expected_shapes(cfg)
+    largest = max(int(np.prod(s)) * 4 for s in shapes.values())
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        held = [a for _, a in iter_params(folder, cfg)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    total = sum(a.nbytes for a in held)
+    assert peak - base <= total + 1.5 * largest, (peak - base, total, largest)
+
+
+def bad_folder(tmp_path: Path, arch: str = "llama") -> Path:
+    folder = tmp_path / arch
+    shutil.copytree(FIXTURES / arch, folder)
+    return folder
+
+
+def test_bad_folders_are_one_line(tmp_path):
+    with pytest.raises(HFError, match="no config.json"):
+        load_hf(tmp_path)
+    folder = bad_folder(tmp_path)
+    hf = read_config(folder)
+    (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt2"}))
+    with pytest.raises(HFError, match=r"model_type='gpt2' is not supported \(allowed: llama, "):
+        load_hf(folder)
+    (folder / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 3}))
+    with pytest.raises(HFError, match="missing tensor for blocks/attn_norm/scale of layer 2"):
+        load_hf(folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(HFError, match="no model.safetensors and no"):
+        load_hf(folder)
+    for e in (HFError,):
+        assert issubclass(e, ValueError)
