@@ -3,9 +3,10 @@
   python -m experiments.evaluate --workdir runs/small --json
   python -m experiments.evaluate --workdir runs/small --quant w8a8 --json
 
-Restores the latest (or --step) Orbax checkpoint onto the requested mesh and prints validation
-loss (nats/byte) and bits per byte; with --json the last line is one JSON object with at least
-val_loss, bits_per_byte, param_bytes and step.
+Restores the latest (or --step) Orbax checkpoint onto the requested mesh and prints the validation
+loss (nats per token) and, for a byte-level run, bits per byte, or, for a run on a pretrained
+model's tokens, the perplexity; with --json the last line is one JSON object with at least
+val_loss, bits_per_byte (byte runs) or val_perplexity (token runs), param_bytes and step.
 
 --quant MODE evaluates the int8 model: the checkpoint `experiments.quantize` wrote under
 WORKDIR/quant/MODE, or (if there is none) a model quantised in memory with that mode's defaults.
@@ -18,11 +19,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_devices, fail
+from experiments.training import lineage
 from experiments.training.config import load_config
+from experiments.training.loss_names import describe_loss, loss_measures
 from parallel.strategies import STRATEGIES
 from quant.modes import ALL_MODES, QuantError
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     try:
         cfg = load_config(args.workdir)
+        byte_tokens = lineage.origin(cfg.train.init).byte_tokens
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked: a refusal never
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, QuantError) as e:
         fail(PROG, str(e))
     val_loss = trainer.make_eval_fn(graphdef, model.mesh, val)(params)
-    out = {"step": model.step, "val_loss": val_loss, "bits_per_byte": val_loss / math.log(2),
+    out = {"step": model.step, "val_loss": val_loss,
+           **loss_measures(val_loss, byte_tokens, prefix=""),
            "param_bytes": flops.param_bytes(params), "quant": args.quant,
            "quantized_fraction": quantized_fraction, "quant_source": source,
            "devices": model.mesh.size, "strategy": model.strategy.name,
@@ -89,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"step {model.step}: val loss {val_loss:.4f} nats/byte, "
-              f"{out['bits_per_byte']:.4f} bits/byte ({out['param_bytes']:,} parameter bytes)")
+        print(f"step {model.step}: {describe_loss(val_loss, byte_tokens)} "
+              f"({out['param_bytes']:,} parameter bytes)")
     return out
 
 

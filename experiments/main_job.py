@@ -24,7 +24,6 @@ from experiments.cli.config import (
     fail,
 )
 from experiments.cli.flags import add_override_flags, config_from_args
-from experiments.reporting.results_io import write_result
 
 PROG = "experiments.main_job"
 TARGET_BITS_PER_BYTE = 2.5
@@ -51,9 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         fail(PROG, str(e))
     workdir = Path(args.workdir or f"runs/main-{time.strftime('%Y%m%d-%H%M%S')}")
-    jax, guards, restore, trainer, flops, plots = startup.begin(
+    jax, guards, restore, trainer, flops, run_summary = startup.begin(
         "jax", "experiments.training.guards", "experiments.training.restore",
-        "experiments.training.trainer", "model.flops", "experiments.reporting.plots",
+        "experiments.training.trainer", "model.flops", "experiments.training.run_summary",
         devices=cfg.train.devices, model=cfg.model)
     t0 = time.perf_counter()
 
@@ -85,9 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": jax.default_backend(),
     }
     title = f"{cfg.preset}: {summary['bits_per_byte']:.3f} bits/byte in {summary['job_s']:.0f} s"
-    for path in [workdir / "summary.json"] + ([Path(args.record)] if args.record else []):
-        write_result(path, summary)
-        plots.loss_curve(workdir / "metrics.jsonl", path.with_suffix(".png"), title)
+    run_summary.write_summary(workdir, summary, title,
+                              also=(args.record,) if args.record else ())
     print(f"\nmain job: {cfg.preset} ({summary['params']:,} params) on {summary['devices']} "
           f"devices, {step} steps\n  validation {summary['bits_per_byte']:.3f} bits/byte "
           f"(target <= {TARGET_BITS_PER_BYTE}) after reload from the Orbax checkpoint\n"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,9 @@ from pathlib import Path
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, fail
 from experiments.reporting.results_io import project_relative, results_path, write_result
+from experiments.training import lineage
+from experiments.training.config import load_config
+from experiments.training.loss_names import loss_measures
 from quant.modes import MODES, PAPER_ALPHA, QuantConfig, QuantError
 
 PROG = "experiments.quant_table"
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:  # before the backend starts
         QuantConfig(mode="smoothquant", alpha=args.alpha,
                     calib_batches=args.calib_batches).validate()
-    except QuantError as e:
+        # bits per byte where the run's tokens are bytes, perplexity where they are not
+        byte_tokens = lineage.origin(load_config(args.workdir).train.init).byte_tokens
+    except (QuantError, ConfigError) as e:
         fail(PROG, str(e))
     jax, divergence, restore, trainer, qckpt, convert, pipeline, stored = startup.begin(
         "jax", "experiments.pretrained.divergence", "experiments.training.restore",
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     float_loss = trainer.make_eval_fn(model.graphdef, model.mesh, val)(params)
     with tempfile.TemporaryDirectory() as tmp:
         float_disk = qckpt.save_float_reference(Path(tmp) / "float", params)
-    rows = [{"mode": "none", "val_loss": float_loss, "bits_per_byte": float_loss / math.log(2),
+    rows = [{"mode": "none", "val_loss": float_loss,
+             **loss_measures(float_loss, byte_tokens, prefix=""),
              "rel_to_float": 0.0, "param_bytes": pipeline.param_bytes(params),
              "quantized_fraction": 0.0, "disk_bytes": float_disk}]
     for name, mode, over in variants(args.modes):
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         qb, fb = pipeline.dense_bytes(qparams, plan)
         disk = qckpt.disk_bytes(out / "ckpt")
         rows.append({"mode": name, "quant_mode": mode, "val_loss": loss,
-                     "bits_per_byte": loss / math.log(2),
+                     **loss_measures(loss, byte_tokens, prefix=""),
                      "rel_to_float": (loss - float_loss) / float_loss, "divergence": diverged,
                      "param_bytes": pipeline.param_bytes(qparams),
                      "quantized_fraction": convert.quantized_fraction(params, plan),

@@ -5,6 +5,9 @@
 
 --temperature 0 (default) is greedy decoding. --quant MODE generates with the int8 model (the
 checkpoint `experiments.quantize` wrote under WORKDIR/quant/MODE, else quantised in memory).
+The prompt is encoded, and the output decoded, with the run's tokenizer: bytes for a run
+trained from random weights, the pretrained model's for a run that started from one (directly or
+through --init RUN); a run whose tokenizer cannot be found is refused.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ import argparse
 import functools
 import json
 
-import numpy as np
-
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_sampling, fail
+from experiments.training import run_tokenizer
 from experiments.training.config import load_config
 from quant.modes import ALL_MODES, QuantError
 
@@ -45,14 +47,14 @@ def main(argv: list[str] | None = None) -> str:
     args = build_parser().parse_args(argv)
     if args.quant not in ALL_MODES:
         fail(PROG, f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
-    # A byte model takes any bytes: undecodable argv bytes come back as they were typed.
-    raw = args.prompt.encode("utf-8", "surrogateescape")
-    prompt = np.frombuffer(raw, np.uint8).astype(np.int32)[None]
     try:
-        # Only config.json is read before the settings are checked against the model.
+        # Only config.json (and the tokenizer it leads to) is read before the settings are
+        # checked against the model.
         cfg = load_config(args.workdir)
+        tokenizer = run_tokenizer.tokenizer_for(cfg.train.init)
+        prompt = run_tokenizer.encode_prompt(tokenizer, args.prompt)
         check_sampling(cfg.model, prompt.shape[1], args.max_new_tokens, args.temperature,
-                       args.top_k, args.seed)
+                       args.top_k, args.seed, unit="bytes" if tokenizer is None else "tokens")
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags and the work dir's config are checked.
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> str:
     gen = jax.jit(generate.generate, static_argnums=(0, 3, 5, 6, 7, 8))
     out = gen(graphdef, params, prompt, args.max_new_tokens, jax.random.key(args.seed),
               args.temperature, args.top_k, None, make_cache)
-    text = bytes(np.asarray(out[0]).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    text = run_tokenizer.decode(tokenizer, out[0])
     print(json.dumps({"text": text}) if args.json else text)
     return text
 

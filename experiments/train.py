@@ -3,12 +3,17 @@
   python -m experiments.train --workdir runs/small --preset small --steps 1500 --devices 8
 
   python -m experiments.train --workdir runs/small --resume --devices 4 --strategy zero3
+  python -m experiments.train --workdir runs/more --init runs/small --steps 500 --lr 1e-3
 
-Writes WORKDIR/config.json, WORKDIR/metrics.jsonl (one JSON object per logged step) and Orbax
-checkpoints under WORKDIR/checkpoints/. Prints a JSON summary on its last line. --resume
+Writes WORKDIR/config.json, WORKDIR/metrics.jsonl (one JSON object per logged step), Orbax
+checkpoints under WORKDIR/checkpoints/, and at the end WORKDIR/summary.json with its loss curve
+WORKDIR/summary.png. Prints the same JSON summary on its last line. --resume
 continues the run from its newest intact checkpoint with the run's own config.json; the flags
 given over it may change the layout and the logging, evaluation and checkpoint cadence, and a
-flag that would change the model or the optimisation is refused, naming the field.
+flag that would change the model or the optimisation is refused, naming the field. A finished
+run is extended by a new one: --init RUN starts a new run (new workdir, new schedule) from the
+run's newest intact checkpoint, with its model, tokenizer and training config (the flags given
+change it; --preset takes that preset's training config instead).
 """
 
 from __future__ import annotations
@@ -43,10 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resumed_config(args: argparse.Namespace) -> Config | None:
-    """With --resume, the run's own config (the flags given are applied over it), else None
-    and the preset's (default DEFAULT_PRESET)."""
+    """With --resume, the run's own config (the flags given are applied over it), else None:
+    the preset's (default DEFAULT_PRESET), or with --init RUN that run's."""
     if not (args.resume and (Path(args.workdir) / "config.json").exists()):
-        args.preset = args.preset or DEFAULT_PRESET
         return None
     run = load_config(args.workdir)
     if args.preset not in (None, run.preset):
@@ -59,14 +63,14 @@ def _resumed_config(args: argparse.Namespace) -> Config | None:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_from_args(args, base=_resumed_config(args))
+        cfg = config_from_args(args, base=_resumed_config(args), default_preset=DEFAULT_PRESET)
         check_output_folder("workdir", args.workdir, "the run")
     except ConfigError as e:
         fail(PROG, str(e))
     # JAX starts here, after the flags are checked: a refused flag never waits for it.
-    jax, guards, trainer = startup.begin("jax", "experiments.training.guards",
-                                         "experiments.training.trainer",
-                                         devices=cfg.train.devices, model=cfg.model)
+    jax, guards, trainer, run_summary = startup.begin(
+        "jax", "experiments.training.guards", "experiments.training.trainer",
+        "experiments.training.run_summary", devices=cfg.train.devices, model=cfg.model)
     try:
         summary = trainer.train_and_evaluate(cfg, args.workdir, resume=args.resume,
                                              progress=not args.no_progress)
@@ -76,6 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
         fail(PROG, str(e), code=1)
 
     if jax.process_index() == 0:
+        byte_tokens = summary["tokens"] == "bytes"
+        title = (f"{cfg.preset}: {summary['bits_per_byte']:.3f} bits/byte" if byte_tokens else
+                 f"{cfg.preset}: perplexity {summary['val_perplexity']:.3f}")
+        run_summary.write_summary(args.workdir, summary, f"{title} at step {summary['step']}",
+                                  byte_tokens=byte_tokens)
         print(json.dumps(summary))
     return summary
 

@@ -120,8 +120,9 @@ def check_seed(seed: int) -> None:
 
 
 def check_sampling(model: ModelConfig, prompt_len: int, max_new_tokens: int, temperature: float,
-                   top_k: int, seed: int) -> None:
-    """Sampling settings against the trained model; raises ConfigError naming the field."""
+                   top_k: int, seed: int, unit: str = "bytes") -> None:
+    """Sampling settings against the trained model; raises ConfigError naming the field.
+    `unit`: what the model's tokens are (bytes, or a tokenizer's tokens)."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens}: must be a positive integer")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -133,10 +134,10 @@ def check_sampling(model: ModelConfig, prompt_len: int, max_new_tokens: int, tem
     if prompt_len < 1:
         raise ConfigError("prompt: must not be empty")
     if prompt_len >= model.max_len:
-        raise ConfigError(f"prompt: {prompt_len} bytes; must be shorter than the context of "
+        raise ConfigError(f"prompt: {prompt_len} {unit}; must be shorter than the context of "
                           f"{model.max_len}")
     if prompt_len + max_new_tokens > model.max_len:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: prompt ({prompt_len} bytes) + new "
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: prompt ({prompt_len} {unit}) + new "
                           f"tokens must fit the context of {model.max_len}")
 
 

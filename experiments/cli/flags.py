@@ -12,8 +12,66 @@ import dataclasses
 import typing
 
 from experiments.cli.config import ConfigError
-from experiments.training.config import PRESETS, Config, TrainConfig, field_type
+from experiments.training import lineage
+from experiments.training.config import (
+    DATA_CORPUS,
+    PRESETS,
+    PRETRAINED_INITS,
+    Config,
+    TrainConfig,
+    field_type,
+)
 from model.config import ModelConfig
+
+# One line of help per config field (`train --help`); the preset's value is added to it.
+FIELD_HELP = {
+    "vocab_size": "tokens in the vocabulary (256 for bytes)",
+    "d_model": "width of the residual stream",
+    "n_layers": "transformer blocks",
+    "n_heads": "query heads per block",
+    "n_kv_heads": "key/value heads (grouped-query attention; none: one per query head)",
+    "d_ff": "hidden width of the MLP",
+    "mlp": "gelu or swiglu (Llama)",
+    "tie_embeddings": "the output head is the embedding transposed",
+    "max_len": "context length: the sequence length trained on",
+    "rope_base": "rotary position embedding base",
+    "norm_eps": "epsilon of RMSNorm",
+    "param_dtype": "dtype of the working weights (float32, bfloat16)",
+    "compute_dtype": "dtype of activations and matmuls (float32, bfloat16)",
+    "remat": "recompute activations in the backward pass: none, full, save_dots",
+    "attention": "attention kernel: xla, or cudnn (NVIDIA GPU, bfloat16)",
+    "scan_unroll": "layers unrolled per step of the layer scan",
+    "head_size": "width of one attention head (none: d_model / n_heads)",
+    "qkv_bias": "q, k and v projections carry a bias (Qwen2)",
+    "qk_norm": "RMSNorm over each query and key head (Qwen3)",
+    "sliding_window": "each query sees only this many keys back (none: the whole prefix)",
+    "steps": "optimizer steps (also the length of the cosine schedule)",
+    "batch_size": "sequences per optimizer step (global, over all devices)",
+    "micro_steps": "gradient accumulation: micro-batches per step",
+    "lr": "peak learning rate",
+    "warmup_steps": "linear warm-up steps",
+    "min_lr_ratio": "the cosine decays to lr * this at the last step",
+    "weight_decay": "AdamW weight decay",
+    "b1": "Adam beta1",
+    "b2": "Adam beta2",
+    "clip_norm": "clip the global gradient norm to this",
+    "seed": "seed of the initial weights and the data order",
+    "eval_every": "evaluate on the validation split every this many steps",
+    "eval_batches": "validation batches per evaluation",
+    "log_every": "write a metrics row every this many steps",
+    "ckpt_every": "checkpoint every this many steps",
+    "keep_ckpts": "checkpoints kept",
+    "strategy": "data parallel or ZeRO layout: dp, zero1, zero2, zero3, ...",
+    "prefetch": "zero3 only: gather layer i+1 while layer i computes",
+    "mesh": "device mesh, e.g. data=2,fsdp=4 (none: every device on fsdp)",
+    "devices": "fake CPU devices (none: 8 on a CPU-only machine)",
+    "data": "text file or folder to train on (none: the corpus)",
+    "corpus": "stdlib (the Python sources) or pydoc-topics, when --data is not given",
+    "init": "start from pretrained weights (smollm2) or a finished run's folder (its newest "
+            "intact checkpoint, model and tokenizer; a new schedule)",
+    "val_percent": "percent of the data held out for validation",
+    "on_nonfinite": "a NaN/Inf loss or gradient: stop or skip the step",
+}
 
 
 def _parse_bool(text: str) -> bool:
@@ -47,7 +105,28 @@ def add_field_flags(parser: argparse.ArgumentParser, cls, *, title: str,
         else:
             extra = dict(type=_parse_names if typing.get_origin(kind) is tuple else kind)
         group.add_argument(*names, dest=f"override_{f.name}", default=None,
-                           metavar=f.name.upper(), help=f.metadata.get("help"), **extra)
+                           metavar=f.name.upper(), help=_help(cls, f), **extra)
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
+def _help(cls, f: dataclasses.Field) -> str:
+    """The field's description (its `help` metadata, else FIELD_HELP) and its default: the
+    presets' value where `cls` is a preset part, else the class default."""
+    text = f.metadata.get("help") or FIELD_HELP.get(f.name, f.name.replace("_", " "))
+    part = {ModelConfig: "model", TrainConfig: "train"}.get(cls)
+    if part is None:
+        return f"{text} (default {_shown(f.default)})".replace("%", "%%")
+    values = {name: getattr(getattr(p, part), f.name) for name, p in PRESETS.items()}
+    if len(set(map(_shown, values.values()))) == 1:
+        default = _shown(next(iter(values.values())))
+    else:
+        default = ", ".join(f"{name} {_shown(v)}" for name, v in values.items())
+    return f"{text} (default {default})".replace("%", "%%")
 
 
 def field_overrides(args: argparse.Namespace, cls) -> dict:
@@ -64,17 +143,31 @@ def add_override_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
                         title="config overrides (default: the preset's value)")
 
 
-def config_from_args(args: argparse.Namespace, base: Config | None = None) -> Config:
-    """Preset (or `base`: a run's own config, which --resume continues) + the flags given;
-    raises ConfigError naming the bad field."""
-    if base is None:
-        if args.preset not in PRESETS:
-            raise ConfigError(f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
-        base = PRESETS[args.preset]
+def config_from_args(args: argparse.Namespace, base: Config | None = None,
+                     default_preset: str | None = None) -> Config:
+    """Preset (or `base`: a run's own config, which --resume continues; or, with --init RUN,
+    that run's model and training config) + the flags given; raises ConfigError naming the bad
+    field. `default_preset` stands in for a --preset not given (None: args.preset)."""
+    train = field_overrides(args, TrainConfig)
+    init = train.get("init")
+    new_run = base is None
+    if base is None and init is not None and init not in PRETRAINED_INITS:
+        lineage.origin(init)  # one line for a folder that is no run, or a broken chain
+        base = lineage.config_from_run(init, args.preset)
+        train["init"] = base.train.init
+    elif base is None:
+        preset = args.preset or default_preset
+        if preset not in PRESETS:
+            raise ConfigError(f"preset={preset!r}: allowed {', '.join(PRESETS)}")
+        base = PRESETS[preset]
+    if new_run and train.get("data"):
+        train["corpus"] = DATA_CORPUS  # the text read is the path, no named corpus
     cfg = Config(base.preset,
                  dataclasses.replace(base.model, **field_overrides(args, ModelConfig)),
-                 dataclasses.replace(base.train, **field_overrides(args, TrainConfig)))
+                 dataclasses.replace(base.train, **train))
     cfg.validate()
+    if new_run and cfg.train.init not in (None, *PRETRAINED_INITS):
+        lineage.check_same_model(cfg.train.init, cfg)
     return cfg
 
 

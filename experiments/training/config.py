@@ -19,6 +19,8 @@ from parallel.strategies import STRATEGIES
 
 BYTE_VOCAB = 256  # the corpus is raw bytes: token ids 0..255
 CORPORA = ("stdlib", "pydoc-topics")
+# What `corpus` records when `data` names the text: the run reads that path, no named corpus.
+DATA_CORPUS = "data"
 PRETRAINED_INITS = ("smollm2",)
 
 # What each float field allows besides being finite (`not lr > 0` lets inf through). A float
@@ -73,9 +75,9 @@ class TrainConfig:
     data: str | None = None  # text file or folder; default: the corpus named by `corpus`
     corpus: str = "stdlib"  # stdlib: the Python standard library's sources; pydoc-topics: the
     # documentation topics of pydoc_data (experiments/training/pydoc_corpus.py; a train/validation
-    # split)
-    init: str | None = None  # start from pretrained weights (smollm2); the data is then
-    # tokenized with that model's tokenizer instead of read as bytes
+    # split); "data" when `data` names the text
+    init: str | None = None  # start from pretrained weights (smollm2) or from a run folder's
+    # newest intact checkpoint; the data is then tokenized with that model's tokenizer
     val_percent: int = 5
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop the run, or skip that step
 
@@ -102,10 +104,12 @@ class TrainConfig:
         if self.data is not None and not self.data.strip():
             raise ConfigError("data='': must be a file or folder (leave --data out for the "
                               "default corpus)")
-        if self.corpus not in CORPORA:
+        if self.corpus not in CORPORA and not (self.corpus == DATA_CORPUS and self.data):
             raise ConfigError(f"corpus={self.corpus!r}: allowed {', '.join(CORPORA)}")
-        if self.init is not None and self.init not in PRETRAINED_INITS:
-            raise ConfigError(f"init={self.init!r}: allowed {', '.join(PRETRAINED_INITS)}")
+        if self.init is not None and self.init not in PRETRAINED_INITS \
+                and not (Path(self.init) / "config.json").is_file():
+            raise ConfigError(f"init={self.init!r}: allowed {', '.join(PRETRAINED_INITS)} or a "
+                              f"training run's folder (one that holds config.json)")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
         if not 0 < self.val_percent < 100:

@@ -85,9 +85,66 @@ def load_corpus(path: str | None, val_percent: int = 5) -> tuple[np.ndarray, np.
         train, val = _SEPARATOR.join(parts[False]), _SEPARATOR.join(parts[True])
     if not train or not val:
         raise ConfigError(f"data={path!r}: holds no text for both a train and a validation split "
-                          f"(files found: {len(files)}, {val_percent}% to validation; a folder "
-                          f"of few files may need a larger --val-percent)")
+                          f"(files found: {len(files)}, {val_percent}% to validation); "
+                          f"{_split_advice(root, files)}")
     return np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8)
+
+
+def split_sizes(root: Path) -> dict[int, tuple[int, int]]:
+    """{val_percent: (train bytes, validation bytes)} for every allowed val_percent: a file is
+    split by position, a folder's files by the hash of their path (separators not counted)."""
+    if root.is_file():
+        n = root.stat().st_size
+        return {vp: (n - n * vp // 100, n * vp // 100) for vp in range(1, 100)}
+    files = [(f.stat().st_size, zlib.crc32(str(f.relative_to(root)).encode()) % 100)
+             for f in list_files(root)]
+    total = sum(size for size, _ in files)
+    out = {}
+    for vp in range(1, 100):
+        val = sum(size for size, bucket in files if bucket < vp)
+        out[vp] = (total - val, val)
+    return out
+
+
+def val_percent_for(root: Path, val_bytes: int, train_bytes: int = 1) -> int | None:
+    """The smallest val_percent that holds out at least `val_bytes` and keeps `train_bytes`
+    to train on, or None when none does."""
+    for vp, (train, val) in split_sizes(root).items():
+        if val >= val_bytes and train >= train_bytes:
+            return vp
+    return None
+
+
+def _split_advice(root: Path, files: list[Path]) -> str:
+    """What would split this folder: a val_percent that puts text on both sides, if any."""
+    if len(files) == 1:
+        return (f"a folder of one file cannot be split by file: give the file itself "
+                f"(--data {files[0]}), which is split by position")
+    vp = val_percent_for(root, 1)
+    if vp is None:
+        return ("no --val-percent splits its files (each split goes by a hash of the file's "
+                "path); give a single file, which is split by position, or add files")
+    return f"--val-percent {vp} puts files on both sides (the split goes by the file's path)"
+
+
+def fit_advice(path: str | None, val_rows: int, micro_batch: int, micro_steps: int,
+               n_dev: int, seq_len: int, tokens_per_byte: float) -> str:
+    """What would make a validation split of `val_rows` sequences give one batch: the largest
+    batch_size that fits it and divides over the devices, and (for a --data path) the
+    val_percent that holds out enough text."""
+    options = []
+    fits = val_rows // n_dev * n_dev
+    if fits >= 1:
+        options.append(f"--batch-size {fits * micro_steps} (fits the split and divides over "
+                       f"the {n_dev} devices)")
+    if path is not None and Path(path).exists():
+        need = int((micro_batch * seq_len + 1) / tokens_per_byte) + 1
+        vp = val_percent_for(Path(path), need, train_bytes=need)
+        if vp is not None:
+            options.append(f"--val-percent {vp} (about {micro_batch} validation sequences)")
+    if not options:
+        return "more text, or a shorter --max-len"
+    return "give " + " or ".join(options)
 
 
 def load_tokens(path: str | None, val_percent: int, corpus: str = "stdlib",

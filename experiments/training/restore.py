@@ -19,9 +19,8 @@ from experiments.cli.runtime import attention_here
 from experiments.training import checkpoint as ckpt
 from experiments.training.config import Config, load_config
 from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
-from experiments.training.pretrained_init import check_model
+from experiments.training.run_tokenizer import tokenizer_for
 from model import ModelConfig
-from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.state import abstract_model, check_divisible, logical_shardings
 from parallel.strategies import Strategy, get_strategy
@@ -114,10 +113,9 @@ def check_written_with(mngr, steps: list[int], model) -> None:
 def run_tokens(cfg: Config) -> tuple:
     """(train, val) token streams of a run: bytes, or its pretrained model's token ids."""
     t = cfg.train
-    encode = None
-    if t.init is not None:
-        encode = tokenizer_from_gguf(check_model(t.init, cfg.model)).encode
-    return load_tokens(t.data, t.val_percent, t.corpus, encode)
+    tokenizer = tokenizer_for(t.init)
+    return load_tokens(t.data, t.val_percent, t.corpus,
+                       None if tokenizer is None else tokenizer.encode)
 
 
 def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:

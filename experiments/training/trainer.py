@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -24,17 +23,25 @@ from tqdm import tqdm
 
 from experiments.cli.config import ConfigError
 from experiments.training import checkpoint as ckpt
-from experiments.training import integrity, pretrained_init
-from experiments.training.config import Config, dumps, load_config
-from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
+from experiments.training import integrity, lineage, pretrained_init
+from experiments.training.config import PRETRAINED_INITS, Config, dumps, load_config
+from experiments.training.data import (
+    SequenceSampler,
+    fit_advice,
+    load_tokens,
+    pack,
+    validation_batches,
+)
 from experiments.training.guards import FiniteWatch, Preemption, WriteFailed
+from experiments.training.loss_names import describe_loss, loss_measures, val_row
 from experiments.training.optim import learning_rate, make_optimizer
+from experiments.training.run_tokenizer import tokenizer_for
+from experiments.training.saver import Saver, reason
 from model import param_count, train_flops_per_token
 from model.config import EXECUTION_FIELDS, differing_fields
 from model.flops import param_bytes
 from model.gguf import GGUFFile
 from model.loss import nll_sum
-from model.tokenizer import tokenizer_from_gguf
 from parallel.mesh import make_mesh
 from parallel.rules import BATCH_AXES
 from parallel.sharded_run import ShardedRun, build
@@ -60,6 +67,8 @@ class Run:
     val: list
     pretrained: GGUFFile | None = None  # the weights `init` starts from, already checked
     load_report: dict = dataclasses.field(default_factory=dict)  # host memory of that load
+    source_run: str | None = None  # the run folder `init` names: its newest intact checkpoint
+    byte_tokens: bool = True  # the tokens are bytes (else a pretrained model's vocabulary)
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -152,37 +161,81 @@ def prepare(cfg: Config, workdir: Path | None = None, resume: bool = False) -> R
         sharded = build(cfg.model, get_strategy(t.strategy, t.prefetch), mesh, tx, step_cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    pretrained, encode = None, None
-    if t.init is not None:  # the file must hold this model; its tokenizer reads the data
+    pretrained, source_run, tokenizer = None, None, None
+    if t.init is not None:  # the weights must be this model; its tokenizer reads the data
         try:
-            pretrained = pretrained_init.check_model(t.init, cfg.model)
-            encode = tokenizer_from_gguf(pretrained).encode
-        except ValueError as e:  # GGUFError is one
+            if t.init in PRETRAINED_INITS:
+                pretrained = pretrained_init.check_model(t.init, cfg.model)
+            else:
+                lineage.check_same_model(t.init, cfg)
+                source_run = t.init
+            tokenizer = tokenizer_for(t.init)
+        except ValueError as e:  # GGUFError and ConfigError are ones
             raise ConfigError(str(e).splitlines()[0]) from None
-    try:
-        train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus, encode)
-        rows = pack(train_tokens, cfg.model.max_len)
-        val = validation_batches(pack(val_tokens, cfg.model.max_len), micro_batch,
-                                 t.eval_batches)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    rows, val = _read_data(cfg, tokenizer, micro_batch, n_dev)
     if workdir is not None:
         _check_workdir(cfg, workdir, resume)
         _check_disk(workdir, sharded.abstract_state, t.keep_ckpts)
     if jax.process_count() > 1:  # nobody writes before every process has checked the workdir
         multihost_utils.sync_global_devices("shardq: input checked")
-    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val, pretrained)
+    return Run(cfg, sharded, SequenceSampler(rows, t.seed), val, pretrained,
+               source_run=source_run, byte_tokens=tokenizer is None)
+
+
+def _read_data(cfg: Config, tokenizer, micro_batch: int, n_dev: int) -> tuple:
+    """(training rows, validation batches); a validation split too small for one batch is
+    refused with what would fit, computed from the data."""
+    t = cfg.train
+    try:
+        train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus,
+                                               None if tokenizer is None else tokenizer.encode)
+        rows = pack(train_tokens, cfg.model.max_len)
+        val_rows = pack(val_tokens, cfg.model.max_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return rows, validation_batches(val_rows, micro_batch, t.eval_batches)
+    except ValueError as e:
+        n_bytes = len(train_tokens) + len(val_tokens)
+        if tokenizer is not None:  # the tokens per byte of this text, to size a split
+            n_bytes = len("".join(tokenizer.decode(x.tolist()) for x in
+                                  (train_tokens, val_tokens)).encode())
+        advice = fit_advice(t.data, len(val_rows), micro_batch, t.micro_steps, n_dev,
+                            cfg.model.max_len, (len(train_tokens) + len(val_tokens)) / n_bytes)
+        raise ConfigError(f"{e}; {advice}") from None
 
 
 def init_sharded_state(run: Run) -> dict:
     """Jitted init straight into the strategy's shardings (no device holds what it shouldn't);
     with `init`, the pretrained weights placed one tensor at a time into their shards."""
+    if run.source_run is not None:
+        return run.sharded.init_from(_source_params(run))
     if run.pretrained is None:
         return run.sharded.init(run.cfg.train.seed)
     params, report = pretrained_init.load_sharded(run.pretrained, run.cfg.model,
                                                   run.shardings["params"])
     run.load_report.update(report)
     return run.sharded.init_from(params)
+
+
+def _source_params(run: Run) -> dict:
+    """The parameters of the source run's newest intact checkpoint, read straight into this
+    run's shardings (cast to its param dtype)."""
+    mngr = ckpt.manager(run.source_run, read_only=True)
+    abstract = {"params": run.abstract_state["params"]}
+    try:
+        restored = ckpt.restore_latest_intact(Path(run.source_run), mngr, abstract,
+                                              {"params": run.shardings["params"]},
+                                              params_only=True)
+    except ckpt.NoIntactCheckpoint as e:
+        raise ConfigError(f"init={run.source_run!r}: {e}") from None
+    finally:
+        mngr.close()
+    if restored is None:
+        raise ConfigError(f"init={run.source_run!r}: holds no checkpoint to start from")
+    state, _, step = restored
+    run.load_report.update({"init_run": run.source_run, "init_step": step})
+    return state["params"]
 
 
 def global_batch(run: Run, rows_fn) -> jax.Array:
@@ -247,17 +300,23 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False,
     val_before = None
     if cfg.train.init is not None and start == 0:  # what fine-tuning starts from, same batches
         val_before = evaluate(state["params"])
-        _append_jsonl(workdir / "metrics.jsonl", {"step": 0, "val_loss": val_before,
-                                                  "val_perplexity": float(np.exp(val_before))})
+        _append_jsonl(workdir / "metrics.jsonl", val_row(0, val_before, run.byte_tokens))
+        if jax.process_index() == 0:
+            print(f"step 0 (the initial weights): {describe_loss(val_before, run.byte_tokens)}",
+                  flush=True)
     end = _train_steps(run, state, start, workdir, mngr, evaluate, progress)
     val_loss = end.val_loss
     if val_loss is None or end.preempted:  # report the state the run ends with
         val_loss = evaluate(end.state["params"])
-    return {"step": end.step, "val_loss": val_loss, "bits_per_byte": val_loss / np.log(2),
-            "train_seconds": end.seconds, "params": param_count(cfg.model),
-            "devices": run.mesh.size, "strategy": cfg.train.strategy,
-            "preempted": end.preempted, "skipped_steps": end.skipped, "resumed_from": start,
-            "val_loss_before": val_before, "load": dict(run.load_report)}
+    summary = {"step": end.step, "val_loss": val_loss,
+               "train_seconds": end.seconds, "params": param_count(cfg.model),
+               "devices": run.mesh.size, "strategy": cfg.train.strategy,
+               "preempted": end.preempted, "skipped_steps": end.skipped, "resumed_from": start,
+               "val_loss_before": val_before, "load": dict(run.load_report)}
+    summary.update(loss_measures(val_loss, run.byte_tokens, prefix=""))
+    # what a token is: bytes, or the vocabulary of the pretrained model the run started from
+    summary["tokens"] = "bytes" if run.byte_tokens else lineage.origin(cfg.train.init).pretrained
+    return summary
 
 
 def _restore_or_init(run: Run, workdir: Path, mngr, resume: bool) -> tuple[dict, int]:
@@ -322,7 +381,7 @@ def _train_steps(run: Run, state: dict, start: int, workdir: Path, mngr, evaluat
     last_t, last_step, val_loss = time.perf_counter(), start, None
     t0 = time.perf_counter()
     watch, step, preempted = FiniteWatch(t.on_nonfinite), start, False
-    saver = _Saver(mngr, workdir)
+    saver = Saver(mngr, workdir)
     with Preemption() as preemption, ckpt.save_errors_raised_not_logged():
         try:
             for step in range(start + 1, t.steps + 1):
@@ -344,11 +403,9 @@ def _train_steps(run: Run, state: dict, start: int, workdir: Path, mngr, evaluat
                 if step % t.eval_every == 0 or step == t.steps:
                     watch.flush()
                     val_loss = evaluate(state["params"])
-                    _append_jsonl(metrics_path, {"step": step, "val_loss": val_loss,
-                                                 "val_bits_per_byte": val_loss / np.log(2)})
+                    _append_jsonl(metrics_path, val_row(step, val_loss, run.byte_tokens))
                     if jax.process_index() == 0:
-                        bar.write(f"step {step}: val loss {val_loss:.4f}, "
-                                  f"{val_loss / np.log(2):.3f} bits/byte")
+                        bar.write(f"step {step}: {describe_loss(val_loss, run.byte_tokens)}")
                 saver.seal_if_written(step)
                 preempted = preemption.requested()
                 if step % t.ckpt_every == 0 or step == t.steps or preempted:
@@ -361,78 +418,11 @@ def _train_steps(run: Run, state: dict, start: int, workdir: Path, mngr, evaluat
             watch.flush()
             saver.finish(step)  # a pending save completes and is sealed before we return
         except OSError as e:  # metrics.jsonl, config.json or a manifest: a full disk
-            raise WriteFailed(saver.stopped(step, _reason(e))) from None
+            raise WriteFailed(saver.stopped(step, reason(e))) from None
         finally:
             bar.close()
             saver.close()  # seals a save that did finish; closes the manager
     return _End(state, step, val_loss, preempted, watch.skipped, time.perf_counter() - t0)
-
-
-class _Saver:
-    """Asynchronous saves, each sealed as soon as Orbax has finished writing it (a checkpoint
-    without its manifest is not resumed from), and a failed write turned into one line."""
-
-    def __init__(self, mngr, workdir: Path):
-        self.mngr, self.workdir = mngr, workdir
-        self.pending: int | None = None  # the step being written, not yet sealed
-
-    def save(self, step: int, state: dict, meta: dict) -> None:
-        self._seal(step)  # the previous save is long done by now
-        try:
-            ckpt.save(self.mngr, step, state, meta)
-        except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the write did not happen
-            raise WriteFailed(self.stopped(step, _reason(e), writing=step)) from None
-        self.pending = step
-
-    def seal_if_written(self, step: int) -> None:
-        """Seal the pending save if it has finished (never waits for it)."""
-        if self.pending is not None and not self.mngr.is_saving_in_progress():
-            self._seal(step)
-
-    def finish(self, step: int) -> None:
-        self._seal(step)
-
-    def close(self) -> None:
-        """On the way out, also after an error: seal a save that did finish, and close the
-        manager. A failed write is reported once (by the save, the seal or finish that met it),
-        so it is not raised again here, nor does it hide the error the run stops with."""
-        try:
-            self._seal(None)
-        except WriteFailed:
-            pass
-        try:
-            self.mngr.close()
-        except Exception:  # noqa: BLE001 - Orbax raises the same failed write once more
-            pass
-
-    def _seal(self, step: int | None) -> None:
-        writing, self.pending = self.pending, None
-        try:
-            self.mngr.wait_until_finished()
-        except Exception as e:  # noqa: BLE001 - the background write failed
-            raise WriteFailed(self.stopped(step, _reason(e), writing=writing)) from None
-        if jax.process_index() == 0:
-            integrity.seal(self.workdir, self.mngr.all_steps())
-
-    def stopped(self, step: int | None, reason: str, writing: int | None = None) -> str:
-        """The one line a failed write stops the run with."""
-        what = f"checkpoint {writing}" if writing is not None else "the run's files"
-        intact = [s for s in sorted(self.mngr.all_steps(), reverse=True)
-                  if integrity.problem(self.workdir, s) is None]
-        resume = (f"checkpoint {intact[0]} is intact: make room, then --resume continues "
-                  f"from it" if intact else "no checkpoint is intact: make room, then --resume "
-                  "trains again from step 0")
-        return f"{what} could not be written ({reason}); stopped at step {step}; {resume}"
-
-
-def _reason(e: Exception) -> str:
-    """An OS error out of Orbax's (long, nested) message, else its first line, shortened."""
-    code = re.search(r"os_error_code='?(\d+)", str(e))
-    if code:
-        return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}, errno {e.errno}" + (f", {e.filename}" if e.filename else "")
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
