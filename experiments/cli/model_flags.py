@@ -9,16 +9,17 @@ from __future__ import annotations
 import os
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained import eval_text
+from experiments.pretrained import eval_text, model_ref
 from quant.modes import ALL_MODES, MODES, SMOOTHING_MODES, QuantConfig, QuantError
 
-MODELS = ("smollm2",)
+MODELS = model_ref.REGISTERED
 
 
 def add_model_flags(p, quant: bool = True) -> None:
     """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
     itself) --quant."""
-    p.add_argument("--model", default="smollm2", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--model", default="smollm2", metavar="REF",
+                   help=f"the model: {model_ref.ALLOWED} (default smollm2)")
     if quant:
         p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
         p.add_argument("--alpha", type=float, default=None,
@@ -28,13 +29,19 @@ def add_model_flags(p, quant: bool = True) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--gguf", default=None, metavar="PATH",
-                   help="another Llama-architecture GGUF file (default: the model's package)")
+                   help="another Llama-architecture GGUF file (default: the model's package); "
+                        "the same as --model PATH")
 
 
 def check_model_flags(args) -> None:
-    """Refuse bad flags before anything is loaded (ConfigError, one line)."""
-    if args.model not in MODELS:
-        raise ConfigError(f"model={args.model!r}: allowed {', '.join(MODELS)}")
+    """Refuse bad flags before anything is loaded (ConfigError, one line). `--model FILE.gguf`
+    becomes `--gguf FILE.gguf`, the form the loader reads."""
+    ref = model_ref.resolve(args.model)
+    if ref.kind == "gguf":
+        if args.gguf is not None and args.gguf != args.model:
+            raise ConfigError(f"gguf={args.gguf!r}: give the file once (--model {args.model!r} "
+                              f"already names one)")
+        args.model, args.gguf = "smollm2", args.model
     if getattr(args, "quant", "none") not in ALL_MODES:
         raise ConfigError(f"quant={args.quant!r}: allowed {', '.join(ALL_MODES)}")
     alpha = getattr(args, "alpha", None)

@@ -1,0 +1,73 @@
+"""`--model REF`: what experiments/pretrained/model_ref.py makes of a REF (JAX-free), and how the
+launchers refuse a bad one: one line naming `model`, exit 2, before JAX starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained.model_ref import resolve
+from tests.helpers import launch_in_one_process
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def test_each_kind_is_recognised(tmp_path):
+    assert resolve("smollm2").kind == "name"
+    assert resolve(str(FIXTURES / "qwen2")).kind == "hf"
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")  # contents are the loader's business
+    assert resolve(str(gguf)).kind == "gguf"
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    assert resolve(str(run)).kind == "run"
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: "llama3", "not a registered name and no such file or folder"),
+    (lambda p: str(p), "a folder without config.json"),
+    (lambda p: str(FIXTURES / "qwen2" / "config.json"), "a file that is not a .gguf"),
+])
+def test_bad_refs_are_one_line_naming_model(tmp_path, make, says):
+    ref = make(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        resolve(ref)
+    msg = str(e.value)
+    assert msg.startswith(f"model={ref!r}: {says}") and "\n" not in msg
+    assert "Hugging Face folder" in msg and "training run" in msg
+
+
+def test_unsupported_architecture_is_refused_by_model_type(tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(FIXTURES / "llama", folder)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported \(allowed: "
+                                          r"llama, mistral, qwen2, qwen3\)"):
+        resolve(str(folder))
+
+
+def test_resolving_imports_no_jax():
+    import subprocess
+    code = ("import sys; from experiments.pretrained.model_ref import resolve; "
+            f"resolve({str(FIXTURES / 'qwen3')!r}); print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_launchers_refuse_a_bad_ref_before_jax(tmp_path):
+    rows = launch_in_one_process([
+        ("experiments.score", ["--model", "nope", "--text", "a"]),
+        ("experiments.perplexity", ["--model", str(tmp_path)]),
+    ])
+    for row in rows:
+        assert row["status"] == 2 and not row["jax_imported"], row
+        lines = row["stderr"].strip().splitlines()
+        assert len(lines) == 1 and "model=" in lines[0], row
