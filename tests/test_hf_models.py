@@ -5,6 +5,7 @@ experiments/reference/make_hf_fixtures.py (transformers 5, float32)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import tracemalloc
@@ -40,14 +41,27 @@ def model_of(cfg, params):
     return graphdef, nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
 
 
+PAD = 128  # every text is right-padded to this (causal: padding changes nothing before it)
+
+
+@functools.lru_cache(maxsize=32)
+def _logprobs(graphdef):
+    return jax.jit(lambda state, tokens: jax.nn.log_softmax(
+        nnx.merge(graphdef, state)(tokens)[0], axis=-1))
+
+
 def scores(model, ids: list[int]) -> tuple[float | None, int]:
-    """(mean NLL over positions 1..n-1, argmax after the text), as experiments.score."""
-    logp = jax.nn.log_softmax(model(jnp.asarray([ids], jnp.int32))[0], axis=-1)
-    nxt = int(jnp.argmax(logp[-1]))
+    """(mean NLL over positions 1..n-1, argmax after the text), as experiments.score: one
+    compiled forward per model."""
+    graphdef, state = nnx.split(model)
+    tokens = np.zeros((1, PAD), np.int32)
+    tokens[0, :len(ids)] = ids
+    logp = np.asarray(_logprobs(graphdef)(state, tokens), np.float64)[:len(ids)]
+    nxt = int(np.argmax(logp[-1]))
     if len(ids) < 2:
         return None, nxt
-    picked = jnp.take_along_axis(logp[:-1], jnp.asarray(ids[1:], jnp.int32)[:, None], 1)[:, 0]
-    return float(np.mean(-np.asarray(picked, np.float64))), nxt
+    picked = logp[np.arange(len(ids) - 1), ids[1:]]
+    return float(np.mean(-picked)), nxt
 
 
 def worst_error(model, rows: list[dict]) -> tuple[float, int]:
