@@ -71,6 +71,11 @@ def check_llama(cfg: ModelConfig) -> None:
     if cfg.mlp != "swiglu":
         raise ExportError(f"mlp={cfg.mlp!r}: the Llama layout needs mlp='swiglu' (a GELU MLP "
                           f"has no LlamaForCausalLM or llama.cpp counterpart)")
+    # The other families' fields have tensors or metadata the Llama layout has no place for.
+    for field in ("qkv_bias", "qk_norm", "sliding_window", "head_size"):
+        if getattr(cfg, field):
+            raise ExportError(f"{field}={getattr(cfg, field)!r}: the Llama layout has no "
+                              f"place for it (only Llama-architecture models are exported)")
 
 
 @dataclasses.dataclass(frozen=True)

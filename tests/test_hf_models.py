@@ -22,6 +22,7 @@ from model import DecoderLM
 from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
 from model.hf_tokenizer import HFTokenizer
+from model.llama_export import ExportError, check_llama
 from parallel.sharded_run import run_label
 from quant.modes import QuantConfig
 from quant.pipeline import quantize
@@ -230,3 +231,11 @@ def test_bad_folders_are_one_line(tmp_path):
         load_hf(folder)
     for e in (HFError,):
         assert issubclass(e, ValueError)
+
+
+@pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
+                                         ("mistral", "sliding_window")])
+def test_llama_export_refuses_the_other_families(arch, field):
+    with pytest.raises(ExportError, match=f"^{field}="):
+        check_llama(load_hf(FIXTURES / arch)[0])
+    check_llama(load_hf(FIXTURES / "llama")[0])
