@@ -71,3 +71,55 @@ def test_launchers_refuse_a_bad_ref_before_jax(tmp_path):
         assert row["status"] == 2 and not row["jax_imported"], row
         lines = row["stderr"].strip().splitlines()
         assert len(lines) == 1 and "model=" in lines[0], row
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """A 2-step tiny run on bytes (from random weights)."""
+    import dataclasses
+
+    from experiments.training.trainer import train_and_evaluate
+    from tests.helpers import TINY
+
+    tmp = tmp_path_factory.mktemp("byte_run")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(open(json.__file__).read() * 4)
+    cfg = dataclasses.replace(TINY, train=dataclasses.replace(
+        TINY.train, steps=2, ckpt_every=2, eval_every=2, log_every=1, data=str(corpus),
+        devices=1))
+    train_and_evaluate(cfg, tmp / "run", progress=False)
+    return cfg, tmp / "run"
+
+
+def test_a_run_folder_loads_its_newest_checkpoint_with_its_tokenizer(byte_run, monkeypatch):
+    import numpy as np
+
+    from experiments.pretrained import ref_loading
+    from experiments.training.restore import restore_params
+    from model.hf_tokenizer import HFTokenizer
+
+    cfg, run = byte_run
+    ref = resolve(str(run))
+    assert ref.kind == "run"
+    with pytest.raises(ConfigError, match=r"^model='.*': a run trained on bytes"):
+        ref_loading.load_ref(ref)
+    # A run with a token vocabulary: the tokenizer is whatever its chain says (stubbed here).
+    tok = HFTokenizer(FIXTURES / "qwen2")
+    monkeypatch.setattr(ref_loading.run_tokenizer, "tokenizer_for", lambda init: tok)
+    loaded = ref_loading.load_ref(ref)
+    assert loaded.tokenizer is tok and loaded.step == 2 and loaded.cfg == cfg.model
+    want = restore_params(run, cfg).params
+    got_leaves, want_leaves = (sorted(_leaves(t)) for t in (loaded.params, want))
+    assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves]
+    for (_, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    short = ref_loading.load_ref(ref, n_layers=1)
+    assert short.cfg.n_layers == 1 and short.params["blocks"]["attn"]["q"]["kernel"].shape[0] == 1
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}/{k}")
+    else:
+        yield prefix, tree
