@@ -239,3 +239,37 @@ def test_llama_export_refuses_the_other_families(arch, field):
     with pytest.raises(ExportError, match=f"^{field}="):
         check_llama(load_hf(FIXTURES / arch)[0])
     check_llama(load_hf(FIXTURES / "llama")[0])
+
+
+def test_sharded_and_half_precision_folders_read_the_same(tmp_path):
+    """model-*.safetensors with model.safetensors.index.json reads as the one file does; a
+    bfloat16 / float16 file reads as its values in float32."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    source = FIXTURES / "qwen3"
+    cfg, want = load_hf(source)
+    tensors = load_file(source / "model.safetensors")
+    names = sorted(tensors)
+    sharded = bad_folder(tmp_path, "qwen3")
+    (sharded / "model.safetensors").unlink()
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / file)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}))
+    got = load_hf(sharded)[1]
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        half = tmp_path / np.dtype(dtype).name
+        half.mkdir()
+        shutil.copy(source / "config.json", half)
+        save_file({n: t.astype(dtype) for n, t in tensors.items()}, half / "model.safetensors")
+        got = load_hf(half)[1]
+        rounded = jax.tree.map(lambda a, d=dtype: a.astype(d).astype(np.float32), want)
+        jax.tree.map(np.testing.assert_array_equal, got, rounded)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00003-of-00002.safetensors" for n in names}}))
+    with pytest.raises(HFError, match="lists shard 'model-00003-of-00002.safetensors'"):
+        load_hf(sharded)
