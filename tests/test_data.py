@@ -1,15 +1,19 @@
 """Data: deterministic file split, packing, seeded order, exact resume, per-process slices."""
 
+import re
+
 import numpy as np
 import pytest
 
 from experiments.training.data import (
     SequenceSampler,
     default_corpus_root,
+    fit_advice,
     is_validation,
     list_files,
     load_corpus,
     pack,
+    split_sizes,
     validation_batches,
 )
 
@@ -75,7 +79,8 @@ def test_user_file_and_folder(tmp_path):
     for name in ("a.txt", "b.txt"):
         (few / name).write_bytes(text)
     assert not any(is_validation(name, 5) for name in ("a.txt", "b.txt"))
-    with pytest.raises(ValueError, match=r"files found: 2, 5% to validation; .*--val-percent"):
+    with pytest.raises(ValueError,
+                       match=r"files found: 2, 5% to validation\); --val-percent \d+ puts"):
         load_corpus(str(few), val_percent=5)
 
 
@@ -86,3 +91,37 @@ def test_validation_batches_are_fixed_and_spread():
     assert batches[-1].max() > 50  # spread over the split, not just its first files
     with pytest.raises(ValueError, match="batch_size=200"):
         validation_batches(rows, 200, 1)
+
+
+def test_a_folder_that_does_not_split_says_what_would(tmp_path):
+    """One file in a folder never splits by file: the line says to give the file itself; two
+    files: the line names a val_percent that does put one on each side, checked here."""
+    text = ("hello world, " * 500).encode()
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.txt").write_bytes(text)
+    with pytest.raises(ValueError, match=r"files found: 1, .* give the file itself \(--data "):
+        load_corpus(str(one))
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (few / name).write_bytes(text)
+    with pytest.raises(ValueError, match=r"--val-percent (\d+) puts files on both sides") as e:
+        load_corpus(str(few), val_percent=5)
+    vp = int(re.search(r"--val-percent (\d+)", str(e.value)).group(1))
+    train, val = load_corpus(str(few), val_percent=vp)
+    assert len(train) and len(val)
+
+
+def test_fit_advice_is_computed_from_the_data(tmp_path):
+    """A validation split smaller than one batch: a batch size that fits it over the devices,
+    and a val_percent that holds out enough text for one batch."""
+    f = tmp_path / "small.txt"
+    f.write_bytes(b"x" * 20_000)
+    advice = fit_advice(str(f), val_rows=7, micro_batch=8, micro_steps=1, n_dev=4, seq_len=128,
+                        tokens_per_byte=0.25)
+    assert "--batch-size 4 " in advice
+    vp = int(re.search(r"--val-percent (\d+)", advice).group(1))
+    assert split_sizes(f)[vp][1] * 0.25 >= 8 * 128 + 1 > split_sizes(f)[vp - 1][1] * 0.25
+    # Too few sequences for even one per device, and no split that holds out enough.
+    assert fit_advice(str(f), 1, 8, 1, 8, 4096, 1.0) == "more text, or a shorter --max-len"

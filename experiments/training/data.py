@@ -117,6 +117,8 @@ def val_percent_for(root: Path, val_bytes: int, train_bytes: int = 1) -> int | N
 
 def _split_advice(root: Path, files: list[Path]) -> str:
     """What would split this folder: a val_percent that puts text on both sides, if any."""
+    if not files:
+        return f"add text files ({' '.join(TEXT_SUFFIXES)}) or give a text file"
     if len(files) == 1:
         return (f"a folder of one file cannot be split by file: give the file itself "
                 f"(--data {files[0]}), which is split by position")
