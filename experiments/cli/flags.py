@@ -120,6 +120,8 @@ def _help(cls, f: dataclasses.Field) -> str:
     text = f.metadata.get("help") or FIELD_HELP.get(f.name, f.name.replace("_", " "))
     part = {ModelConfig: "model", TrainConfig: "train"}.get(cls)
     if part is None:
+        if f.default is dataclasses.MISSING or "default" in text:  # none, or said already
+            return text.replace("%", "%%")
         return f"{text} (default {_shown(f.default)})".replace("%", "%%")
     values = {name: getattr(getattr(p, part), f.name) for name, p in PRESETS.items()}
     if len(set(map(_shown, values.values()))) == 1:
