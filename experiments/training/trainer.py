@@ -128,8 +128,9 @@ def _check_workdir(cfg: Config, workdir: Path, resume: bool) -> None:
         for f in dataclasses.fields(old.train):
             if f.name not in RESUMABLE_CHANGES and \
                     getattr(old.train, f.name) != getattr(cfg.train, f.name):
-                why = (" (the learning-rate schedule's length; a resumed run keeps it)"
-                       if f.name == "steps" else "")
+                why = (f" (the learning-rate schedule's length; a resumed run keeps it; to train "
+                       f"on with a new schedule, start a new run from this one: --init "
+                       f"{workdir})" if f.name == "steps" else "")
                 raise ConfigError(f"resume: {f.name}={getattr(cfg.train, f.name)!r} differs from "
                                   f"the run's {getattr(old.train, f.name)!r}{why}; allowed to "
                                   f"change: {', '.join(sorted(RESUMABLE_CHANGES))}")
