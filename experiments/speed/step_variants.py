@@ -30,8 +30,11 @@ def _dot_any_rank(x, w):
     return jnp.dot(x, w)
 
 
-def _xla_attention(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+def _xla_attention(q, k, v, window=None):
+    """jax.nn.dot_product_attention in the call model.transformer makes of causal_attention
+    (a sliding `window` as its local window: the key t - window + 1 is the first one seen)."""
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
 
 
 def _autodiff_attention_blocks(q, k, v, group, block):
