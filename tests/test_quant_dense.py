@@ -19,6 +19,7 @@ from quant import quantizers as qz
 from quant.convert import QuantConfig, make_plan
 from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
 from quant.pipeline import quantize
+from tests.hlo_checks import float_dot_widths, int8_dots
 from tests.quant_models import CFG, calibration_batches, tiny_float_model
 
 
@@ -125,28 +126,6 @@ def test_zero_rows_and_channels_do_not_divide_by_zero():
     x = jnp.zeros((4, 64)).at[1].set(1.0)
     y = qd(x)
     assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(y[0] == 0))
-
-
-def int8_dots(hlo: str) -> list[str]:
-    """dot instructions of a compiled HLO text with s32 results and two s8 operands."""
-    types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
-    found = []
-    for line in hlo.splitlines():
-        m = re.search(r"(%[\w.\-]+) = s32\[[^\]]*\]\S* dot\((%[\w.\-]+), (%[\w.\-]+)\)", line)
-        if m and types.get(m.group(2)) == "s8" and types.get(m.group(3)) == "s8":
-            found.append(line.strip())
-    return found
-
-
-def float_dot_widths(hlo: str) -> list[int]:
-    """Contracted length of every f32 dot in a compiled HLO text."""
-    shapes = {n: [int(d) for d in dims.split(",") if d]
-              for n, dims in re.findall(r"(%[\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
-    widths = []
-    for lhs, dim in re.findall(r"= f32\[[^\]]*\]\S* dot\((%[\w.\-]+), %[\w.\-]+\), "
-                               r"lhs_contracting_dims=\{(\d+)\}", hlo):
-        widths.append(shapes[lhs][int(dim)])
-    return widths
 
 
 def test_compiled_program_has_an_s8_dot_with_s32_accumulator():

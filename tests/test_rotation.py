@@ -19,7 +19,7 @@ from quant.modes import QuantConfig, QuantError
 from quant.pipeline import quantize
 from quant.rotation import rotate, rotate_kernel, rotation_factors
 from tests.helpers import TINY
-from tests.test_quant_dense import int8_dots
+from tests.hlo_checks import int8_dots
 
 
 def dense_matrix(n: int) -> np.ndarray:
