@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None, help="a training run's folder")
-    p.add_argument("--model", default=None, help="a pretrained model: smollm2")
+    p.add_argument("--model", default=None, metavar="REF",
+                   help="the model: smollm2, a .gguf file or a training run's folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     p.add_argument("--format", default="safetensors", help=f"one of {', '.join(FORMATS)}")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     try:
         if (args.workdir is None) == (args.model is None):
-            raise ConfigError("source: give exactly one of --workdir RUN or --model NAME")
+            raise ConfigError("source: give exactly one of --workdir RUN or --model REF")
         if args.out is None:
             raise ConfigError("out: give the folder to write with --out DIR")
         if args.format not in FORMATS:

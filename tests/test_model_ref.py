@@ -39,7 +39,8 @@ def test_bad_refs_are_one_line_naming_model(tmp_path, make, says):
     with pytest.raises(ConfigError) as e:
         resolve(ref)
     msg = str(e.value)
-    assert msg.startswith(f"model={ref!r}: {says}") and "\n" not in msg
+    assert msg.startswith(f"model={ref!r}: allowed smollm2, a .gguf file") and "\n" not in msg
+    assert msg.endswith(f"({says})")
     assert "Hugging Face folder" in msg and "training run" in msg
 
 
@@ -123,3 +124,30 @@ def _leaves(tree, prefix=""):
             yield from _leaves(v, f"{prefix}/{k}")
     else:
         yield prefix, tree
+
+
+def test_score_reads_a_hugging_face_folder_as_transformers_does():
+    from tests.helpers import cli
+
+    rows = json.loads((FIXTURES / "qwen2" / "reference.json").read_text())["results"][:3]
+    proc = cli("score", "--model", str(FIXTURES / "qwen2"), "--json",
+               *[a for r in rows for a in ("--text", r["text"])], timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    for want, row in zip(rows, got, strict=True):
+        assert row["tokens"] == want["tokens"] and row["next_token"] == want["next_token"]
+        assert abs(row["mean_nll"] - want["mean_nll"]) <= 1e-4
+
+
+def test_perplexity_labels_a_gguf_file_and_a_folder_with_their_paths(tmp_path):
+    from tests import gguf_files
+    from tests.helpers import cli
+
+    gguf = gguf_files.write(tmp_path / "tiny.gguf")
+    for args, label in ((["--gguf", str(gguf)], str(gguf)), (["--model", str(gguf)], str(gguf)),
+                        (["--model", str(FIXTURES / "qwen3")], str(FIXTURES / "qwen3"))):
+        proc = cli("perplexity", *args, "--json", "--tokens", "64", "--window", "32",
+                   timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert row["model"] == label and row["perplexity"] > 1, row

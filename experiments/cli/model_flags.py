@@ -19,7 +19,7 @@ def add_model_flags(p, quant: bool = True) -> None:
     """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
     itself) --quant."""
     p.add_argument("--model", default="smollm2", metavar="REF",
-                   help=f"the model: {model_ref.ALLOWED} (default smollm2)")
+                   help=f"the model: {model_ref.ALLOWED} (default: smollm2)")
     if quant:
         p.add_argument("--quant", default="none", help=f"one of {', '.join(ALL_MODES)}")
         p.add_argument("--alpha", type=float, default=None,

@@ -6,15 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.cli.config import ConfigError, check_output_folder
+from experiments.pretrained import model_ref
 
 PRETRAINED = ("smollm2",)  # the pretrained models an export can start from
 
 
 def check_source(model: str | None, layers: int | None) -> None:
-    """What can be judged of the export's source before anything is read: a known pretrained
-    model, a positive layer count (its upper bound needs the model)."""
-    if model is not None and model not in PRETRAINED:
-        raise ConfigError(f"model={model!r}: allowed {', '.join(PRETRAINED)}")
+    """What can be judged of the export's source before anything is read: a model reference
+    an export can start from (a registered name, a .gguf file or a run folder; a Hugging Face
+    folder already is an export), a positive layer count (its upper bound needs the model)."""
+    if model is not None and model_ref.resolve(model).kind == "hf":
+        raise ConfigError(f"model={model!r}: a Hugging Face folder is what an export writes; "
+                          f"export from {', '.join(PRETRAINED)}, a .gguf file or a run folder")
     if layers is not None and layers < 1:
         raise ConfigError(f"layers={layers}: must be a positive integer")
 

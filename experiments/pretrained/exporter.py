@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
+from experiments.pretrained import model_ref
 from experiments.pretrained.export_checks import PRETRAINED, check_out
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity
@@ -80,14 +81,20 @@ def _check_layers(layers: int | None, available: int) -> None:
 
 
 def pretrained_source(name: str, layers: int | None = None) -> Source:
-    """The packaged model's float32 weights as they are (the whole model is dequantised in
-    memory: it is the GGUF file itself that is the streaming source here)."""
-    if name not in PRETRAINED:
-        raise ConfigError(f"model={name!r}: allowed {', '.join(PRETRAINED)}")
-    _check_layers(layers, config_from_gguf(GGUFFile(package_gguf_path())).n_layers)
-    cfg, params, g = load_gguf(None, n_layers=layers)
-    return Source(f"{name} ({package_gguf_path().name})", cfg,
-                  lambda path: np.asarray(_lookup(params, path), np.float32), g)
+    """A model reference's float32 weights: the packaged model or a .gguf file as it is (the
+    whole model is dequantised in memory: it is the GGUF file itself that is the streaming
+    source here), or a run folder's newest intact checkpoint (`run_source`)."""
+    ref = model_ref.resolve(name)
+    if ref.kind == "run":
+        return run_source(name, layers, None)
+    if ref.kind != "name" and ref.kind != "gguf":
+        raise ConfigError(f"model={name!r}: allowed {', '.join(PRETRAINED)}, a .gguf file or "
+                          f"a run folder")
+    path = ref.ref if ref.kind == "gguf" else None
+    _check_layers(layers, config_from_gguf(GGUFFile(path or package_gguf_path())).n_layers)
+    cfg, params, g = load_gguf(path, n_layers=layers)
+    label = f"{name} ({package_gguf_path().name})" if path is None else path
+    return Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32), g)
 
 
 def _intact_step(workdir: Path, steps: list[int], step: int | None) -> int:

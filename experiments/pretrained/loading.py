@@ -1,9 +1,12 @@
-"""A pretrained decoder LM (SmolLM2-135M-Instruct) as the project's own model, float or int8.
+"""A pretrained decoder LM (SmolLM2-135M-Instruct, or any `--model REF`) as the project's own
+model, float or int8.
 
-`load` reads a Llama GGUF (the one a Python package ships, or another file) into float32 NNX
-parameters of `DecoderLM` plus its tokenizer; `quantize` runs `quant/` on it, calibrating on rows
-from the training topics of `pydoc_data`; `load_quantized` does both from the values a
-launcher's model flags hold. The chat template's token ids live here too, beside the tokenizer.
+`load` reads what a model reference names (experiments/pretrained/model_ref.py: a Llama GGUF,
+the one a Python package ships or another file, a Hugging Face folder or a training run) into
+float32 NNX parameters of `DecoderLM` plus its tokenizer; `quantize` runs `quant/` on it,
+calibrating on rows from the training topics of `pydoc_data`; `load_quantized` does both from
+the values a launcher's model flags hold. The chat template's token ids live here too, beside
+the tokenizer.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import numpy as np
 from flax import nnx
 
 from experiments.cli.config import ConfigError
-from experiments.cli.model_flags import MODELS
+from experiments.pretrained import model_ref, ref_loading
 from experiments.training import pydoc_corpus
 from model import DecoderLM, ModelConfig
 from model.gguf import GGUFError
+from model.hf_tokenizer import HFTokenizerError
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
@@ -47,10 +51,20 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 def load(name: str = "smollm2", n_layers: int | None = None,
          gguf_path: str | None = None) -> Pretrained:
-    """The float32 model and tokenizer: the named model's packaged file, or another Llama GGUF
-    at `gguf_path` (GGUFError, one line, on a bad file)."""
-    if name not in MODELS:
-        raise ConfigError(f"model={name!r}: allowed {', '.join(MODELS)}")
+    """The float32 model and tokenizer of the reference `name` (a registered name, a .gguf
+    file, a Hugging Face folder or a run folder; ConfigError naming `model` otherwise), or of
+    the Llama GGUF at `gguf_path` (GGUFError, one line, on a bad file). The result is labelled
+    with what was read: the name, or the path."""
+    ref = model_ref.resolve(name)
+    if ref.kind in ("hf", "run"):
+        got = ref_loading.load_ref(ref, n_layers)
+        return Pretrained(ref.label, got.cfg, abstract_graphdef(got.cfg),
+                          jax.tree.map(jnp.asarray, got.params), got.tokenizer)
+    if ref.kind == "gguf":
+        if gguf_path is not None and gguf_path != name:
+            raise ConfigError(f"gguf={gguf_path!r}: give the file once (model={name!r} names "
+                              f"one already)")
+        gguf_path = name
     try:
         cfg, params, gguf = load_gguf(gguf_path, n_layers=n_layers)
         tokenizer = tokenizer_from_gguf(gguf)
@@ -61,7 +75,8 @@ def load(name: str = "smollm2", n_layers: int | None = None,
         said = str(e).removeprefix(where).removeprefix(": ")
         raise GGUFError(f"gguf={where}: {said}") from None
     params = jax.tree.map(jnp.asarray, params)
-    return Pretrained(name, cfg, abstract_graphdef(cfg), params, tokenizer)
+    label = name if gguf_path is None else str(gguf_path)
+    return Pretrained(label, cfg, abstract_graphdef(cfg), params, tokenizer)
 
 
 def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:
@@ -76,7 +91,12 @@ def conversation_ids(pre: Pretrained, messages: list[dict[str, str]],
     the ChatML template, after `system` or the model's default system message, ending where
     the next assistant reply begins."""
     head = [{"role": "system", "content": system}] if system else []
-    return pre.tokenizer.encode(chat_prompt(head + list(messages)))
+    # A Hugging Face tokenizer writes its own template (and no SmolLM2 default system message).
+    render = getattr(pre.tokenizer, "chat_prompt", None) or chat_prompt
+    try:
+        return pre.tokenizer.encode(render(head + list(messages)))
+    except HFTokenizerError as e:
+        raise ConfigError(f"model={pre.name!r}: {e}") from None
 
 
 def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:

@@ -22,9 +22,8 @@ from model.hf_decoder import HFError, config_from_hf
 
 REGISTERED = ("smollm2",)
 KINDS = ("name", "gguf", "hf", "run")
-ALLOWED = ("a registered name (" + ", ".join(REGISTERED) + "), a .gguf file, a Hugging Face "
-           "folder (config.json + safetensors) or a training run's folder (config.json + "
-           "checkpoints/)")
+ALLOWED = (", ".join(REGISTERED) + ", a .gguf file, a Hugging Face folder (config.json + "
+           "safetensors) or a training run's folder (config.json + checkpoints/)")
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -40,7 +39,7 @@ class ModelRef:
 
 
 def _refuse(ref: str, why: str) -> ConfigError:
-    return ConfigError(f"model={ref!r}: {why}; allowed {ALLOWED}")
+    return ConfigError(f"model={ref!r}: allowed {ALLOWED} ({why})")
 
 
 def resolve(ref: str) -> ModelRef:
