@@ -22,6 +22,7 @@ import os
 
 from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.pretrained import model_ref
 from experiments.reporting.results_io import command_line, results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import QuantConfig, QuantError
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
+    p.add_argument("--model", default="smollm2", metavar="REF",
+                   help=f"the model: {model_ref.ALLOWED} (default: smollm2)")
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--out", default=str(OUT))
@@ -81,6 +84,7 @@ def check(args) -> list[str]:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
+    model_ref.resolve(args.model)
     check_output_file("out", args.out)
     return names
 
@@ -91,7 +95,7 @@ def run(args, names: list[str]) -> dict:
         "experiments.training.pydoc_corpus", "experiments.speed.block_matvec",
         "experiments.speed.machine")
     load_before = os.getloadavg()[0]
-    float_model = loading.load(n_layers=args.layers)
+    float_model = loading.load(args.model, n_layers=args.layers)
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
     for mode, head in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
@@ -107,7 +111,7 @@ def run(args, names: list[str]) -> dict:
     changes = [{"change": what, "before": a, "after": b,
                 "speedup": by_name[b]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
                for what, a, b in CHANGES if a in by_name and b in by_name]
-    return {"model": "smollm2", "layers": float_model.cfg.n_layers,
+    return {"model": float_model.name, "layers": float_model.cfg.n_layers,
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "variants": rows, "changes": changes,
             "block_matvec": matvec,
