@@ -202,12 +202,12 @@ def load_config(workdir: str | Path) -> Config:
         if not path.is_file():
             raise ConfigError(f"workdir={str(workdir)!r}: no config.json; train a model there "
                               f"first")
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as e:  # a folder or file this user may not read
         raise ConfigError(f"workdir={str(workdir)!r}: config.json cannot be read "
                           f"({e.strerror or e})") from None
     try:
-        return Config.from_json(json.loads(text))
+        return Config.from_json(json.loads(raw.decode("utf-8")))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"workdir={str(workdir)!r}: config.json is not a shardq config ({e})") \
             from None
