@@ -19,7 +19,7 @@ import argparse
 import json
 
 from experiments.cli import startup
-from experiments.cli.config import Parser, fail
+from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.reporting.results_io import results_path, write_result
 from experiments.training.config import PRESETS
 from parallel.strategies import LABELS
@@ -75,6 +75,12 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str], list[int] | 
         fail(PROG, f"preset={args.preset!r}: allowed {', '.join(PRESETS)}")
     if args.layers < 1:
         fail(PROG, f"layers={args.layers}: must be a positive integer")
+    if args.micro_steps < 1:
+        fail(PROG, f"micro_steps={args.micro_steps}: must be a positive integer")
+    try:
+        check_output_file("out", args.out)
+    except ConfigError as e:
+        fail(PROG, str(e))
     strategies = _subset("strategies", args.strategies, LABELS) if args.strategies else \
         [s for s in LABELS if not (args.model and s == "zero3_auto")]
     precisions = _subset("precisions", args.precisions, PRECISIONS) if args.precisions \

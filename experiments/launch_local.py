@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: devices_per_process={args.devices_per_process}: must be a "
               f"positive integer", file=sys.stderr)
         return 2
+    if args.heartbeat_s < 1:
+        print(f"{PROG}: error: heartbeat_s={args.heartbeat_s}: must be a positive integer",
+              file=sys.stderr)
+        return 2
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []

@@ -104,6 +104,8 @@ class TrainConfig:
         if self.data is not None and not self.data.strip():
             raise ConfigError("data='': must be a file or folder (leave --data out for the "
                               "default corpus)")
+        if self.data is not None and not Path(self.data).exists():
+            raise ConfigError(f"data={self.data!r}: no such file or folder")
         if self.corpus not in CORPORA and not (self.corpus == DATA_CORPUS and self.data):
             raise ConfigError(f"corpus={self.corpus!r}: allowed {', '.join(CORPORA)}")
         if self.init is not None and self.init not in PRETRAINED_INITS \

@@ -97,7 +97,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         expected_s=200, quick_expected_s=70,
         feeds="failure behaviour table",
         claim=holds(
-            "fault_injection.json", "every fault is recovered from with nothing lost",
+            "fault_injection.json",
+            "every recovery recovers and every refusal refuses, with nothing lost",
             lambda d: d["all_recovered_nothing_lost"] is True),
     ),
 )

@@ -45,10 +45,11 @@ def strategy_speed(d: dict) -> str:
 def fault_injection(d: dict) -> str:
     rows = [f"`{d['preset']}` on {d['devices']} devices, {d['steps']} steps, a checkpoint every "
             f"{d['ckpt_every']}:", "",
-            *head("scenario", "injected", "recovered", "lost steps", "retrained steps",
+            *head("scenario", "injected", "outcome", "lost steps", "retrained steps",
                   "recovery (s)")]
     for r in d["results"]:
-        rows.append(f"| {r['scenario']} | {r['injected']} | {r['recovered']} | "
+        injected = r["injected"] + (" (mocked)" if r.get("mocked") else "")
+        rows.append(f"| {r['scenario']} | {injected} | {r['outcome']} | "
                     f"{r['lost_steps']} | {r['retrained_steps']} | {r['recovery_s']:.1f} |")
     return "\n".join(rows)
 
