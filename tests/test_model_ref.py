@@ -151,3 +151,26 @@ def test_perplexity_labels_a_gguf_file_and_a_folder_with_their_paths(tmp_path):
         assert proc.returncode == 0, proc.stderr
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         assert row["model"] == label and row["perplexity"] > 1, row
+
+
+def test_hugging_face_export_reads_back_bit_identical(tmp_path):
+    """Our safetensors export of a GGUF, read by the Hugging Face reader: the same config and
+    the same parameters, bit for bit (and so the same scores)."""
+    import jax
+    import numpy as np
+
+    from experiments.pretrained import exporter
+    from model.hf_decoder import load_hf
+    from model.hf_tokenizer import HFTokenizer
+    from model.llama_gguf import load_gguf
+    from model.tokenizer import tokenizer_from_gguf
+    from tests import gguf_files
+
+    gguf = gguf_files.write(tmp_path / "tiny.gguf")
+    exporter.export(exporter.pretrained_source(str(gguf)), "safetensors", tmp_path / "hf")
+    cfg, want, g = load_gguf(gguf)
+    got_cfg, got = load_hf(tmp_path / "hf")
+    assert got_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    text = "the theme of the thesis"
+    assert HFTokenizer(tmp_path / "hf").encode(text) == tokenizer_from_gguf(g).encode(text)
