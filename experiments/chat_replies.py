@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         if longest > limit:
             raise ConfigError(f"max_new_tokens={args.max_new_tokens}: a prompt + its reply "
                               f"must fit the context of {limit}")
-        out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+        out = {"model": float_model.name, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
                "machine": machine.describe(),
                "prompts": [{"text": q.text, "answer": q.answer} for q in prompts],
                "max_new_tokens": list(lengths), "spread_prompt": args.spread_prompt,

@@ -91,7 +91,7 @@ def run(args, modes: list[str]) -> dict:
     scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)
     # (refuses a --tokens beyond the text before anything is written)
     calib = loading.calibration_rows(float_model.tokenizer, 8)
-    out = {"model": args.model, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
+    out = {"model": float_model.name, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
            "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
            "machine": machine.describe(), "alpha_grid": list(alpha_search.ALPHA_GRID),
            "outliers": outliers.activation_outliers(float_model, calib), "rows": [],
