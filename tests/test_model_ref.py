@@ -44,6 +44,14 @@ def test_bad_refs_are_one_line_naming_model(tmp_path, make, says):
     assert "Hugging Face folder" in msg and "training run" in msg
 
 
+def test_a_folder_without_its_tokenizer_is_refused(tmp_path):
+    folder = tmp_path / "qwen2"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"\(a Hugging Face folder without tokenizer.json\)$"):
+        resolve(str(folder))
+
+
 def test_unsupported_architecture_is_refused_by_model_type(tmp_path):
     folder = tmp_path / "gpt2"
     shutil.copytree(FIXTURES / "llama", folder)

@@ -66,6 +66,8 @@ def resolve(ref: str) -> ModelRef:
         raise _refuse(ref, "its config.json is not readable JSON") from None
     if not isinstance(hf, dict):
         raise _refuse(ref, "its config.json is not a JSON object")
+    if not (path / "tokenizer.json").is_file():
+        raise _refuse(ref, "a Hugging Face folder without tokenizer.json")
     try:  # JAX-free: an unsupported architecture is refused before start-up
         config_from_hf(hf, "config.json")
     except HFError as e:
