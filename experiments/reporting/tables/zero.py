@@ -51,16 +51,31 @@ def comm_volume_layers(d: dict) -> str:
 def zero_release(d: dict) -> str:
     c = d["config"]
     rows = [f"d_model {c['d_model']}, depths {c['depths'][0]} vs {c['depths'][1]}, "
-            f"{c['devices'][0]} and {c['devices'][1]} devices, {c['dtype']}, remat {c['remat']}:",
+            f"{c['devices'][0]} and {c['devices'][1]} devices, {c['dtype']}, remat {c['remat']}, "
+            f"fit {c.get('fit', 'g(N) = u + s / N')}:",
             "", *head("strategy", "peak growth per added layer",
                       "of which does not shrink with N_d", "one gathered layer",
                       "gathered layers kept", "released")]
-    for r in d["results"]:
+    for r in [*d["results"], *d.get("controls", [])]:
         growth = ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in r["growth_per_layer_bytes"].items())
         rows.append(f"| {r['strategy']} | {growth} | "
                     f"{r['unsharded_growth_per_layer_bytes'] / 1e6:.2f} MB | "
                     f"{r['gathered_layer_bytes'] / 1e6:.2f} MB | "
                     f"{r['kept_gathered_layers']:.2f} | {r['released']} |")
+    if d.get("shipped"):
+        rows += ["", "The presets' zero3 steps as shipped (their own depth, unroll, remat and "
+                 f"batch, {d['shipped'][0]['n_devices']} devices) beside the same step keeping "
+                 "every gathered layer:", "",
+                 *head("preset", "layers × unroll", "gathers of each layer per step",
+                       "peak", "peak keeping every layer", "released")]
+        for r in d["shipped"]:
+            m = r["model"]
+            rows.append(f"| {r['preset']} | {m['n_layers']} × {m['scan_unroll']} | "
+                        f"{r['layer_param_gathers']:.2f} (kept: "
+                        f"{r['control_layer_param_gathers']:.2f}) | "
+                        f"{r['peak_bytes'] / 1e6:.1f} MB | "
+                        f"{r['control_peak_bytes'] / 1e6:.1f} MB | "
+                        f"{r['released']} |")
     return "\n".join(rows)
 
 
