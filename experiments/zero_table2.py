@@ -29,6 +29,7 @@ from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_output_folder, fail
 from experiments.reporting import plots
 from experiments.reporting.results_io import project_relative, results_path, write_result
+from experiments.zero.settings import STAGES
 
 PROG = "experiments.zero_table2"
 DEFAULT_OUT = str(results_path("zero_table2.json"))
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         cache=None if args.no_cache else estimate.CompileCache(args.cache), progress=say)
     start = time.perf_counter()
     table2 = []
-    for stage in capacity.STAGES:
+    for stage in STAGES:
         say(f"Table 2: {stage}, 64 devices x 32 GB ({time.perf_counter() - start:.0f} s)")
         row = capacity.table2_row(stage, 64, 32e9, search)
         row["paper_printed_psi"] = capacity.PAPER_TABLE2_64X32GB[stage]
@@ -112,7 +113,7 @@ def _planning_rows(capacity, search, compiled_devices: list[int], say) -> list[d
     found: dict = {}
     for mem in MEMORIES_GB:
         for n in DEVICE_COUNTS:
-            for stage in capacity.STAGES:
+            for stage in STAGES:
                 compile_it = n in compiled_devices
                 if compile_it:
                     say(f"planning: {stage}, {n} devices x {mem} GB")
