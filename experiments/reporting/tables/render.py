@@ -21,6 +21,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "equivalence": ("equivalence.json", training.equivalence),
     "strategy_speed": ("strategy_speed.json", training.strategy_speed),
     "zero_memory": ("zero_memory.json", zero.zero_memory),
+    "zero_memory_peak": ("zero_memory.json", zero.zero_memory_peak),
     "comm_volume": ("comm_volume.json", zero.comm_volume),
     "comm_volume_smollm2": ("comm_volume_smollm2.json", zero.comm_volume_layers),
     "zero_memory_llama": ("zero_memory_llama.json", zero.zero_memory),

@@ -26,6 +26,25 @@ def zero_memory(d: dict) -> str:
     return "\n".join(rows)
 
 
+def zero_memory_peak(d: dict) -> str:
+    """The compiled step's whole peak per stage (model state, gradients in flight and
+    activations), beside the whole-model gradient's size: what ZeRO-2 saves over ZeRO-1 is the
+    gradient the step never holds whole."""
+    rows = head("params", "N_d", "gradient, whole (GB)",
+                *(f"{s} peak GB" for s in STAGE_ORDER), "zero1 − zero2 (× gradient)")
+    cells = {(r["params"], r["n_devices"], r["stage"]): r for r in d["results"]}
+    for m, n in sorted({(p, n) for p, n, _ in cells}, key=lambda k: (k[0], k[1])):
+        if n == 1 or (m, n, "zero1") not in cells or (m, n, "zero2") not in cells:
+            continue
+        whole = cells[(m, n, "dp")]["grads_gb"] if (m, n, "dp") in cells else None
+        peaks = [cells[(m, n, s)]["peak_gb"] if (m, n, s) in cells else None for s in STAGE_ORDER]
+        gap = cells[(m, n, "zero1")]["peak_gb"] - cells[(m, n, "zero2")]["peak_gb"]
+        rows.append(f"| {m} | {n} | {'—' if whole is None else f'{whole:.4g}'} | "
+                    + " | ".join("—" if p is None else f"{p:.4g}" for p in peaks)
+                    + f" | {'—' if not whole else f'{gap / whole:.2f}'} |")
+    return "\n".join(rows)
+
+
 def comm_volume(d: dict) -> str:
     rows = head("strategy", "volume (× Ψ)", "all-gathers in layer loop")
     for r in d["results"]:
