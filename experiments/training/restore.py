@@ -77,7 +77,8 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
 # remat, attention, scan_unroll, max_len), which a reader may choose. kv_heads, not n_kv_heads:
 # None and n_heads are the same model.
 WRITTEN_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "mlp",
-                  "tie_embeddings", "rope_base", "norm_eps", "param_dtype")
+                  "tie_embeddings", "rope_base", "norm_eps", "param_dtype", "head_size",
+                  "qkv_bias", "qk_norm", "sliding_window")
 
 
 def check_written_with(mngr, steps: list[int], model) -> None:

@@ -59,6 +59,8 @@ class ReleaseSetup:
                 raise ConfigError(f"devices={' '.join(map(str, self.devices))}: {n} does not "
                                   f"divide d_model={self.d_model} (every parameter is sharded "
                                   f"on it); give device counts that divide it")
+        if self.seq_len < 1:
+            raise ConfigError(f"seq_len={self.seq_len}: must be a positive integer")
         if self.seqs_per_device < 1:
             raise ConfigError(f"seqs_per_device={self.seqs_per_device}: must be a positive "
                               f"integer")
