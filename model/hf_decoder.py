@@ -37,7 +37,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import ModelConfig
-from model.llama_gguf import set_path
+from model.llama_gguf import set_path, stacked_leaf
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
@@ -239,21 +239,15 @@ def iter_params(folder: str | Path, cfg: ModelConfig):
     want = expected_shapes(cfg)
     handles: dict[Path, object] = {}
     try:
+        def read(path: str, name: str) -> np.ndarray:
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="numpy")
+            a = _read(handles[file], name, want[path], where)
+            return a.T if path.endswith("/kernel") else a
+
         for path, names in _plan(files, cfg, where).items():
-            stacked = None
-            for i, name in enumerate(names):
-                file = files[name]
-                if file not in handles:
-                    handles[file] = safe_open(file, framework="numpy")
-                a = _read(handles[file], name, want[path], where)
-                a = a.T if path.endswith("/kernel") else a
-                if not path.startswith("blocks/"):
-                    stacked = np.ascontiguousarray(a)
-                    break
-                if stacked is None:
-                    stacked = np.empty((len(names), *a.shape), np.float32)
-                stacked[i] = a
-                del a
+            stacked = stacked_leaf(path, names, lambda name, p=path: read(p, name))
             yield path, stacked
             del stacked
     finally:

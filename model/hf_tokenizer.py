@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from model.tokenizer import chat_prompt
+from model.tokenizer import TokenizerCodec, chat_prompt
 
 
 class HFTokenizerError(ValueError):
@@ -29,7 +29,9 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class HFTokenizer:
+class HFTokenizer(TokenizerCodec):
+    missing_token = HFTokenizerError
+
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -55,18 +57,6 @@ class HFTokenizer:
         self.bos = ([self.bos_id] if conf.get("add_bos_token", False)
                     and self.bos_id is not None else [])
         self.chat_template = conf.get("chat_template")
-
-    def encode(self, text: str) -> list[int]:
-        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special: bool = False) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-    def token_id(self, token: str) -> int:
-        i = self.tok.token_to_id(token)
-        if i is None:
-            raise HFTokenizerError(f"tokenizer: no token {token!r}")
-        return i
 
     def chat_prompt(self, messages: list[dict[str, str]],
                     add_generation_prompt: bool = True) -> str:

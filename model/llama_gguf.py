@@ -177,30 +177,41 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str
     return plan
 
 
+def stacked_leaf(path: str, names: list[str], read) -> np.ndarray:
+    """One parameter leaf from its file tensors, `read(name)` giving each in our layout: a block
+    leaf is written layer by layer into one preallocated [layers, ...] array, so at most one file
+    tensor is held beside it; any other leaf is its one tensor."""
+    if not path.startswith("blocks/"):
+        return np.ascontiguousarray(read(names[0]))
+    stacked = None
+    for i, name in enumerate(names):
+        a = read(name)
+        if stacked is None:
+            stacked = np.empty((len(names), *a.shape), np.float32)
+        stacked[i] = a
+        del a
+    return stacked
+
+
+def _in_our_layout(g: GGUFFile, cfg: ModelConfig, path: str, name: str) -> np.ndarray:
+    a = g.tensor(name)
+    # min/max propagate NaN and reach +-inf without a per-element mask array
+    if not (np.isfinite(a.min()) and np.isfinite(a.max())):
+        raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
+    if path == "blocks/attn/q/kernel":
+        a = _unpermute(a, cfg.n_heads)
+    elif path == "blocks/attn/k/kernel":
+        a = _unpermute(a, cfg.kv_heads)
+    return a.T if _is_linear(path) else a
+
+
 def iter_params(g: GGUFFile, cfg: ModelConfig):
     """Yield (NNX path, float32 array) one parameter at a time, after every name and shape
     check: a caller that places each array and drops it never holds more than one whole
     parameter (a stacked block leaf, or the embedding) on the host."""
     plan = _plan(g, cfg, g.get_int("llama.block_count"))
     for path, names in plan.items():
-        stacked = None  # a block leaf is written layer by layer into one preallocated array
-        for i, name in enumerate(names):
-            a = g.tensor(name)
-            # min/max propagate NaN and reach +-inf without a per-element mask array
-            if not (np.isfinite(a.min()) and np.isfinite(a.max())):
-                raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
-            if path == "blocks/attn/q/kernel":
-                a = _unpermute(a, cfg.n_heads)
-            elif path == "blocks/attn/k/kernel":
-                a = _unpermute(a, cfg.kv_heads)
-            a = a.T if _is_linear(path) else a
-            if not path.startswith("blocks/"):
-                stacked = np.ascontiguousarray(a)
-                break
-            if stacked is None:
-                stacked = np.empty((len(names), *a.shape), np.float32)
-            stacked[i] = a
-            del a
+        stacked = stacked_leaf(path, names, lambda name, p=path: _in_our_layout(g, cfg, p, name))
         yield path, stacked
         del stacked  # the caller places and drops it; holding it here would double the peak
 

@@ -21,7 +21,27 @@ PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None}  # first split; GPT-2'
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-class BPETokenizer:
+class TokenizerCodec:
+    """encode / decode / token_id over a `tokenizers.Tokenizer` (`self.tok`), `self.bos`
+    prepended by encode; `missing_token` is the error a token the vocabulary lacks raises. The
+    GGUF tokenizer and the Hugging Face folder's share it."""
+
+    missing_token: type[Exception] = GGUFError
+
+    def encode(self, text: str) -> list[int]:
+        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_id(self, token: str) -> int:
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise self.missing_token(f"tokenizer: no token {token!r}")
+        return i
+
+
+class BPETokenizer(TokenizerCodec):
     """encode(text) -> ids (no BOS), decode(ids) -> text; `eos_id` ends a chat turn."""
 
     def __init__(self, tokens: list[str], merges: list[str], token_types, *, pre: str,
@@ -56,17 +76,6 @@ class BPETokenizer:
         self.tok, self.eos_id, self.vocab_size = tok, eos_id, len(tokens)
         self.bos = [bos_id] if add_bos and bos_id is not None else []
 
-    def encode(self, text: str) -> list[int]:
-        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids, skip_special: bool = False) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-    def token_id(self, token: str) -> int:
-        i = self.tok.token_to_id(token)
-        if i is None:
-            raise GGUFError(f"tokenizer: no token {token!r}")
-        return i
 
 
 class StreamDecoder:
