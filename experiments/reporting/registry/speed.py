@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from experiments.reporting.registry.experiment import Experiment, launcher
 
+# The quick run times the training step on the tiny preset, briefly.
+QUICK_STEPS = ("--preset", "tiny", "--steps", "2", "--rounds", "1", "--warmup", "1")
+
 EXPERIMENTS: tuple[Experiment, ...] = (
     # The table is a ratio to PyTorch (torch + transformers under SHARDQ_TORCH_PYTHON): without
     # that side a run would replace the committed file with ours alone, so it is skipped.
@@ -45,8 +48,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="bench_train",
         argv=launcher("bench_train", "--devices", "8", "--json",
                       "--out", "{results}/bench_train.json"),
-        quick_argv=launcher("bench_train", "--devices", "8", "--json", "--preset", "tiny",
-                            "--steps", "2", "--rounds", "1", "--warmup", "1",
+        quick_argv=launcher("bench_train", "--devices", "8", "--json", *QUICK_STEPS,
                             "--profile-steps", "1", "--out", "{results}/bench_train.json"),
         outputs=("bench_train.json",),
         expected_s=90, quick_expected_s=30,
@@ -57,8 +59,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="bench_train_1dev",
         argv=launcher("bench_train", "--devices", "1", "--json",
                       "--out", "{results}/bench_train.json"),
-        quick_argv=launcher("bench_train", "--devices", "1", "--json", "--preset", "tiny",
-                            "--steps", "2", "--rounds", "1", "--warmup", "1",
+        quick_argv=launcher("bench_train", "--devices", "1", "--json", *QUICK_STEPS,
                             "--profile-steps", "1", "--out", "{results}/bench_train.json"),
         outputs=("bench_train.json",),
         expected_s=90, quick_expected_s=20,
@@ -69,8 +70,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="train_changes",
         argv=launcher("bench_train", "--ablate", "--devices", "1",
                       "--changes-out", "{results}/bench_train_changes.json"),
-        quick_argv=launcher("bench_train", "--ablate", "--devices", "1", "--preset", "tiny",
-                            "--steps", "2", "--rounds", "1", "--warmup", "1",
+        quick_argv=launcher("bench_train", "--ablate", "--devices", "1", *QUICK_STEPS,
                             "--changes-out", "{results}/bench_train_changes.json"),
         outputs=("bench_train_changes.json",),
         expected_s=240, quick_expected_s=30,
@@ -80,8 +80,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         name="train_changes_8dev",
         argv=launcher("bench_train", "--ablate", "--devices", "8",
                       "--changes-out", "{results}/bench_train_changes.json"),
-        quick_argv=launcher("bench_train", "--ablate", "--devices", "8", "--preset", "tiny",
-                            "--steps", "2", "--rounds", "1", "--warmup", "1",
+        quick_argv=launcher("bench_train", "--ablate", "--devices", "8", *QUICK_STEPS,
                             "--changes-out", "{results}/bench_train_changes.json"),
         outputs=("bench_train_changes.json",),
         expected_s=240, quick_expected_s=30,
