@@ -10,8 +10,17 @@ latency and the bytes of weights every token reads. Besides the main variants
 (float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
 input rotations at every step, each in the layer layout
 `model.generate` picks by default) the other layout of float, w8 and w8a8 is timed too, so the
-file records what the per-layer layout changes, measured in the same run. The machine and
+file records what the per-layer layout changes, measured in the same run. Prefill is timed too:
+one forward over a `--prefill-tokens` window per model, as scoring runs it. The machine and
 its load average are recorded beside.
+
+With llama.cpp's tools (`--llama-cpp DIR` or $SHARDQ_LLAMA_CPP, docs/decoding_and_gpu.md) the
+run adds the peer: llama-bench on our own float32 GGUF export of the model (F32) and on
+llama-quantize's Q8_0 of it, made once in `--peer-dir`, at as many threads as this process has
+cores; decoding at the same depth (the prompt) and prefill of the same window. Everything runs
+in `--rounds` alternating rounds (ours, then the peer's, then ours again ...) so that a change in
+the machine's load hits both sides; the file records the peer rows, its build and our ratios to
+it. Without the tools one line says the peer rows are skipped.
 """
 
 from __future__ import annotations
@@ -19,11 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+from pathlib import Path
 
 from experiments.cli import startup
-from experiments.cli.config import ConfigError, Parser, check_output_file, fail
+from experiments.cli.config import (
+    ConfigError,
+    Parser,
+    check_output_file,
+    check_output_folder,
+    fail,
+)
 from experiments.pretrained import model_ref
 from experiments.reporting.results_io import command_line, results_path, write_result
+from experiments.speed import llama_cpp
 from model.gguf import GGUFError
 from quant.modes import QuantConfig, QuantError
 
@@ -68,34 +86,66 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the model: {model_ref.ALLOWED} (default: smollm2)")
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="alternating rounds of our timed runs and the peer's (default 2)")
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="the window each prefill row reads in one forward (default 512)")
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help=f"llama.cpp's tools (llama-bench, llama-quantize: DIR or DIR/bin) for "
+                        f"the peer rows (default: ${llama_cpp.ENV}; absent: no peer rows)")
+    p.add_argument("--peer-dir", default="runs/llama_cpp",
+                   help="where the peer's GGUF files are made once (default runs/llama_cpp)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")
     return p
 
 
-def check(args) -> list[str]:
+def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
         raise ConfigError(f"variants={args.variants!r}: allowed a comma-separated subset of "
                           f"{', '.join(VARIANTS)}")
-    for name in ("new_tokens", "repeats"):
+    for name in ("new_tokens", "repeats", "rounds", "prefill_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     model_ref.resolve(args.model)
     check_output_file("out", args.out)
-    return names
+    tools, skipped = llama_cpp.locate(args.llama_cpp)
+    if tools is not None:
+        check_output_folder("peer_dir", args.peer_dir, "the peer's GGUF files")
+    return names, tools, skipped
 
 
-def run(args, names: list[str]) -> dict:
-    loading, decoding, pydoc_corpus, block_matvec, machine = startup.load(
+def prefill_label(mode: str, head: bool) -> str:
+    return ("float" if mode == "none" else mode) + ("+head8" if head else "")
+
+
+def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
+    """The peer's F32 and Q8_0 files of the model as benchmarked (its layers too), made once."""
+    (exporter,) = startup.load("experiments.pretrained.exporter")
+    src = Path(args.model)
+    key = {"model": args.model, "label": float_model.name, "layers": float_model.cfg.n_layers,
+           "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None}
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{src.name}-{float_model.cfg.n_layers}L")
+
+    def export(out: Path) -> Path:
+        source = exporter.pretrained_source(args.model, args.layers)
+        exporter.export(source, "gguf", out, force=True)
+        return out / "model.gguf"
+    return llama_cpp.prepare(tools, Path(args.peer_dir) / slug, key, export)
+
+
+def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> dict:
+    loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine = startup.load(
         "experiments.pretrained.loading", "experiments.pretrained.decoding",
-        "experiments.training.pydoc_corpus", "experiments.speed.block_matvec",
-        "experiments.speed.machine")
+        "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
+        "experiments.speed.block_matvec", "experiments.speed.machine")
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers)
+    files = peer_files(args, tools, float_model) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
     for mode, head in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
@@ -104,8 +154,28 @@ def run(args, names: list[str]) -> dict:
             float_model, mode, QuantConfig(mode=mode, rules=rules, calib_batches=1))
     variants = [decoding.DecodeVariant(n, models[VARIANTS[n][0], VARIANTS[n][3]],
                                        VARIANTS[n][1], VARIANTS[n][2]) for n in names]
-    prompt = float_model.tokenizer.encode(pydoc_corpus.split_text("validation")[:400])
-    rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats)
+    text = pydoc_corpus.split_text("validation")
+    prompt = float_model.tokenizer.encode(text[:400])
+    window = prefill_speed.window_of(float_model.tokenizer.encode(text[:8 * args.prefill_tokens]),
+                                     args.prefill_tokens)
+    prefill = prefill_speed.PrefillBench(
+        {prefill_label(*k): m for k, m in models.items()}, window)
+    threads = llama_cpp.cores()
+    tests = {"tg": {"n_prompt": 0, "n_gen": args.new_tokens, "depth": len(prompt)},
+             "pp": {"n_prompt": args.prefill_tokens, "n_gen": 0, "depth": 0}}
+    peer_runs: dict[tuple[str, str], list[dict]] = {(f, t): [] for t in tests for f in files}
+    decode_rounds = []
+    for _ in range(args.rounds):  # ours, then the peer's, each part in turn
+        decode_rounds.append(decoding.decode_benchmark(variants, prompt, args.new_tokens,
+                                                       args.repeats))
+        for test in tests:
+            if test == "pp":
+                prefill.time_round(args.repeats)
+            for fmt, path in files.items():
+                peer_runs[fmt, test].append(llama_cpp.bench(
+                    tools, path, threads, **tests[test], reps=args.repeats))
+    rows = prefill_speed.merge_rounds(decode_rounds)
+    prefill_rows = prefill.rows()
     matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
     by_name = {r["variant"]: r for r in rows}
     changes = [{"change": what, "before": a, "after": b,
@@ -113,23 +183,51 @@ def run(args, names: list[str]) -> dict:
                for what, a, b in CHANGES if a in by_name and b in by_name]
     return {"model": float_model.name, "layers": float_model.cfg.n_layers,
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "variants": rows, "changes": changes,
+            "repeats": args.repeats, "rounds": args.rounds, "variants": rows, "changes": changes,
+            "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
+            "peer": (peer_section(files, peer_runs, rows, prefill_rows, threads)
+                     if files else {"skipped": skipped}),
             "block_matvec": matvec,
             "machine": {**machine.describe(), "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
 
 
+def peer_section(files: dict, runs: dict, rows: list[dict], prefill_rows: list[dict],
+                 threads: int) -> dict:
+    """The peer's rows, its build and our ratios to it (decoding and prefill)."""
+    peer = [llama_cpp.peer_row(fmt, test, files[fmt], got) for (fmt, test), got in runs.items()]
+    first = next(iter(runs.values()))[0]
+
+    def speeds(test: str) -> dict[str, float]:
+        return {r["format"]: r["tokens_per_s"] for r in peer if r["test"] == test}
+
+    def ratios(ours: list[dict], test: str) -> list[dict]:
+        int8 = [r["variant"] for r in ours if r["quant"] != "none"]
+        return llama_cpp.ratios({r["variant"]: r["tokens_per_s"] for r in ours}, int8,
+                                speeds(test))
+    return {"tool": "llama.cpp", "build_commit": first["build_commit"],
+            "build_number": first["build_number"], "threads": threads, "rows": peer,
+            "decode_ratios": ratios(rows, "tg"), "prefill_ratios": ratios(prefill_rows, "pp")}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        names = check(args)
-        out = {**run(args, names), "command": command_line(PROG, argv)}
-    except (ConfigError, GGUFError, QuantError) as e:
+        names, tools, skipped = check(args)
+        if tools is None:
+            print(skipped, flush=True)
+        out = {**run(args, names, tools, skipped), "command": command_line(PROG, argv)}
+    except (ConfigError, GGUFError, QuantError, llama_cpp.PeerError) as e:
         fail(PROG, str(e).splitlines()[0])
     write_result(args.out, out)
     summary = {"tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
                                 for r in out["variants"]},
                "changes": {c["change"]: round(c["speedup"], 2) for c in out["changes"]},
+               "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
+                                        for r in out["prefill"]["rows"]},
+               "peer": out["peer"].get("skipped") or {
+                   r["ratio"]: round(r["value"], 2)
+                   for r in out["peer"]["decode_ratios"] + out["peer"]["prefill_ratios"]},
                "load_1min": round(out["machine"]["load_1min_after"], 1), "written": args.out}
     print(json.dumps(summary) if args.json else summary)
     return out

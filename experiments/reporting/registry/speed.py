@@ -3,10 +3,36 @@ and per change, and the GPU benchmark."""
 
 from __future__ import annotations
 
+from experiments.reporting.registry.claims import holds
 from experiments.reporting.registry.experiment import Experiment, launcher
 
 # The quick run times the training step on the tiny preset, briefly.
 QUICK_STEPS = ("--preset", "tiny", "--steps", "2", "--rounds", "1", "--warmup", "1")
+
+
+def _rounds_agree(d: dict) -> bool:
+    # Files written before the rounds have no "tokens_agree".
+    return all(r.get("tokens_agree", True) for r in d["variants"])
+
+
+def _peer_ratios_hold(d: dict) -> bool:
+    """True without peer rows (a run without llama.cpp's tools says why in "skipped")."""
+    peer = d.get("peer")
+    if not peer or not peer.get("rows"):
+        return peer is None or bool(peer.get("skipped"))
+    theirs = {(r["format"], r["test"]): r["tokens_per_s"] for r in peer["rows"]}
+    for test, ours, key in (("tg", d["variants"], "decode_ratios"),
+                            ("pp", d["prefill"]["rows"], "prefill_ratios")):
+        speeds = {r["variant"]: r["tokens_per_s"] for r in ours}
+        wanted = {("float", "F32")} if "float" in speeds else set()
+        wanted |= {(r["variant"], "Q8_0") for r in ours if r["quant"] != "none"}
+        named = {(r["ours"], r["peer"]) for r in peer[key]}
+        if not wanted <= named or not all(
+                abs(r["value"] * theirs[r["peer"], test] / speeds[r["ours"]] - 1) < 1e-9
+                for r in peer[key]):
+            return False
+    return True
+
 
 EXPERIMENTS: tuple[Experiment, ...] = (
     # The table is a ratio to PyTorch (torch + transformers under SHARDQ_TORCH_PYTHON): without
@@ -32,15 +58,23 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         expected_s=300, quick_expected_s=30,
         feeds="MiniLM speed changes table",
     ),
+    # The llama.cpp peer rows come with $SHARDQ_LLAMA_CPP (the runner passes its environment
+    # on); without it the run says they are skipped and the rest is measured.
     Experiment(
         name="bench_decode",
         argv=launcher("bench_decode", "--json", "--out", "{results}/bench_decode.json"),
         quick_argv=launcher("bench_decode", "--json", "--layers", "2", "--new-tokens", "4",
-                            "--repeats", "1", "--variants", "float,w8a8,float-scan",
+                            "--repeats", "1", "--rounds", "1", "--prefill-tokens", "64",
+                            "--variants", "float,w8a8,float-scan",
                             "--out", "{results}/bench_decode.json"),
         outputs=("bench_decode.json",),
-        expected_s=240, quick_expected_s=30,
-        feeds="SmolLM2 decoding speed table",
+        expected_s=300, quick_expected_s=30,
+        feeds="SmolLM2 decoding speed table, with llama.cpp beside it when its tools are given",
+        claim=holds(
+            "bench_decode.json", "each variant decoded the same tokens in every round, and with "
+            "llama.cpp rows every ratio is our median tokens/s over the peer's in the same file, "
+            "float over F32 and each int8 variant over Q8_0, decoding and prefill alike",
+            lambda d: _rounds_agree(d) and _peer_ratios_hold(d)),
     ),
     # The speed table is a ratio to PyTorch eager (SHARDQ_TORCH_PYTHON, as bench_encoder's);
     # each file keeps one entry per device count, and the tables show 1 and 8 devices.

@@ -164,8 +164,10 @@ def encoder_ablations(d: dict) -> str:
 
 def bench_decode(d: dict) -> str:
     m = d["machine"]
+    rounds = d.get("rounds", 1)  # files written before the rounds: one
+    runs = f"{d['repeats']}" if rounds == 1 else f"{rounds} rounds × {d['repeats']}"
     rows = [f"{d['model']} ({d['layers']} layers), batch 1, greedy, {d['new_tokens']} new tokens "
-            f"after a {d['prompt_tokens']}-token prompt, median of {d['repeats']} interleaved "
+            f"after a {d['prompt_tokens']}-token prompt, median of {runs} interleaved "
             f"runs:", "",
             *head("variant", "layout", "KV cache", "tokens/s", "ms/token",
                   "weight bytes read/token", "KV cache bytes")]
@@ -186,6 +188,7 @@ def bench_decode(d: dict) -> str:
     w8 = (f"; weight-only (float row × int8 kernel): converted then dot "
           f"{ms['w8_convert_then_dot']:.1f} ms, multiply-and-sum {ms['w8_multiply_sum']:.1f} ms"
           if "w8_multiply_sum" in ms else "")
+    rows += _bench_decode_prefill(d) + _bench_decode_peer(d)
     rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
              f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
              f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms"
@@ -195,6 +198,42 @@ def bench_decode(d: dict) -> str:
              f"1-minute load average {m['load_1min_before']:.1f} before and "
              f"{m['load_1min_after']:.1f} after."]
     return "\n".join(rows)
+
+
+def _bench_decode_prefill(d: dict) -> list[str]:
+    """Our prefill line (files written before prefill was timed have none)."""
+    pre = d.get("prefill")
+    if not pre:
+        return []
+    speeds = ", ".join(f"{r['variant']} {r['tokens_per_s']:.0f}" for r in pre["rows"])
+    return ["", f"Prefill, one forward over a {pre['window_tokens']}-token window as scoring "
+            f"runs it (logits of every position), tokens/s: {speeds}."]
+
+
+def _bench_decode_peer(d: dict) -> list[str]:
+    """llama.cpp beside our rows: its F32 and Q8_0 speeds and our ratios to them, only when
+    the file has peer rows."""
+    peer = d.get("peer") or {}
+    if not peer.get("rows"):
+        return []
+    by = {(r["format"], r["test"]): r for r in peer["rows"]}
+    tg = next((r for r in peer["rows"] if r["test"] == "tg"), None)
+    pp = next((r for r in peer["rows"] if r["test"] == "pp"), None)
+    rows = ["", f"llama.cpp (build {peer['build_number']}, {peer['build_commit']}) on our own "
+            f"float32 GGUF export (F32) and its `llama-quantize` Q8_0, {peer['threads']} threads, "
+            f"in the same run, its rounds alternating with ours; "
+            f"median tokens/s:", "",
+            *head("llama.cpp", "file", f"decode (tg{tg['n_gen']} at depth {tg['depth']})"
+                  if tg else "decode", f"prefill (pp{pp['n_prompt']})" if pp else "prefill")]
+    for fmt in dict.fromkeys(r["format"] for r in peer["rows"]):
+        t, p = by.get((fmt, "tg")), by.get((fmt, "pp"))
+        decode = f"{t['tokens_per_s']:.1f}" if t else "–"
+        prefill = f"{p['tokens_per_s']:.0f}" if p else "–"
+        rows.append(f"| {fmt} | {(t or p)['file_bytes'] / 1e6:.1f} MB | {decode} | {prefill} |")
+    rows += ["", *head("ours / llama.cpp (same run)", "part", "ratio")]
+    for part, key in (("decode", "decode_ratios"), ("prefill", "prefill_ratios")):
+        rows += [f"| {r['ratio']} | {part} | {r['value']:.2f}× |" for r in peer.get(key, [])]
+    return rows
 
 
 def _gpu_variant(r: dict) -> str:

@@ -1,0 +1,85 @@
+"""How fast a pretrained LM reads a prompt: batch-1 tokens per second of one forward over a
+window, as scoring runs it (`scoring.make_score_fn`: the logits of every position, their
+log-softmax, the picked log-probabilities and the argmax).
+
+Each model's program is compiled once; `time_round` times every model in turn (A, B, C, A, B,
+C, ...), so a caller can interleave rounds with other measurements (the llama.cpp peer of
+`experiments.bench_decode`) and a change in the machine's load hits them all alike;
+`merge_rounds` does the same for `decoding.decode_benchmark`'s rows of several rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained.loading import Pretrained
+from experiments.pretrained.scoring import make_score_fn
+from parallel.inference import mesh_of
+
+
+def window_of(ids: list[int], n: int) -> list[int]:
+    """The first `n` tokens of `ids`, repeated from the start when `ids` is shorter."""
+    if not ids:
+        raise ConfigError("prefill window: the text has no tokens")
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+class PrefillBench:
+    """The named models' prefill of one window, compiled once, timed in rounds."""
+
+    def __init__(self, models: dict[str, Pretrained], window: list[int]):
+        longest = min(m.cfg.max_len for m in models.values())
+        if not window or len(window) > longest:
+            raise ConfigError(f"prefill_tokens={len(window)}: must be in 1..{longest} (the "
+                              f"model's context)")
+        tokens = np.asarray([window], np.int32)
+        self.window = len(window)
+        self.models = models
+        self.programs = {name: (make_score_fn(m.graphdef, mesh_of(m.params)), m.params)
+                         for name, m in models.items()}
+        for fn, params in self.programs.values():  # compile and warm up, untimed
+            jax.block_until_ready(fn(params, tokens))
+        self.tokens = tokens
+        self.times: dict[str, list[list[float]]] = {name: [] for name in models}
+
+    def time_round(self, repeats: int) -> None:
+        """`repeats` timed forwards of every model, interleaved."""
+        runs: dict[str, list[float]] = {name: [] for name in self.programs}
+        for _ in range(repeats):
+            for name, (fn, params) in self.programs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(params, self.tokens))
+                runs[name].append(time.perf_counter() - t0)
+        for name, t in runs.items():
+            self.times[name].append(t)
+
+    def rows(self) -> list[dict]:
+        """Per model: tokens/s of the median forward over every round, and of each round."""
+        rows = []
+        for name, rounds in self.times.items():
+            sec = statistics.median(x for r in rounds for x in r)
+            rows.append({"variant": name, "quant": self.models[name].quant,
+                         "window_tokens": self.window, "tokens_per_s": self.window / sec,
+                         "ms_per_window": 1e3 * sec,
+                         "rounds_tokens_per_s": [self.window / statistics.median(r)
+                                                 for r in rounds],
+                         "runs_s": [[round(x, 5) for x in r] for r in rounds]})
+        return rows
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per variant from its `decode_benchmark` rows of every round: tokens/s of the
+    median of all its timed runs, and of each round."""
+    rows = []
+    for same in zip(*rounds, strict=True):
+        runs = [x for r in same for x in r["runs_s"]]
+        sec, n = statistics.median(runs), same[0]["new_tokens"]
+        rows.append({**same[0], "tokens_per_s": n / sec, "ms_per_token": 1e3 * sec / n,
+                     "runs_s": runs, "rounds_tokens_per_s": [r["tokens_per_s"] for r in same],
+                     "tokens_agree": all(r["tokens"] == same[0]["tokens"] for r in same)})
+    return rows
