@@ -35,3 +35,13 @@ def sharded_dim(logical_axes: P) -> int | None:
         if a and SHARDED_RULES.get(a) == "fsdp":
             return i
     return None
+
+# Batch-1 decoding split over devices by output features (parallel/decode_split.py): each device
+# holds part of the MLP's hidden features and of the vocabulary (the output head). Attention stays
+# whole on every device: its head counts need not divide the device count.
+DECODE_SPLIT_RULES: dict[str, str] = {"mlp": "fsdp", "vocab": "fsdp"}
+
+
+def decode_split_spec(logical_axes: P) -> P:
+    """PartitionSpec of one parameter under DECODE_SPLIT_RULES (other axes whole)."""
+    return P(*(DECODE_SPLIT_RULES.get(a) if a else None for a in logical_axes))

@@ -7,6 +7,7 @@ variants' timed runs interleave so that a change in the machine's load hits them
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 
 import jax
@@ -18,6 +19,7 @@ from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token
+from parallel.decode_split import split_params
 from quant.kv_cache import init_int8_cache
 
 
@@ -28,6 +30,7 @@ class DecodeVariant:
     model: Pretrained
     kv_int8: bool = False
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
+    devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
 
 
 def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
@@ -38,6 +41,7 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     make_cache = init_int8_cache if v.kv_int8 else None
     per_layer = (default_per_layer(nnx.merge(pre.graphdef, pre.params)) if v.per_layer is None
                  else v.per_layer)
+    params = split_params(pre.graphdef, pre.params, v.devices) if v.devices > 1 else pre.params
 
     @jax.jit
     def run_prompt(params, ids):
@@ -51,8 +55,13 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
         return decode_steps(nnx.merge(pre.graphdef, params), first, cache, layers, len(prompt),
                             new_tokens, jax.random.key(0))
 
-    first, cache, layers = run_prompt(pre.params, ids)
-    return steps, (pre.params, first, cache, layers)
+    first, cache, layers = run_prompt(params, ids)
+    return steps, (params, first, cache, layers)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_tokens: int,
@@ -68,19 +77,25 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
     progs = [decode_programs(v, prompt, new_tokens) for v in variants]
     tokens = [np.asarray(jax.block_until_ready(fn(*args)))[0] for fn, args in progs]  # compile
     times: list[list[float]] = [[] for _ in variants]
+    cpu = [0.0] * len(variants)
     for _ in range(repeats):
-        for (fn, args), t in zip(progs, times, strict=True):
-            t0 = time.perf_counter()
+        for i, ((fn, args), t) in enumerate(zip(progs, times, strict=True)):
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             jax.block_until_ready(fn(*args))
             t.append(time.perf_counter() - t0)
+            cpu[i] += _cpu_seconds() - c0
     rows = []
-    for v, t, toks, (_, args) in zip(variants, times, tokens, progs, strict=True):
+    for v, t, c, toks, (_, args) in zip(variants, times, cpu, tokens, progs, strict=True):
         sec, cache, layers = float(np.median(t)), args[2], args[3]
         rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
                      "layout": "per_layer" if layers is not None else "layer_scan",
+                     "devices": v.devices,
                      "prompt_tokens": len(prompt), "new_tokens": new_tokens,
                      "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
                      "runs_s": [round(x, 5) for x in t],
+                     # CPU time of this process over wall time while the variant ran: how
+                     # many cores the step kept busy.
+                     "cores_busy": c / sum(t),
                      # A step multiplies by every block weight and (tied) the whole embedding
                      # table, so each token reads all the parameters once; the cache on top.
                      "weight_bytes_per_token": param_bytes(v.model.params),
@@ -100,3 +115,17 @@ def decode_speeds(models: list[Pretrained], prompt: list[int], new_tokens: int,
              "new_tokens": new_tokens, "seconds": r["ms_per_token"] * new_tokens / 1e3,
              "tokens_per_s": r["tokens_per_s"], "runs_s": r["runs_s"]}
             for r in decode_benchmark(variants, prompt, new_tokens, repeats)]
+
+
+def probe_layout(pre: Pretrained, prompt: list[int], new_tokens: int = 16,
+                 repeats: int = 3) -> dict:
+    """Which layer layout decodes `pre` faster on this host, by a short timed run of each
+    (`decode_benchmark`, interleaved): {"per_layer": the choice, "tokens_per_s": per layout}.
+    `model.generate.default_per_layer` is a fixed rule; which layout wins depends on the
+    host's CPU and the weights' dtype."""
+    rows = decode_benchmark([DecodeVariant("per_layer", pre, per_layer=True),
+                             DecodeVariant("layer_scan", pre, per_layer=False)],
+                            prompt, new_tokens, repeats)
+    speeds = {r["layout"]: r["tokens_per_s"] for r in rows}
+    return {"per_layer": speeds["per_layer"] > speeds["layer_scan"], "tokens_per_s": speeds,
+            "probe_tokens": new_tokens, "probe_repeats": repeats}

@@ -85,7 +85,8 @@ def categorize(instr: dict) -> str:
     return "matmul" if instr["has_dot"] else "norms_rope_elementwise"
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
         if b > end:
@@ -94,11 +95,28 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _read_trace(folder: Path) -> list[dict]:
+def read_trace(folder: Path) -> list[dict]:
+    """The complete ("X") events of the perfetto trace `jax.profiler` wrote under `folder`."""
     path = next(folder.rglob("perfetto_trace.json.gz"))
     data = json.loads(gzip.decompress(path.read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X"]
+
+
+def op_times(events: list[dict], instrs: dict[str, dict], group_of) -> tuple:
+    """(busy time per group, busy time per operation, [(start, end)] of each executed operation)
+    of a trace's events, in microseconds; operations that only run others are left out."""
+    busy: collections.Counter = collections.Counter()
+    per_op: collections.Counter = collections.Counter()
+    spans = []
+    for e in events:
+        instr = instrs.get(e["name"])
+        if instr is None or instr["opcode"] in _CONTROL:
+            continue
+        busy[group_of(instr)] += e["dur"]
+        per_op[e["name"]] += e["dur"]
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+    return busy, per_op, spans
 
 
 def step_breakdown(step, state, batch, *, steps: int = 2) -> tuple[object, dict]:
@@ -122,19 +140,10 @@ def step_breakdown(step, state, batch, *, steps: int = 2) -> tuple[object, dict]
                 walls.append(time.perf_counter() - t)
         finally:
             jax.profiler.stop_trace()
-        events = _read_trace(Path(tmp))
-    busy: dict[str, float] = collections.Counter()
-    per_op: dict[str, float] = collections.Counter()
-    op_spans = []
-    for e in events:
-        instr = instrs.get(e["name"])
-        if instr is None or instr["opcode"] in _CONTROL:
-            continue
-        busy[categorize(instr)] += e["dur"]
-        per_op[e["name"]] += e["dur"]
-        op_spans.append((e["ts"], e["ts"] + e["dur"]))
+        events = read_trace(Path(tmp))
+    busy, per_op, op_spans = op_times(events, instrs, categorize)
     execute = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == EXECUTE_EVENT]
-    device_s = _union_length(execute or op_spans) / 1e6 / steps
+    device_s = union_length(execute or op_spans) / 1e6 / steps
     wall_s = sum(walls) / steps
     host = min(1.0, max(0.0, 1 - device_s / wall_s))
     total = sum(busy.values()) or 1.0

@@ -1,0 +1,80 @@
+"""Decoding levers of experiments.bench_decode on the tiny model: a step split over two devices
+(parallel/decode_split.py) against one device, the per-operation breakdown of a decode call
+(experiments/speed/decode_profile.py), and the timed layout probe."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from experiments.pretrained import decoding
+from experiments.pretrained.loading import Pretrained
+from experiments.speed.decode_profile import GROUPS, decode_breakdown
+from parallel.decode_split import split_params
+from quant.modes import QuantConfig
+from quant.pipeline import quantize
+from tests.quant_models import CFG, calibration_batches, tiny_float_model
+
+PROMPT = [3, 17, 42, 99, 5, 61, 7, 200]
+NEW = 6
+
+
+@functools.cache
+def models() -> dict[str, Pretrained]:
+    graphdef, params = tiny_float_model()
+    qdef, qparams, _, _ = quantize(graphdef, params,
+                                   QuantConfig(mode="w8a8", rules=("blocks/*", "embed")),
+                                   calibration_batches()[:1])
+    return {"none": Pretrained("tiny", CFG, graphdef, params, None),
+            "w8a8": Pretrained("tiny", CFG, qdef, qparams, None, quant="w8a8")}
+
+
+def test_split_decoding_writes_the_same_tokens_as_one_device():
+    # int8 products sum in int32, exactly, however the devices split them: the same tokens.
+    pre = models()["w8a8"]
+    rows = decoding.decode_benchmark(
+        [decoding.DecodeVariant("one", pre), decoding.DecodeVariant("split", pre, devices=2)],
+        PROMPT, NEW, repeats=1)
+    assert [r["devices"] for r in rows] == [1, 2]
+    assert rows[0]["tokens"] == rows[1]["tokens"]
+    assert all(r["cores_busy"] > 0 for r in rows)
+
+
+def test_split_places_mlp_and_vocabulary_halves_on_each_device():
+    pre = models()["w8a8"]
+    placed = split_params(pre.graphdef, pre.params, 2)
+    up = placed["blocks"]["mlp"]["up"]["kernel_q"]  # [layers, mlp, embed]
+    q = placed["blocks"]["attn"]["q"]["kernel_q"]
+    table = placed["embed"]["embedding_q"]  # [vocab, embed]
+    assert {s.data.shape for s in up.addressable_shards} == {
+        (CFG.n_layers, CFG.d_ff // 2, CFG.d_model)}
+    assert {s.data.shape for s in table.addressable_shards} == {
+        (CFG.vocab_size // 2, CFG.d_model)}
+    # Attention stays whole on both devices (its head counts need not divide the devices).
+    assert {s.data.shape for s in q.addressable_shards} == {q.shape}
+    assert len(up.sharding.device_set) == 2
+
+
+def test_breakdown_puts_int8_products_in_their_group_and_float_ones_in_theirs():
+    out = {}
+    for quant, pre in models().items():
+        fn, args = decoding.decode_programs(decoding.DecodeVariant(quant, pre), PROMPT, NEW)
+        out[quant] = decode_breakdown(fn, args, NEW)
+    for b in out.values():
+        assert set(b["ms_per_token"]) == set(GROUPS)
+        assert b["ops_per_token"] > 0 and b["wall_ms_per_token"] > 0
+        assert b["between_ops_ms_per_token"] >= 0
+    assert out["w8a8"]["ms_per_token"]["int8_products"] > 0
+    assert out["none"]["ms_per_token"]["int8_products"] == 0  # the control: no int8 product
+    assert out["none"]["ms_per_token"]["float_products"] > 0
+
+
+def test_layout_probe_picks_the_faster_layout_it_measured():
+    probe = decoding.probe_layout(models()["w8a8"], PROMPT, new_tokens=4, repeats=1)
+    speeds = probe["tokens_per_s"]
+    assert set(speeds) == {"per_layer", "layer_scan"}
+    assert probe["per_layer"] == (speeds["per_layer"] > speeds["layer_scan"])
+    assert np.isfinite(list(speeds.values())).all()
+    assert jax.devices()  # the session's devices are untouched by the probe
