@@ -16,7 +16,6 @@ bit for bit. It also reads only the written part of a long cache.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -36,8 +35,9 @@ def padded_length(length: int) -> int:
 
 # Jitted so that an eager caller (a prefill run layer by layer, a test stepping token by token)
 # compiles the block loop once per shape, not at every call; inside a jitted step it
-# is inlined.
-@functools.partial(jax.jit, static_argnames=("window",))
+# is inlined. The window is an operand, not a static argument: under a layer pattern (Gemma 3)
+# each layer of one scan body reads its own.
+@jax.jit
 def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,
                              last_position, window: int | None = None) -> jax.Array:
     """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].
@@ -46,7 +46,8 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
     [B, size, K, H] with K = `kv_heads` (K divides N: grouped-query attention, query head n
     reads kv head n // (N / K), as Llama does). `last_position` (traced or static) is the
     largest query position: blocks past it are never read. With `window` (sliding-window
-    attention) query t also stops seeing positions before t - window + 1.
+    attention; an integer or a traced one) query t also stops seeing positions before
+    t - window + 1.
     """
     B, T, N, H = q_BxTxNxH.shape
     S = cache.length

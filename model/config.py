@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-MLP_KINDS = ("gelu", "swiglu")
+MLP_KINDS = ("gelu", "swiglu", "geglu")
 # Rematerialisation policies of the layer body by name (model/layer_stack.py maps each to JAX's
 # policy; the names live here so that checking a config never imports JAX).
 REMAT_NAMES = ("none", "full", "save_dots")
@@ -37,7 +37,9 @@ class ModelConfig:
     # Key/value heads (grouped-query attention); None: one per query head (multi-head attention).
     n_kv_heads: int | None = None
     d_ff: int = 512
-    mlp: str = "gelu"  # gelu: down(gelu(up x)); swiglu (Llama): down(silu(gate x) * up x)
+    # gelu: down(gelu(up x)); swiglu (Llama): down(silu(gate x) * up x); geglu (Gemma):
+    # down(gelu_tanh(gate x) * up x)
+    mlp: str = "gelu"
     tie_embeddings: bool = False  # logits = x @ embedding^T, no separate `head` parameter
     max_len: int = 128  # longest context the model is trained / sampled with
     rope_base: float = 10_000.0
@@ -56,6 +58,17 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each query / key head before rotary (Qwen3)
     # Query t sees keys t - sliding_window + 1 .. t only (Mistral); None: the whole prefix.
     sliding_window: int | None = None
+    # Gemma 3's fields. One character per layer, "s" (sliding window) or "g" (global): which
+    # layers `sliding_window` applies to, each layer running with its own RoPE base
+    # (`rope_local_base` on "s" layers, `rope_base` on "g" ones); None: every layer alike.
+    layer_pattern: str | None = None
+    rope_local_base: float | None = None
+    norm_plus_one: bool = False  # every RMSNorm multiplies by (1 + scale), scale starting at 0
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add
+    # Attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim); None: head_dim.
+    query_pre_attn_scalar: float | None = None
+    embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (in the compute dtype)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap); None: none
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +102,19 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window}: must be a positive integer "
                              f"or None")
+        if self.layer_pattern is not None:
+            if len(self.layer_pattern) != self.n_layers or set(self.layer_pattern) - {"s", "g"}:
+                raise ValueError(f"layer_pattern={self.layer_pattern!r}: must be one 's' "
+                                 f"(sliding) or 'g' (global) per layer ({self.n_layers})")
+            if self.sliding_window is None or self.rope_local_base is None:
+                raise ValueError(f"layer_pattern={self.layer_pattern!r}: needs sliding_window "
+                                 f"and rope_local_base")
+            if self.attention == "cudnn":
+                raise ValueError("attention='cudnn': takes no per-layer windows "
+                                 "(layer_pattern); use attention='xla'")
+        for name in ("query_pre_attn_scalar", "final_softcap", "rope_local_base"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive or None")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "

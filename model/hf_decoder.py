@@ -6,7 +6,10 @@ families read here differ only in fields of the one decoder:
   llama    the base form (SmolLM2 is one);
   mistral  `sliding_window` (None: full attention);
   qwen2    q/k/v biases (`qkv_bias`);
-  qwen3    q/k RMSNorm per head (`qk_norm`) and an explicit `head_dim` (`head_size`).
+  qwen3    q/k RMSNorm per head (`qk_norm`) and an explicit `head_dim` (`head_size`);
+  gemma3_text  q/k norm, (1 + w) norms with post-attention and post-MLP norms, GeGLU, a query
+           scale, scaled embeddings, a final soft-cap, and `layer_types` (sliding and global
+           layers, each kind with its RoPE base from `rope_parameters`).
 
 Name mapping (HF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). HF
 Linear weights are [out, in], Dense kernels [in, out]: every one is transposed. HF stores q and
@@ -21,6 +24,10 @@ model/llama_gguf.py's `_unpermute`) no rows are reordered.
   model.layers.N.self_attn.{q,k}_norm.weight -> blocks/attn/{q,k}_norm/scale
   model.layers.N.post_attention_layernorm.weight -> blocks/mlp_norm/scale
   model.layers.N.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/{gate,up,down}/kernel
+Gemma 3 names its norms differently (`post_attention_layernorm` is its post-attention norm):
+  model.layers.N.post_attention_layernorm.weight  -> blocks/post_attn_norm/scale
+  model.layers.N.pre_feedforward_layernorm.weight -> blocks/mlp_norm/scale
+  model.layers.N.post_feedforward_layernorm.weight -> blocks/post_mlp_norm/scale
 
 Tensors are read one at a time (`safetensors.safe_open`), converted to float32 and written
 into one preallocated array per parameter, so the host holds the float32 model plus about one
@@ -39,7 +46,7 @@ from safetensors import safe_open
 from model.config import ModelConfig
 from model.llama_gguf import set_path, stacked_leaf
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -61,6 +68,10 @@ _LAYER_MAP = {  # HF name within a layer -> NNX path
     "mlp.up_proj.weight": "blocks/mlp/up/kernel",
     "mlp.down_proj.weight": "blocks/mlp/down/kernel",
 }
+_GEMMA_MAP = {**_LAYER_MAP,
+              "post_attention_layernorm.weight": "blocks/post_attn_norm/scale",
+              "pre_feedforward_layernorm.weight": "blocks/mlp_norm/scale",
+              "post_feedforward_layernorm.weight": "blocks/post_mlp_norm/scale"}
 _TOP_MAP = {"model.embed_tokens.weight": "embed/embedding", "lm_head.weight": "head/kernel",
             "model.norm.weight": "final_norm/scale"}
 
@@ -80,8 +91,14 @@ def read_config(folder: str | Path) -> dict:
         raise HFError(f"{str(path)!r}: not readable JSON ({str(e).splitlines()[0]})") from None
 
 
-def _rope_base(hf: dict, where: str) -> float:
+def _rope_base(hf: dict, where: str, layer_type: str | None = None) -> float:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if layer_type is not None:  # Gemma 3: one set of parameters per kind of layer
+        rope = rope.get(layer_type) or {}
+        if "rope_theta" not in rope:
+            default = {"full_attention": ("rope_theta", 1_000_000.0),
+                       "sliding_attention": ("rope_local_base_freq", 10_000.0)}[layer_type]
+            rope = {**rope, "rope_theta": hf.get(*default)}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise HFError(f"{where}: rope_type={kind!r} is not supported (only 'default')")
@@ -102,6 +119,8 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind not in MODEL_TYPES:
         raise HFError(f"{where}: model_type={kind!r} is not supported (allowed: "
                       f"{', '.join(MODEL_TYPES)})")
+    if kind == "gemma3_text":
+        return _validated(where, lambda: _gemma3_config(hf, where, n_layers, max_len))
     _refuse(where, hf, "hidden_act", ("silu",))
     _refuse(where, hf, "mlp_bias", (False,))
     if kind in ("llama", "mistral", "qwen3"):
@@ -113,14 +132,15 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
                   or ("sliding_attention" in types) != (window is not None)):
         raise HFError(f"{where}: layer_types={sorted(types)} is not supported (every layer "
                       f"the same attention, sliding only with a Mistral sliding_window)")
-    try:
+
+    def build() -> ModelConfig:
         layers = int(hf["num_hidden_layers"])
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim")
         if n_layers is not None and not 1 <= n_layers <= layers:
             raise HFError(f"n_layers={n_layers}: must be in 1..{layers} (the model's layers)")
         context = int(hf.get("max_position_embeddings", 2048))
-        cfg = ModelConfig(
+        return ModelConfig(
             vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers or layers,
             n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
             d_ff=int(hf["intermediate_size"]), mlp="swiglu",
@@ -131,6 +151,14 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             sliding_window=None if window is None else int(window))
+
+    return _validated(where, build)
+
+
+def _validated(where: str, build) -> ModelConfig:
+    """`build()`'s config, validated; a missing or malformed field is one HFError line."""
+    try:
+        cfg = build()
         cfg.validate()
     except KeyError as e:
         raise HFError(f"{where}: missing field {e.args[0]!r}") from None
@@ -139,6 +167,41 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     except (TypeError, ValueError) as e:
         raise HFError(f"{where}: describes no valid model ({e})") from None
     return cfg
+
+
+def _gemma3_config(hf: dict, where: str, n_layers: int | None,
+                   max_len: int | None) -> ModelConfig:
+    """A gemma3_text config (unvalidated): `layer_types` (or transformers' default, every
+    `sliding_window_pattern`-th layer global) as the layer pattern, each kind's RoPE base."""
+    for key, ok in (("hidden_activation", ("gelu_pytorch_tanh",)), ("attention_bias", (False,)),
+                    ("attn_logit_softcapping", (None,)),
+                    ("use_bidirectional_attention", (False, None))):
+        _refuse(where, hf, key, ok)
+    layers = int(hf["num_hidden_layers"])
+    if n_layers is not None and not 1 <= n_layers <= layers:
+        raise HFError(f"n_layers={n_layers}: must be in 1..{layers} (the model's layers)")
+    every = int(hf.get("sliding_window_pattern", 6))
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise HFError(f"{where}: layer_types must name full_attention or sliding_attention "
+                      f"for each of the {layers} layers")
+    pattern = "".join("s" if t == "sliding_attention" else "g" for t in types)
+    context = int(hf.get("max_position_embeddings", 131_072))
+    cap = hf.get("final_logit_softcapping")
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+        n_layers=n_layers or layers, n_heads=int(hf["num_attention_heads"]),
+        n_kv_heads=int(hf["num_key_value_heads"]), d_ff=int(hf["intermediate_size"]),
+        mlp="geglu", tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_len=context if max_len is None else min(max_len, context),
+        rope_base=_rope_base(hf, where, "full_attention"),
+        rope_local_base=_rope_base(hf, where, "sliding_attention"),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), head_size=int(hf.get("head_dim", 256)),
+        qk_norm=True, sliding_window=int(hf["sliding_window"]),
+        layer_pattern=pattern[:n_layers or layers], norm_plus_one=True, post_norms=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        embed_scale=True, final_softcap=None if cap is None else float(cap))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -156,6 +219,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         shapes.update({"blocks/attn/q_norm/scale": (cfg.head_dim,),
                        "blocks/attn/k_norm/scale": (cfg.head_dim,)})
+    if cfg.post_norms:
+        shapes.update({"blocks/post_attn_norm/scale": (d,), "blocks/post_mlp_norm/scale": (d,)})
     if not cfg.tie_embeddings:
         shapes["head/kernel"] = (cfg.vocab_size, d)
     return shapes
@@ -184,13 +249,14 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
                       f"({str(e).splitlines()[0][:120]})") from None
 
 
-def _target(name: str) -> tuple[str, int | None] | None:
+def _target(name: str, post_norms: bool) -> tuple[str, int | None] | None:
     if name in _TOP_MAP:
         return _TOP_MAP[name], None
     m = _LAYER.fullmatch(name)
-    if not m or m.group(2) not in _LAYER_MAP:
+    names = _GEMMA_MAP if post_norms else _LAYER_MAP
+    if not m or m.group(2) not in names:
         return None
-    return _LAYER_MAP[m.group(2)], int(m.group(1))
+    return names[m.group(2)], int(m.group(1))
 
 
 def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, list[str]]:
@@ -199,7 +265,7 @@ def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, lis
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name in files:
-        target = _target(name)
+        target = _target(name, cfg.post_norms)
         if target is None or target[0] not in want:
             if name == "lm_head.weight" and cfg.tie_embeddings:
                 continue  # a tied head saved anyway: the embedding serves

@@ -80,15 +80,24 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype="float32", axes: Axes = ("embed",)):
+    """x / rms(x) * scale, or with `plus_one` (Gemma) * (1 + scale): then the stored scale
+    starts at 0 and `offset` (1.0) is what a fold into it must keep (quant/smoothquant.py)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype="float32", axes: Axes = ("embed",),
+                 plus_one: bool = False):
         self.eps = eps
-        self.scale = param(jnp.ones((dim,), dtype_of(param_dtype)), axes)
+        self.offset = 1.0 if plus_one else 0.0
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = param(init((dim,), dtype_of(param_dtype)), axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Normalise in fp32 whatever the compute dtype: the mean of squares is precision-sensitive.
         x32 = x.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * _lead(self.scale[...].astype(jnp.float32), x.ndim)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.offset:
+            scale = scale + self.offset
+        return (x32 * inv * _lead(scale, x.ndim)).astype(x.dtype)
 
 
 class Embed(nnx.Module):
@@ -158,8 +167,10 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.
     k, v = (jnp.swapaxes(a, 1, 2) for a in (k_BxSxKxH, v_BxSxKxH))  # B,K,S,H
     if window is None:
         out = _attention_blocks(q, k, v, group, block)  # B,K,T*G,H
-    else:
+    elif isinstance(window, int):
         out = _windowed_attention_blocks(q, k, v, group, block, window)
+    else:  # a traced window: one per layer, read inside the layer scan (Gemma 3)
+        out = _traced_window_blocks(q, k, v, jnp.asarray(window), group, block)
     return out.reshape(B, K, T, group, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
 
 
@@ -252,6 +263,26 @@ def _windowed_bwd(group, block, window, residuals, d_out):
 _windowed_attention_blocks.defvjp(_windowed_fwd, _windowed_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _traced_window_blocks(q, k, v, window, group, block):
+    """`_windowed_attention_blocks` with the window a traced integer (an array operand, so
+    that one scan body serves sliding and global layers: a global layer's window exceeds any
+    position)."""
+    return _blocks_forward(q, k, v, group, block, window)[0]
+
+
+def _traced_window_fwd(q, k, v, window, group, block):
+    out, probs = _blocks_forward(q, k, v, group, block, window)
+    return out, (q, k, v, out, probs)
+
+
+def _traced_window_bwd(group, block, residuals, d_out):
+    return (*_attention_blocks_bwd(group, block, residuals, d_out), None)
+
+
+_traced_window_blocks.defvjp(_traced_window_fwd, _traced_window_bwd)
+
+
 def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
                            v_BxSxKxH: jax.Array, window: int | None = None) -> jax.Array:
     """Causal attention through cuDNN's fused kernel (flash attention; K divides N for
@@ -267,10 +298,13 @@ def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
                                         implementation="cudnn", local_window_size=local)
 
 
-def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding (rotate-half convention), computed in fp32."""
+def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float,
+           freqs: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (rotate-half convention), computed in fp32. `freqs` [H/2]
+    (a layer's own, traced) replaces the ones `base` gives."""
     half = x_BxTxNxH.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if freqs is None:
+        freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]  # B,T,H/2
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)

@@ -4,7 +4,15 @@ The Llama family's options are config fields of the same class: grouped-query at
 (`n_kv_heads`), a gated SwiGLU MLP (`mlp="swiglu"`), a head tied to the input embedding
 (`tie_embeddings`), `rope_base` and `norm_eps` (see `model.config.MODEL_PRESETS["smollm2"]`).
 Other families are fields too: Mistral's `sliding_window`, Qwen2's `qkv_bias`, Qwen3's
-`qk_norm` and `head_size` (model/hf_decoder.py reads them from a Hugging Face config).
+`qk_norm` and `head_size` (model/hf_decoder.py reads them from a Hugging Face config), and
+Gemma 3's: (1 + w) norms, post-attention / post-MLP norms, a GeGLU MLP, a query scale, scaled
+embeddings, a final logit soft-cap, and interleaved sliding-window and global layers with
+their own RoPE bases (`layer_pattern`).
+
+Per-layer attention settings are arrays (`layer_tables`), not Python branches: a runner scans
+one layer body over every layer, so the layer's window and rotary frequencies are looked up by
+a layer counter carried beside the activations through the scan (the runner protocol passes
+the carry through untouched, whatever its structure).
 
 The blocks are created with `nnx.vmap`, so every block parameter is stacked on a leading
 `layers` axis, and a runner (model/layer_stack.py; by default one `lax.scan`) runs them. A
@@ -14,8 +22,11 @@ caller may pass its own runner: `parallel/` gathers each layer's shards right be
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.cached_attention import blocked_cached_attention, padded_length
@@ -35,6 +46,28 @@ from model.layers import (
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
 # experiments/speed/step_profile.py). They change no computation.
 ATTENTION_SCOPE = "attention_core"  # scores, mask, softmax, weighted sum: no projection
+# A global layer's window under `layer_pattern`: larger than any position, so it masks nothing.
+NO_WINDOW = 2**30
+
+
+def rope_freqs(base: float, head_dim: int) -> np.ndarray:
+    """[head_dim / 2] float32 rotary frequencies as transformers computes them."""
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+
+
+def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer under `layer_pattern`: the attention window [L] int32 (NO_WINDOW on global
+    layers) and the rotary frequencies [L, head_dim / 2] float32."""
+    sliding = [c == "s" for c in cfg.layer_pattern]
+    windows = np.array([cfg.sliding_window if s else NO_WINDOW for s in sliding], np.int32)
+    local, full = rope_freqs(cfg.rope_local_base, cfg.head_dim), rope_freqs(cfg.rope_base,
+                                                                           cfg.head_dim)
+    return windows, np.stack([local if s else full for s in sliding])
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class Attention(nnx.Module):
@@ -50,21 +83,27 @@ class Attention(nnx.Module):
         self.o = Dense(cfg.q_dim, d, axes=("heads", "embed"), rngs=rngs,
                        init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
         if cfg.qk_norm:  # one scale per position within a head, shared by every head
-            norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype, axes=("head_dim",))
+            norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype, axes=("head_dim",),
+                        plus_one=cfg.norm_plus_one)
             self.q_norm = RMSNorm(cfg.head_dim, **norm)
             self.k_norm = RMSNorm(cfg.head_dim, **norm)
 
-    def __call__(self, x_BxTxD, positions_BxT, cache=None, cache_index=None):
+    def __call__(self, x_BxTxD, positions_BxT, cache=None, cache_index=None, layer=None):
+        """`layer`: this layer's (window, rotary freqs) under `layer_pattern`, else None."""
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         split = lambda y: y.reshape(B, T, -1, cfg.head_dim)
         q, k = split(self.q(x_BxTxD)), split(self.k(x_BxTxD))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, positions_BxT, cfg.rope_base)
-        k = rotary(k, positions_BxT, cfg.rope_base)
+        window, freqs = (cfg.sliding_window, None) if layer is None else layer
+        q = rotary(q, positions_BxT, cfg.rope_base, freqs)
+        k = rotary(k, positions_BxT, cfg.rope_base, freqs)
+        if cfg.query_pre_attn_scalar not in (None, cfg.head_dim):
+            # attention divides by sqrt(head_dim); the query takes the rest of the scale
+            scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
+            q = (q.astype(jnp.float32) * scale).astype(q.dtype)
         v = split(self.v(x_BxTxD))
-        window = cfg.sliding_window
         # With GQA, k and v keep kv_heads heads (also in the cache): query head n attends with
         # key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
@@ -85,12 +124,13 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
-    """gelu: down(gelu(up x)); swiglu: down(silu(gate x) * up x), with a third Dense `gate`."""
+    """gelu: down(gelu(up x)); swiglu: down(silu(gate x) * up x), with a third Dense `gate`;
+    geglu: down(gelu_tanh(gate x) * up x)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
         self.kind = cfg.mlp
-        if cfg.mlp == "swiglu":
+        if cfg.mlp in ("swiglu", "geglu"):
             self.gate = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), rngs=rngs, **dt)
         self.up = Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), rngs=rngs, **dt)
         self.down = Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), rngs=rngs,
@@ -99,20 +139,36 @@ class Mlp(nnx.Module):
     def __call__(self, x):
         if self.kind == "swiglu":
             return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        if self.kind == "geglu":
+            return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
         return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _norm(cfg: ModelConfig) -> RMSNorm:
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
+                   plus_one=cfg.norm_plus_one)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.mlp_norm = _norm(cfg)
         self.mlp = Mlp(cfg, rngs=rngs)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:  # Gemma: each branch's output normalised before the residual add
+            self.post_attn_norm = _norm(cfg)
+            self.post_mlp_norm = _norm(cfg)
 
-    def __call__(self, x, positions, cache=None, cache_index=None):
-        h, new_cache = self.attn(self.attn_norm(x), positions, cache, cache_index)
+    def __call__(self, x, positions, cache=None, cache_index=None, layer=None):
+        h, new_cache = self.attn(self.attn_norm(x), positions, cache, cache_index, layer)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), new_cache
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_norms:
+            h = self.post_mlp_norm(h)
+        return x + h, new_cache
 
 
 class DecoderLM(nnx.Module):
@@ -128,7 +184,7 @@ class DecoderLM(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
+        self.final_norm = _norm(cfg)
         if not cfg.tie_embeddings:  # tied: the embedding table is the head (`Embed.attend`)
             self.head = Dense(cfg.d_model, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs,
                               param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
@@ -138,7 +194,15 @@ class DecoderLM(nnx.Module):
         embedding)."""
         h = self.final_norm(x_BxTxD)
         out = self.embed.attend(h) if self.cfg.tie_embeddings else self.head(h)
-        return out.astype(jnp.float32)
+        return softcap(out.astype(jnp.float32), self.cfg.final_softcap)
+
+    def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
+        """The input embeddings; with `embed_scale` times sqrt(d_model), in the compute dtype
+        (as transformers' Gemma rounds it)."""
+        x = self.embed(tokens_BxT)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)
+        return x
 
     def __call__(self, tokens_BxT: jax.Array, *, positions_BxT: jax.Array | None = None,
                  runner: Runner | None = None) -> jax.Array:
@@ -152,12 +216,24 @@ class DecoderLM(nnx.Module):
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
         block_def, stacked = nnx.split(self.blocks)
-
-        def run_layer(layer_params, x, positions):
-            return nnx.merge(block_def, layer_params)(x, positions)[0]
-
         runner = runner or default_runner(cfg.remat, cfg.scan_unroll)
-        x = runner(run_layer, stacked, self.embed(tokens_BxT), positions_BxT)
+        x = self.embed_tokens(tokens_BxT)
+        if cfg.layer_pattern is None:
+            def run_layer(layer_params, x, positions):
+                return nnx.merge(block_def, layer_params)(x, positions)[0]
+
+            return self.logits(runner(run_layer, stacked, x, positions_BxT))
+
+        windows, freqs = layer_tables(cfg)
+
+        def run_counted(layer_params, carry, positions):
+            # carry: (activations, layer number as float32: its cotangent is an ordinary zero)
+            x, i = carry
+            at = i.astype(jnp.int32)
+            layer = (jnp.asarray(windows)[at], jnp.asarray(freqs)[at])
+            return nnx.merge(block_def, layer_params)(x, positions, layer=layer)[0], i + 1
+
+        x, _ = runner(run_counted, stacked, (x, jnp.zeros((), jnp.float32)), positions_BxT)
         return self.logits(x)
 
     def decode(self, tokens_BxT: jax.Array, cache: KVCache | list,
@@ -177,20 +253,25 @@ class DecoderLM(nnx.Module):
         B, T = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(cache_index + jnp.arange(T), (B, T))
         block_def, stacked = nnx.split(self.blocks)
-        x = self.embed(tokens_BxT)
+        x = self.embed_tokens(tokens_BxT)
+        tables = None if self.cfg.layer_pattern is None else layer_tables(self.cfg)
         if layers is not None:
             new_cache = []
-            for layer_params, layer_cache in zip(layers, cache, strict=True):
+            for i, (layer_params, layer_cache) in enumerate(zip(layers, cache, strict=True)):
+                per = None if tables is None else (jnp.asarray(tables[0][i]),
+                                                   jnp.asarray(tables[1][i]))
                 x, c = nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache,
-                                                          cache_index)
+                                                          cache_index, per)
                 new_cache.append(c)
             return self.logits(x), new_cache
 
         def layer(x, xs):
-            layer_params, layer_cache = xs
-            return nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache, cache_index)
+            layer_params, layer_cache, per = xs
+            return nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache, cache_index,
+                                                      per)
 
-        x, cache = jax.lax.scan(layer, x, (stacked, cache))
+        per_layer = None if tables is None else tuple(jnp.asarray(t) for t in tables)
+        x, cache = jax.lax.scan(layer, x, (stacked, cache, per_layer))
         return self.logits(x), cache
 
     def unstack_layers(self) -> list:

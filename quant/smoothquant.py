@@ -23,7 +23,12 @@ The other decoder families' fields keep every fold exact:
 - q/k RMSNorm per head (Qwen3) acts on q's and k's outputs, after the fold on their input; it
   is never a fold site itself (its scale multiplies a per-head normalised vector that feeds the
   rotary map, not a Dense's input channels), so it stays as it is;
-- a head size other than d_model / n_heads only changes the layout `_group_max` reads.
+- a head size other than d_model / n_heads only changes the layout `_group_max` reads;
+- a (1 + w) RMSNorm (Gemma) multiplies by 1 + w, so the fold divides that: w' = (1 + w) / s - 1,
+  exact up to the rounding of the subtraction; Gemma's post-attention and post-MLP norms act on
+  o's and down's outputs, after their inputs are smoothed, so the v -> o and up -> down folds
+  (GeGLU's down input gelu(gate x) * (up x) is linear in up's output, as SwiGLU's) stay exact
+  and the post-norms are never fold sites (a norm of an output has no Dense input to scale).
 A bias on `up` (no supported family has one) would be divided like v's.
 """
 
@@ -130,7 +135,7 @@ def smoothing_sites(model: nnx.Module, x_absmax: dict[str, jax.Array]) -> dict[s
         return _expand_groups(smoothing_factors(x_v, w_v, alpha), groups, cfg.head_dim)
 
     sites["blocks/attn/o"] = Site(("blocks/attn/o",), o_factors)
-    if hasattr(model.blocks.mlp, "gate"):  # SwiGLU: down's input is linear in up's output
+    if hasattr(model.blocks.mlp, "gate"):  # Sw/GeGLU: down's input is linear in up's output
         sites["blocks/mlp/down"] = input_site(model, ("blocks/mlp/down",), x_absmax)
     return sites
 
@@ -157,7 +162,9 @@ def fold(model: nnx.Module, x_absmax: dict[str, jax.Array],
         s = factors[norm_path]
         norm = get_module(model, norm_path)
         dt = norm.scale[...].dtype
-        norm.scale.set_value((norm.scale[...].astype(jnp.float32) / s).astype(dt))
+        offset = getattr(norm, "offset", 0.0)  # 1.0 for a (1 + w) norm: (1 + w) / s - 1
+        scaled = (norm.scale[...].astype(jnp.float32) + offset) / s - offset
+        norm.scale.set_value(scaled.astype(dt))
         for c in sites[norm_path].consumers:
             _scale(get_module(model, c).kernel, s[..., :, None])
 

@@ -1,6 +1,6 @@
-"""Hugging Face decoders (llama, mistral, qwen2, qwen3) read by model/hf_decoder.py against
-transformers itself: tests/fixtures/hf/<arch>/ holds tiny models made and scored by
-experiments/reference/make_hf_fixtures.py (transformers 5, float32)."""
+"""Hugging Face decoders (llama, mistral, qwen2, qwen3, gemma3_text) read by
+model/hf_decoder.py against transformers itself: tests/fixtures/hf/<arch>/ holds tiny models
+made and scored by experiments/reference/make_hf_fixtures.py (transformers 5, float32)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from quant.pipeline import quantize
 from quant.smoothquant import fold
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 TOLERANCE = 1e-4  # nats, mean NLL against transformers
 
 
@@ -91,6 +91,11 @@ def test_fixtures_cover_each_architecture_field():
     assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim * 4 != cfgs["qwen3"].d_model
     assert not any(dataclasses.asdict(cfgs["llama"])[f] for f in ("qkv_bias", "qk_norm"))
+    gemma = cfgs["gemma3_text"]
+    assert set(gemma.layer_pattern) == {"s", "g"} and gemma.rope_local_base != gemma.rope_base
+    assert max(len(r["tokens"]) for r in rows["gemma3_text"]) > gemma.sliding_window
+    assert gemma.query_pre_attn_scalar != gemma.head_dim and gemma.final_softcap
+    assert gemma.post_norms and gemma.norm_plus_one and gemma.embed_scale and gemma.qk_norm
 
 
 def test_tokenizer_matches_transformers_ids():
@@ -110,11 +115,20 @@ def test_scores_match_transformers(loaded):
     assert worst <= TOLERANCE and wrong == 0, (arch, worst, wrong)
 
 
+# A Gemma 3 field switched off: every layer global, or one layer kind's RoPE base for all.
+_GEMMA_OFF = {"layer_pattern": dict(layer_pattern="gggg"),
+              "rope_local_base": dict(rope_local_base=1_000_000.0),
+              "query_pre_attn_scalar": dict(query_pre_attn_scalar=None),
+              "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=None)}
+
+
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
-                                         ("mistral", "sliding_window")])
+                                         ("mistral", "sliding_window"),
+                                         *(("gemma3_text", f) for f in _GEMMA_OFF)])
 def test_dropping_a_field_misses_the_reference(arch, field):
     """The control: each architecture field matters to its fixture, so the parity above
-    checks it (a reader that ignored biases, q/k norms or the window would fail)."""
+    checks it (a reader that ignored biases, q/k norms, the window, Gemma's per-layer
+    windows and RoPE bases, query scale, embedding scale or soft-cap would fail)."""
     cfg, params = load_hf(FIXTURES / arch)
     attn = params["blocks"]["attn"]
     if field == "qkv_bias":
@@ -122,15 +136,17 @@ def test_dropping_a_field_misses_the_reference(arch, field):
             attn[p].pop("bias")
     if field == "qk_norm":
         attn.pop("q_norm"), attn.pop("k_norm")
-    off = dataclasses.replace(cfg, **{field: None if field == "sliding_window" else False})
+    off = dataclasses.replace(cfg, **_GEMMA_OFF.get(
+        field, {field: None if field == "sliding_window" else False}))
     worst, _ = worst_error(model_of(off, params)[1], reference(arch))
     assert worst > 100 * TOLERANCE, (arch, field, worst)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text"])
 def test_cached_decoding_follows_the_full_forward(arch):
     """Greedy tokens through the KV cache equal the argmax of the full forward at each step,
-    the mistral prompt long enough that the window slides during decoding."""
+    the mistral and gemma prompts long enough that the window slides during decoding (on
+    gemma's sliding layers only)."""
     cfg, params = load_hf(FIXTURES / arch)
     graphdef, model = model_of(cfg, params)
     prompt = reference(arch)[4]["tokens"][:14]
@@ -161,8 +177,9 @@ def test_int8_stays_near_float(mode):
 
 def test_smoothquant_fold_is_exact_with_biases_and_qk_norm():
     """Folding any factors leaves the float function unchanged (up to rounding) on a model
-    with q/k/v biases and one with q/k norms: v's bias is divided with its columns."""
-    for arch in ("qwen2", "qwen3"):
+    with q/k/v biases, one with q/k norms and Gemma 3 ((1 + w) norms, post-norms, GeGLU): v's
+    bias is divided with its columns, a (1 + w) scale becomes (1 + w) / s - 1."""
+    for arch in ("qwen2", "qwen3", "gemma3_text"):
         cfg, params = load_hf(FIXTURES / arch)
         _, model = model_of(cfg, params)
         ids = reference(arch)[5]["tokens"]
@@ -179,8 +196,8 @@ def test_smoothquant_fold_is_exact_with_biases_and_qk_norm():
 
 def test_zero3_training_step_on_eight_devices():
     """A Hugging Face model trains under ZeRO-3 with remat: parameters stacked over `layers`,
-    biases and q/k norms included."""
-    for arch in ("qwen2", "qwen3"):
+    biases, q/k norms and Gemma's per-layer windows and RoPE bases included."""
+    for arch in ("qwen2", "qwen3", "gemma3_text"):
         cfg, params = load_hf(FIXTURES / arch, max_len=32)
         cfg = dataclasses.replace(cfg, remat="full")
         batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 17), np.int32)

@@ -6,7 +6,9 @@ Run with the separate PyTorch interpreter (never imported by the project):
 
 One folder per architecture the reader `model/hf_decoder.py` supports: llama, mistral (a
 sliding window shorter than the longest text), qwen2 (q/k/v biases), qwen3 (q/k RMSNorm and a
-head size other than d_model / n_heads). Each holds what `save_pretrained` writes in float32
+head size other than d_model / n_heads), gemma3_text (four layers, sliding and global ones
+interleaved, a window shorter than the longest text, a query scale other than the head size's
+and a final soft-cap). Each holds what `save_pretrained` writes in float32
 (config.json, model.safetensors), one byte-level BPE `tokenizer.json` trained here with the
 `tokenizers` library on standard-library docstrings (the same for every folder), a
 `tokenizer_config.json`, and `reference.json`: per text transformers' mean NLL in nats over
@@ -60,6 +62,16 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config,
               dict(head_dim=24, use_sliding_window=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gemma3_text": (transformers.Gemma3TextConfig,
+                    dict(num_hidden_layers=4, head_dim=16, sliding_window=SLIDING_WINDOW,
+                         layer_types=["sliding_attention", "full_attention",
+                                      "sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                         tie_word_embeddings=True, pad_token_id=1,
+                         rope_parameters={
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default",
+                                                "rope_theta": 1000000.0}})),
 }
 
 
@@ -89,7 +101,8 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def redraw(model: torch.nn.Module, seed: int) -> None:
+def redraw(model: torch.nn.Module, seed: int, plus_one: bool = False) -> None:
+    """Large weights; norm scales away from neutral (Gemma's (1 + w) scales around 0)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -99,7 +112,7 @@ def redraw(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             else:  # norm scales
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
+                p.copy_((0.0 if plus_one else 1.0) + torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def reference(model, tok: Tokenizer) -> list[dict]:
@@ -119,14 +132,17 @@ def reference(model, tok: Tokenizer) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tests/fixtures/hf")
+    p.add_argument("--only", choices=list(ARCHS), help="write this architecture's folder only")
     args = p.parse_args()
     tok = train_tokenizer()
     torch.manual_seed(0)
     for seed, (arch, (cls, extra)) in enumerate(ARCHS.items()):
+        if args.only not in (None, arch):
+            continue
         cfg = cls(**{**COMMON, **extra})
         model = transformers.AutoModelForCausalLM.from_config(
             cfg, attn_implementation="eager", dtype=torch.float32)
-        redraw(model, seed)
+        redraw(model, seed, plus_one=arch.startswith("gemma"))
         model.eval()
         folder = Path(args.out) / arch
         folder.mkdir(parents=True, exist_ok=True)
