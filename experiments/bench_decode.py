@@ -146,6 +146,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers)
     files = peer_files(args, tools, float_model) if tools is not None else {}
+    built = llama_cpp.version(tools) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
     for mode, head in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
@@ -185,7 +186,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "rounds": args.rounds, "variants": rows, "changes": changes,
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
-            "peer": (peer_section(files, peer_runs, rows, prefill_rows, threads)
+            "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
                      if files else {"skipped": skipped}),
             "block_matvec": matvec,
             "machine": {**machine.describe(), "load_1min_before": load_before,

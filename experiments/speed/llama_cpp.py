@@ -129,7 +129,9 @@ def bench(tools: Tools, model: Path, threads: int, *, n_prompt: int, n_gen: int,
 
 
 def version(tools: Tools) -> dict:
-    """llama.cpp's build: `llama-bench --version`'s text (it may print to either stream)."""
+    """llama.cpp's build: `llama-bench --version`'s text (it may print to either stream). A
+    build from a source package without git says build 0 and commit unknown: then the package's
+    version is the one that names it."""
     proc = _run([str(tools.bench), "--version"], "llama-bench --version")
     return {"llama_cpp_version": " ".join((proc.stdout + proc.stderr).split())}
 
