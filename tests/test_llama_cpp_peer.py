@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained import exporter
+from experiments.pretrained import exporter, loading, prefill_speed
 from experiments.reporting.registry import speed as registry
 from experiments.reporting.tables import common, speed
 from experiments.speed import llama_cpp
@@ -245,3 +245,22 @@ def test_peer_table_and_claim():
     assert not registry._peer_ratios_hold(d)
     assert registry._peer_ratios_hold({**committed, "peer": {"skipped": "no tools"}})
     assert not registry._peer_ratios_hold({**committed, "peer": {}})
+
+
+def test_prefill_rounds_and_decode_rounds_merge(tmp_path):
+    model = loading.load(str(gguf_files.write(tmp_path / "tiny.gguf")))
+    assert prefill_speed.window_of([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+    bench = prefill_speed.PrefillBench({"float": model}, prefill_speed.window_of([5, 6, 7], 8))
+    bench.time_round(2)
+    bench.time_round(1)
+    (row,) = bench.rows()
+    runs = [x for r in row["runs_s"] for x in r]
+    assert [len(r) for r in row["runs_s"]] == [2, 1] and len(row["rounds_tokens_per_s"]) == 2
+    assert row["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-3)
+    with pytest.raises(ConfigError, match="prefill_tokens=9999"):
+        prefill_speed.PrefillBench({"float": model}, [1] * 9999)
+    one = {"variant": "float", "new_tokens": 4, "tokens": [1, 2], "tokens_per_s": 4 / 0.2,
+           "runs_s": [0.1, 0.2, 0.4]}
+    (merged,) = prefill_speed.merge_rounds([[one], [{**one, "runs_s": [0.3], "tokens": [1, 3]}]])
+    assert merged["tokens_per_s"] == pytest.approx(4 / 0.25)  # median of 0.1, 0.2, 0.3, 0.4
+    assert merged["rounds_tokens_per_s"] == [20.0, 20.0] and merged["tokens_agree"] is False
