@@ -61,14 +61,16 @@ class ModelConfig:
     # Gemma 3's fields. One character per layer, "s" (sliding window) or "g" (global): which
     # layers `sliding_window` applies to, each layer running with its own RoPE base
     # (`rope_local_base` on "s" layers, `rope_base` on "g" ones); None: every layer alike.
+    # The float options below are 0.0 when off (a float field is a finite number throughout
+    # the config checks and flags).
     layer_pattern: str | None = None
-    rope_local_base: float | None = None
+    rope_local_base: float = 0.0
     norm_plus_one: bool = False  # every RMSNorm multiplies by (1 + scale), scale starting at 0
     post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add
-    # Attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim); None: head_dim.
-    query_pre_attn_scalar: float | None = None
+    # Attention scores scaled by 1/sqrt(this) instead of 1/sqrt(head_dim); 0: head_dim.
+    query_pre_attn_scalar: float = 0.0
     embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (in the compute dtype)
-    final_softcap: float | None = None  # logits = cap * tanh(logits / cap); None: none
+    final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
 
     @property
     def head_dim(self) -> int:
@@ -106,15 +108,15 @@ class ModelConfig:
             if len(self.layer_pattern) != self.n_layers or set(self.layer_pattern) - {"s", "g"}:
                 raise ValueError(f"layer_pattern={self.layer_pattern!r}: must be one 's' "
                                  f"(sliding) or 'g' (global) per layer ({self.n_layers})")
-            if self.sliding_window is None or self.rope_local_base is None:
+            if self.sliding_window is None or not self.rope_local_base:
                 raise ValueError(f"layer_pattern={self.layer_pattern!r}: needs sliding_window "
                                  f"and rope_local_base")
             if self.attention == "cudnn":
                 raise ValueError("attention='cudnn': takes no per-layer windows "
                                  "(layer_pattern); use attention='xla'")
         for name in ("query_pre_attn_scalar", "final_softcap", "rope_local_base"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be positive or None")
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive, or 0 (off)")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "

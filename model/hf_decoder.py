@@ -201,7 +201,7 @@ def _gemma3_config(hf: dict, where: str, n_layers: int | None,
         qk_norm=True, sliding_window=int(hf["sliding_window"]),
         layer_pattern=pattern[:n_layers or layers], norm_plus_one=True, post_norms=True,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        embed_scale=True, final_softcap=None if cap is None else float(cap))
+        embed_scale=True, final_softcap=0.0 if cap is None else float(cap))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

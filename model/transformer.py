@@ -66,8 +66,9 @@ def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return windows, np.stack([local if s else full for s in sliding])
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    return x if cap is None else cap * jnp.tanh(x / cap)
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap); x itself for cap 0 (off)."""
+    return cap * jnp.tanh(x / cap) if cap else x
 
 
 class Attention(nnx.Module):
@@ -99,7 +100,7 @@ class Attention(nnx.Module):
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
         q = rotary(q, positions_BxT, cfg.rope_base, freqs)
         k = rotary(k, positions_BxT, cfg.rope_base, freqs)
-        if cfg.query_pre_attn_scalar not in (None, cfg.head_dim):
+        if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale
             scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
             q = (q.astype(jnp.float32) * scale).astype(q.dtype)

@@ -118,8 +118,8 @@ def test_scores_match_transformers(loaded):
 # A Gemma 3 field switched off: every layer global, or one layer kind's RoPE base for all.
 _GEMMA_OFF = {"layer_pattern": dict(layer_pattern="gggg"),
               "rope_local_base": dict(rope_local_base=1_000_000.0),
-              "query_pre_attn_scalar": dict(query_pre_attn_scalar=None),
-              "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=None)}
+              "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0),
+              "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0)}
 
 
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
