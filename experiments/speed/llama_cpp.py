@@ -129,11 +129,19 @@ def bench(tools: Tools, model: Path, threads: int, *, n_prompt: int, n_gen: int,
 
 
 def version(tools: Tools) -> dict:
-    """llama.cpp's build: `llama-bench --version`'s text (it may print to either stream). A
-    build from a source package without git says build 0 and commit unknown: then the package's
-    version is the one that names it."""
+    """llama.cpp's build: `llama-bench --version`'s text (it may print to either stream), and
+    the source package the tools were built in when a PKG-INFO lies above them: a build from a
+    source package without git says build 0 and commit unknown, and the package names it."""
     proc = _run([str(tools.bench), "--version"], "llama-bench --version")
-    return {"llama_cpp_version": " ".join((proc.stdout + proc.stderr).split())}
+    out = {"llama_cpp_version": " ".join((proc.stdout + proc.stderr).split())}
+    for folder in list(tools.bench.resolve().parents)[:5]:
+        info = folder / "PKG-INFO"
+        if info.is_file():
+            fields = dict(line.split(": ", 1) for line in info.read_text().splitlines()[:20]
+                          if line.startswith(("Name: ", "Version: ")))
+            out["source_package"] = f"{fields.get('Name', '?')} {fields.get('Version', '?')}"
+            break
+    return out
 
 
 def prepare(tools: Tools, folder: Path, key: dict, export: Callable[[Path], Path]) -> dict:

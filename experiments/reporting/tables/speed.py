@@ -219,7 +219,8 @@ def _bench_decode_peer(d: dict) -> list[str]:
     by = {(r["format"], r["test"]): r for r in peer["rows"]}
     tg = next((r for r in peer["rows"] if r["test"] == "tg"), None)
     pp = next((r for r in peer["rows"] if r["test"] == "pp"), None)
-    rows = ["", f"llama.cpp (build {peer['build_number']}, {peer['build_commit']}) on our own "
+    built = peer.get("source_package") or f"build {peer['build_number']}, {peer['build_commit']}"
+    rows = ["", f"llama.cpp ({built}) on our own "
             f"float32 GGUF export (F32) and its `llama-quantize` Q8_0, {peer['threads']} threads, "
             f"in the same run, its rounds alternating with ours; "
             f"median tokens/s:", "",
