@@ -251,7 +251,7 @@ def test_bad_folders_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
-                                         ("mistral", "sliding_window")])
+                                         ("mistral", "sliding_window"), ("gemma3_text", "mlp")])
 def test_llama_export_refuses_the_other_families(arch, field):
     with pytest.raises(ExportError, match=f"^{field}="):
         check_llama(load_hf(FIXTURES / arch)[0])
