@@ -48,24 +48,38 @@ from quant.modes import QuantConfig, QuantError
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
 # name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer
-# for float weights, the layer scan for int8 ones), tied head/embedding in int8 too)
+# for float weights, the layer scan for int8 ones; "probe": the faster of the two on this host,
+# by a short timed run when the model is loaded), tied head/embedding in int8 too, devices each
+# step is split over (parallel/decode_split.py))
 VARIANTS = {
-    "float": ("none", False, None, False),
-    "w8": ("w8", False, None, False),
-    "w8a8": ("w8a8", False, None, False),
-    "float+kv8": ("none", True, None, False),
-    "w8+kv8": ("w8", True, None, False),
-    "w8a8+head8": ("w8a8", False, None, True),
-    "w8a8-rotated": ("w8a8-rotated", False, None, False),
-    "float-scan": ("none", False, False, False),
-    "w8-per-layer": ("w8", False, True, False),
-    "w8a8-per-layer": ("w8a8", False, True, False),
+    "float": ("none", False, None, False, 1),
+    "w8": ("w8", False, None, False, 1),
+    "w8a8": ("w8a8", False, None, False, 1),
+    "float+kv8": ("none", True, None, False, 1),
+    "w8+kv8": ("w8", True, None, False, 1),
+    "w8a8+head8": ("w8a8", False, None, True, 1),
+    "w8a8-rotated": ("w8a8-rotated", False, None, False, 1),
+    "float-scan": ("none", False, False, False, 1),
+    "w8-per-layer": ("w8", False, True, False, 1),
+    "w8a8-per-layer": ("w8a8", False, True, False, 1),
+    "w8a8-probed": ("w8a8", False, "probe", False, 1),
+    "float-split2": ("none", False, None, False, 2),
+    "w8a8-split2": ("w8a8", False, None, False, 2),
+    "w8a8+head8-split2": ("w8a8", False, None, True, 2),
 }
+# the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
+PROFILED = ("float", "w8a8")
+FLAGS_VARIANT = "w8a8"
 # (what changed, variant before, variant after): ratios the results file records
 CHANGES = (
     ("per-layer weights instead of the stacked layer scan (float)", "float-scan", "float"),
     ("per-layer weights instead of the stacked layer scan (w8)", "w8", "w8-per-layer"),
     ("per-layer weights instead of the stacked layer scan (w8a8)", "w8a8", "w8a8-per-layer"),
+    ("layer layout by a timed probe instead of the fixed rule (w8a8)", "w8a8", "w8a8-probed"),
+    ("each step split over 2 devices by output features (float)", "float", "float-split2"),
+    ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
+    ("each step split over 2 devices by output features (w8a8+head8)", "w8a8+head8",
+     "w8a8+head8-split2"),
     ("int8 weights (w8) against float", "float", "w8"),
     ("int8 weights and activations (w8a8) against float", "float", "w8a8"),
     ("int8 KV cache (float weights)", "float", "float+kv8"),
@@ -95,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the peer rows (default: ${llama_cpp.ENV}; absent: no peer rows)")
     p.add_argument("--peer-dir", default="runs/llama_cpp",
                    help="where the peer's GGUF files are made once (default runs/llama_cpp)")
+    p.add_argument("--no-xla-flags", action="store_true",
+                   help=f"skip the XLA flag rows ({FLAGS_VARIANT} timed in child processes "
+                        "under each flag set of experiments/speed/xla_flag_runs.py)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="time the decode variants only (no prefill, peer, breakdown, matrix-"
+                        "vector check or flag rows): what the flag rows' child runs do")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--json", action="store_true", help="print the summary as JSON last")
     return p
@@ -113,6 +133,8 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     model_ref.resolve(args.model)
     check_output_file("out", args.out)
+    if args.decode_only:  # a child run of the XLA flag rows: no peer
+        return names, None, ""
     check_output_folder("peer_dir", args.peer_dir, "the peer's GGUF files")
     tools, skipped = llama_cpp.locate(args.llama_cpp)
     return names, tools, skipped
@@ -137,11 +159,36 @@ def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
     return llama_cpp.prepare(tools, Path(args.peer_dir) / slug, key, export)
 
 
+def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) -> tuple:
+    """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
+    probes, variants = {}, []
+    for n in names:
+        mode, kv8, layout, head, devices = VARIANTS[n]
+        model = models[mode, head]
+        if layout == "probe":
+            if (mode, head) not in probes:
+                probes[mode, head] = decoding.probe_layout(model, prompt)
+            layout = probes[mode, head]["per_layer"]
+        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices))
+    return variants, {prefill_label(*k): v for k, v in probes.items()}
+
+
+def child_argv(args) -> list[str]:
+    """The flags a child run of the XLA flag rows gets: the flag variant, same model and timing."""
+    argv = ["--variants", FLAGS_VARIANT, "--model", args.model, "--new-tokens",
+            str(args.new_tokens), "--repeats", str(args.repeats), "--rounds", "1"]
+    return argv + (["--layers", str(args.layers)] if args.layers is not None else [])
+
+
 def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> dict:
-    loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine = startup.load(
-        "experiments.pretrained.loading", "experiments.pretrained.decoding",
-        "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
-        "experiments.speed.block_matvec", "experiments.speed.machine")
+    modules = ("experiments.pretrained.loading", "experiments.pretrained.decoding",
+               "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
+               "experiments.speed.block_matvec", "experiments.speed.machine",
+               "experiments.speed.decode_profile", "experiments.speed.xla_flag_runs")
+    split = max(VARIANTS[n][4] for n in names)
+    (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine, decode_profile,
+     xla_flag_runs) = (startup.begin(*modules, devices=split) if split > 1
+                       else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers)
     files = peer_files(args, tools, float_model) if tools is not None else {}
@@ -152,10 +199,15 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
         rules = ("blocks/*", "embed") if head else ("blocks/*",)
         models[mode, head] = loading.quantize(
             float_model, mode, QuantConfig(mode=mode, rules=rules, calib_batches=1))
-    variants = [decoding.DecodeVariant(n, models[VARIANTS[n][0], VARIANTS[n][3]],
-                                       VARIANTS[n][1], VARIANTS[n][2]) for n in names]
     text = pydoc_corpus.split_text("validation")
     prompt = float_model.tokenizer.encode(text[:400])
+    variants, probes = build_variants(decoding, names, models, prompt)
+    head = {"model": float_model.name, "layers": float_model.cfg.n_layers,
+            "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "rounds": args.rounds}
+    if args.decode_only:
+        return {**head, "variants": decoding.decode_benchmark(
+            variants, prompt, args.new_tokens, args.repeats, args.rounds)}
     window = prefill_speed.window_of(float_model.tokenizer.encode(text[:8 * args.prefill_tokens]),
                                      args.prefill_tokens)
     prefill = prefill_speed.PrefillBench(
@@ -164,31 +216,36 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     tests = {"tg": {"n_prompt": 0, "n_gen": args.new_tokens, "depth": len(prompt)},
              "pp": {"n_prompt": args.prefill_tokens, "n_gen": 0, "depth": 0}}
     peer_runs: dict[tuple[str, str], list[dict]] = {(f, t): [] for t in tests for f in files}
-    decode_rounds = []
-    for _ in range(args.rounds):  # ours, then the peer's, each part in turn
-        decode_rounds.append(decoding.decode_benchmark(variants, prompt, args.new_tokens,
-                                                       args.repeats))
+
+    def between_rounds():  # after our decoding: the peer's, then both prefills, in turn
         for test in tests:
             if test == "pp":
                 prefill.time_round(args.repeats)
             for fmt, path in files.items():
                 peer_runs[fmt, test].append(llama_cpp.bench(
                     tools, path, threads, **tests[test], reps=args.repeats))
-    rows = prefill_speed.merge_rounds(decode_rounds)
+
+    rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
+                                     args.rounds, between_rounds)
     prefill_rows = prefill.rows()
+    profile = {v.name: decode_profile.decode_breakdown(
+        *decoding.decode_programs(v, prompt, args.new_tokens), args.new_tokens)
+        for v in variants if v.name in PROFILED}
+    flags = ([] if args.no_xla_flags
+             else xla_flag_runs.flag_rows(child_argv(args), args.rounds))
     matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
     by_name = {r["variant"]: r for r in rows}
     changes = [{"change": what, "before": a, "after": b,
                 "speedup": by_name[b]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
                for what, a, b in CHANGES if a in by_name and b in by_name]
-    return {"model": float_model.name, "layers": float_model.cfg.n_layers,
-            "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "rounds": args.rounds, "variants": rows, "changes": changes,
+    return {**head, "variants": rows, "changes": changes, "layout_probe": probes,
+            "profile": profile, "xla_flags": {"variant": FLAGS_VARIANT, "rows": flags},
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
             "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
                      if files else {"skipped": skipped}),
             "block_matvec": matvec,
-            "machine": {**machine.describe(), "load_1min_before": load_before,
+            "machine": {**machine.describe(), "cpu_devices": split,
+                        "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
 
 
@@ -214,21 +271,25 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
         names, tools, skipped = check(args)
-        if tools is None:
+        if tools is None and not args.decode_only:
             print(skipped, flush=True)
         out = {**run(args, names, tools, skipped), "command": command_line(PROG, argv)}
     except (ConfigError, GGUFError, QuantError, llama_cpp.PeerError) as e:
         fail(PROG, str(e).splitlines()[0])
     write_result(args.out, out)
     summary = {"tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
-                                for r in out["variants"]},
-               "changes": {c["change"]: round(c["speedup"], 2) for c in out["changes"]},
-               "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
-                                        for r in out["prefill"]["rows"]},
-               "peer": out["peer"].get("skipped") or {
-                   part: {r["ratio"]: round(r["value"], 2) for r in out["peer"][f"{part}_ratios"]}
-                   for part in ("decode", "prefill")},
-               "load_1min": round(out["machine"]["load_1min_after"], 1), "written": args.out}
+                                for r in out["variants"]}, "written": args.out}
+    if not args.decode_only:
+        summary |= {
+            "changes": {c["change"]: round(c["speedup"], 2) for c in out["changes"]},
+            "xla_flags": {r["xla_flags"]: round(r["speedup"], 2)
+                          for r in out["xla_flags"]["rows"]},
+            "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
+                                     for r in out["prefill"]["rows"]},
+            "peer": out["peer"].get("skipped") or {
+                part: {r["ratio"]: round(r["value"], 2) for r in out["peer"][f"{part}_ratios"]}
+                for part in ("decode", "prefill")},
+            "load_1min": round(out["machine"]["load_1min_after"], 1)}
     print(json.dumps(summary) if args.json else summary)
     return out
 

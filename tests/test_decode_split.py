@@ -11,6 +11,8 @@ import numpy as np
 
 from experiments.pretrained import decoding
 from experiments.pretrained.loading import Pretrained
+from experiments.reporting.registry.speed import split_int8_agrees
+from experiments.speed import xla_flag_runs
 from experiments.speed.decode_profile import GROUPS, decode_breakdown
 from parallel.decode_split import split_params
 from quant.modes import QuantConfig
@@ -78,3 +80,27 @@ def test_layout_probe_picks_the_faster_layout_it_measured():
     assert probe["per_layer"] == (speeds["per_layer"] > speeds["layer_scan"])
     assert np.isfinite(list(speeds.values())).all()
     assert jax.devices()  # the session's devices are untouched by the probe
+
+
+def test_registry_claim_fails_when_a_split_int8_variant_writes_other_tokens():
+    rows = [{"variant": "w8a8", "quant": "w8a8", "devices": 1, "tokens": [1, 2, 3]},
+            {"variant": "w8a8-split2", "quant": "w8a8", "devices": 2, "tokens": [1, 2, 3]},
+            {"variant": "float-split2", "quant": "none", "devices": 2, "tokens": [9]}]
+    assert split_int8_agrees({"variants": rows})
+    rows[1] = {**rows[1], "tokens": [1, 2, 4]}
+    assert not split_int8_agrees({"variants": rows})
+
+
+def test_flag_rows_alternate_children_and_take_medians(monkeypatch):
+    calls = []
+    speeds = {"": [10.0, 12.0], "--a": [15.0, 21.0]}
+
+    def fake_child(argv, flags):
+        calls.append(flags)
+        return speeds[flags][sum(1 for c in calls if c == flags) - 1]
+
+    monkeypatch.setattr(xla_flag_runs, "child_speed", fake_child)
+    (row,) = xla_flag_runs.flag_rows(["--variants", "w8a8"], rounds=2, flag_sets={"a": "--a"})
+    assert calls == ["", "--a", "", "--a"]  # baseline and flag set alternate, round by round
+    assert row["baseline_tokens_per_s"] == 11.0 and row["tokens_per_s"] == 18.0
+    assert row["speedup"] == 18.0 / 11.0

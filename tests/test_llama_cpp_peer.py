@@ -262,8 +262,3 @@ def test_prefill_rounds_and_decode_rounds_merge(tmp_path):
     assert row["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-9)
     with pytest.raises(ConfigError, match="prefill_tokens=9999"):
         prefill_speed.PrefillBench({"float": model}, [1] * 9999)
-    one = {"variant": "float", "new_tokens": 4, "tokens": [1, 2], "tokens_per_s": 4 / 0.2,
-           "runs_s": [0.1, 0.2, 0.4]}
-    (merged,) = prefill_speed.merge_rounds([[one], [{**one, "runs_s": [0.3], "tokens": [1, 3]}]])
-    assert merged["tokens_per_s"] == pytest.approx(4 / 0.25)  # median of 0.1, 0.2, 0.3, 0.4
-    assert merged["rounds_tokens_per_s"] == [20.0, 20.0] and merged["tokens_agree"] is False

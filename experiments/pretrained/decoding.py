@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,42 +66,54 @@ def _cpu_seconds() -> float:
 
 
 def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_tokens: int,
-                     repeats: int = 5) -> list[dict]:
+                     repeats: int = 5, rounds: int = 1,
+                     between: Callable[[], None] | None = None) -> list[dict]:
     """Batch-1 greedy decoding speed of each variant: `repeats` timed calls of `new_tokens`
     cached steps each (one jitted `lax.scan`, the prefill excluded), the variants interleaved
-    (A, B, C, A, B, C, ...) so that a change in the machine's load hits them alike; the median
-    is reported. Every variant writes the same tokens' worth of work; `tokens` lets a caller
-    check they agree."""
+    (A, B, C, A, B, C, ...) so that a change in the machine's load hits them alike, in `rounds`
+    rounds with `between()` run after each (another program timed in turn with these: a peer);
+    the median of every timed call is reported, and each round's. Every variant writes the same
+    tokens' worth of work; `tokens` lets a caller check they agree (`tokens_agree`: the same in
+    every call)."""
     if not prompt or len(prompt) + new_tokens > variants[0].model.cfg.max_len:
         raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
                           f"the context of {variants[0].model.cfg.max_len}")
     progs = [decode_programs(v, prompt, new_tokens) for v in variants]
     tokens = [np.asarray(jax.block_until_ready(fn(*args)))[0] for fn, args in progs]  # compile
-    times: list[list[float]] = [[] for _ in variants]
-    cpu = [0.0] * len(variants)
-    for _ in range(repeats):
-        for i, ((fn, args), t) in enumerate(zip(progs, times, strict=True)):
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            t.append(time.perf_counter() - t0)
-            cpu[i] += _cpu_seconds() - c0
+    times: list[list[list[float]]] = [[] for _ in variants]
+    cpu, agree = [0.0] * len(variants), [True] * len(variants)
+    for _ in range(rounds):
+        for t in times:
+            t.append([])
+        for _ in range(repeats):
+            for i, (fn, args) in enumerate(progs):
+                c0, t0 = _cpu_seconds(), time.perf_counter()
+                out = jax.block_until_ready(fn(*args))
+                times[i][-1].append(time.perf_counter() - t0)
+                cpu[i] += _cpu_seconds() - c0
+                agree[i] &= bool((np.asarray(out)[0] == tokens[i]).all())
+        if between is not None:
+            between()
     rows = []
-    for v, t, c, toks, (_, args) in zip(variants, times, cpu, tokens, progs, strict=True):
-        sec, cache, layers = float(np.median(t)), args[2], args[3]
+    for v, t, c, ok, toks, (_, args) in zip(variants, times, cpu, agree, tokens, progs,
+                                           strict=True):
+        runs = [x for r in t for x in r]
+        sec, cache, layers = float(np.median(runs)), args[2], args[3]
         rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
                      "layout": "per_layer" if layers is not None else "layer_scan",
                      "devices": v.devices,
                      "prompt_tokens": len(prompt), "new_tokens": new_tokens,
                      "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
-                     "runs_s": [round(x, 5) for x in t],
+                     "runs_s": [round(x, 5) for x in runs],
+                     "rounds_tokens_per_s": [new_tokens / float(np.median(r)) for r in t],
                      # CPU time of this process over wall time while the variant ran: how
                      # many cores the step kept busy.
-                     "cores_busy": c / sum(t),
+                     "cores_busy": c / sum(runs),
                      # A step multiplies by every block weight and (tied) the whole embedding
                      # table, so each token reads all the parameters once; the cache on top.
                      "weight_bytes_per_token": param_bytes(v.model.params),
                      "kv_cache_bytes": param_bytes(cache),
-                     "tokens": toks.tolist()})
+                     "tokens": toks.tolist(), "tokens_agree": ok})
     return rows
 
 

@@ -4,8 +4,7 @@ log-softmax, the picked log-probabilities and the argmax).
 
 Each model's program is compiled once; `time_round` times every model in turn (A, B, C, A, B,
 C, ...), so a caller can interleave rounds with other measurements (the llama.cpp peer of
-`experiments.bench_decode`) and a change in the machine's load hits them all alike;
-`merge_rounds` does the same for `decoding.decode_benchmark`'s rows of several rounds.
+`experiments.bench_decode`) and a change in the machine's load hits them all alike.
 """
 
 from __future__ import annotations
@@ -70,16 +69,3 @@ class PrefillBench:
                                                  for r in rounds],
                          "runs_s": [[round(x, 5) for x in r] for r in rounds]})
         return rows
-
-
-def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per variant from its `decode_benchmark` rows of every round: tokens/s of the
-    median of all its timed runs, and of each round."""
-    rows = []
-    for same in zip(*rounds, strict=True):
-        runs = [x for r in same for x in r["runs_s"]]
-        sec, n = statistics.median(runs), same[0]["new_tokens"]
-        rows.append({**same[0], "tokens_per_s": n / sec, "ms_per_token": 1e3 * sec / n,
-                     "runs_s": runs, "rounds_tokens_per_s": [r["tokens_per_s"] for r in same],
-                     "tokens_agree": all(r["tokens"] == same[0]["tokens"] for r in same)})
-    return rows

@@ -15,6 +15,15 @@ def _rounds_agree(d: dict) -> bool:
     return all(r.get("tokens_agree", True) for r in d["variants"])
 
 
+def split_int8_agrees(d: dict) -> bool:
+    """An int8 variant split over devices writes its one-device twin's tokens: its int8
+    products sum exactly in int32 however they are split."""
+    by = {r["variant"]: r for r in d["variants"]}
+    return all(r["tokens"] == by[r["variant"].rsplit("-split", 1)[0]]["tokens"]
+               for r in d["variants"] if r.get("devices", 1) > 1 and r["quant"] != "none"
+               and r["variant"].rsplit("-split", 1)[0] in by)
+
+
 def _peer_ratios_hold(d: dict) -> bool:
     """True without peer rows (a run without llama.cpp's tools says why in "skipped")."""
     peer = d.get("peer")
@@ -65,16 +74,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         argv=launcher("bench_decode", "--json", "--out", "{results}/bench_decode.json"),
         quick_argv=launcher("bench_decode", "--json", "--layers", "2", "--new-tokens", "4",
                             "--repeats", "1", "--rounds", "1", "--prefill-tokens", "64",
-                            "--variants", "float,w8a8,float-scan",
+                            "--variants", "float,w8a8,float-scan,w8a8-split2",
+                            "--no-xla-flags",
                             "--out", "{results}/bench_decode.json"),
         outputs=("bench_decode.json",),
-        expected_s=300, quick_expected_s=30,
+        expected_s=900, quick_expected_s=40,
         feeds="SmolLM2 decoding speed table, with llama.cpp beside it when its tools are given",
         claim=holds(
-            "bench_decode.json", "each variant decoded the same tokens in every round, and with "
-            "llama.cpp rows every ratio is our median tokens/s over the peer's in the same file, "
-            "float over F32 and each int8 variant over Q8_0, decoding and prefill alike",
-            lambda d: _rounds_agree(d) and _peer_ratios_hold(d)),
+            "bench_decode.json", "each variant decoded the same tokens in every round, an int8 "
+            "variant split over devices the same tokens as on one, and with llama.cpp rows "
+            "every ratio is our median tokens/s over the peer's in the same file, float over "
+            "F32 and each int8 variant over Q8_0, decoding and prefill alike",
+            lambda d: _rounds_agree(d) and split_int8_agrees(d) and _peer_ratios_hold(d)),
     ),
     # The speed table is a ratio to PyTorch eager (SHARDQ_TORCH_PYTHON, as bench_encoder's);
     # each file keeps one entry per device count, and the tables show 1 and 8 devices.

@@ -170,15 +170,17 @@ def bench_decode(d: dict) -> str:
             f"after a {d['prompt_tokens']}-token prompt, median of {runs} interleaved "
             f"runs:", "",
             *head("variant", "layout", "KV cache", "tokens/s", "ms/token",
-                  "weight bytes read/token", "KV cache bytes")]
+                  "weight bytes read/token", "KV cache bytes", "cores busy")]
     for r in d["variants"]:
+        busy = f"{r['cores_busy']:.2f}" if "cores_busy" in r else "–"
         rows.append(f"| {r['variant']} | {r['layout'].replace('_', ' ')} | "
                     f"{'int8' if r['kv_int8'] else 'float32'} | {r['tokens_per_s']:.1f} | "
                     f"{r['ms_per_token']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} MB | "
-                    f"{r['kv_cache_bytes'] / 1e6:.1f} MB |")
+                    f"{r['kv_cache_bytes'] / 1e6:.1f} MB | {busy} |")
     rows += ["", *head("change (same run)", "before", "after", "speed-up")]
     for c in d["changes"]:
         rows.append(f"| {c['change']} | {c['before']} | {c['after']} | {c['speedup']:.2f}× |")
+    rows += _bench_decode_levers(d) + _bench_decode_profile(d)
     mv = d["block_matvec"]
     ms = mv["ms"]
     padded = next(k for k in ms if k.endswith("_rows"))
@@ -198,6 +200,43 @@ def bench_decode(d: dict) -> str:
              f"1-minute load average {m['load_1min_before']:.1f} before and "
              f"{m['load_1min_after']:.1f} after."]
     return "\n".join(rows)
+
+
+def _bench_decode_levers(d: dict) -> list[str]:
+    """The layout probe's choice and the XLA flag rows (files written before them: none)."""
+    rows = []
+    for model, probe in (d.get("layout_probe") or {}).items():
+        speeds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                           for k, v in probe["tokens_per_s"].items())
+        rows += ["", f"Layout probe ({model}, {probe['probe_tokens']} tokens × "
+                 f"{probe['probe_repeats']}, tokens/s: {speeds}): "
+                 f"{'per layer' if probe['per_layer'] else 'layer scan'}."]
+    flags = (d.get("xla_flags") or {}).get("rows")
+    if flags:
+        rows += ["", f"XLA:CPU flags, {d['xla_flags']['variant']} timed in child processes "
+                 f"that differ only in `XLA_FLAGS`, alternating with a baseline child:", "",
+                 *head("change", "flags", "tokens/s", "baseline tokens/s", "speed-up")]
+        rows += [f"| {r['change']} | `{r['xla_flags']}` | {r['tokens_per_s']:.1f} | "
+                 f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}× |" for r in flags]
+    return rows
+
+
+def _bench_decode_profile(d: dict) -> list[str]:
+    """Where a token's time goes: one traced decode call per profiled variant, ms per token by
+    kind of operation (busy time; `experiments/speed/decode_profile.py`)."""
+    prof = d.get("profile")
+    if not prof:
+        return []
+    groups = list(next(iter(prof.values()))["ms_per_token"])
+    rows = ["", "One traced decode call, ms per token by kind of operation (summed busy time), "
+            "the time between operations, and operations executed per token:", "",
+            *head("variant", "wall", *(g.replace("_", " ") for g in groups), "between ops",
+                  "ops/token")]
+    for name, b in prof.items():
+        cells = " | ".join(f"{b['ms_per_token'][g]:.2f}" for g in groups)
+        rows.append(f"| {name} | {b['wall_ms_per_token']:.2f} | {cells} | "
+                    f"{b['between_ops_ms_per_token']:.2f} | {b['ops_per_token']:.0f} |")
+    return rows
 
 
 def _bench_decode_prefill(d: dict) -> list[str]:
