@@ -28,6 +28,7 @@ from model.gguf import GGUFError
 from quant.modes import QuantError
 
 PROG = "experiments.chat"
+LAYOUTS = ("probe", "rule", "scan", "per-layer")
 
 
 def check(args) -> None:
@@ -84,13 +85,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-int8", action="store_true", help="keep the KV cache in int8")
+    p.add_argument("--layout", default="probe", choices=LAYOUTS,
+                   help="the decode steps' layer layout: probe (the faster of the stacked scan "
+                        "and per-layer arrays on this host, timed once per host, model and int8 "
+                        "mode and remembered in the cache folder; default), rule "
+                        "(model.generate's fixed rule), scan or per-layer")
     p.add_argument("--json", action="store_true", help="print the reply as JSON last")
     args = p.parse_args(argv)
     try:
         check(args)
-        loading, chat_stream = startup.begin("experiments.pretrained.loading",
-                                             "experiments.pretrained.chat_stream", devices=1)
+        loading, chat_stream, decoding, machine = startup.begin(
+            "experiments.pretrained.loading", "experiments.pretrained.chat_stream",
+            "experiments.pretrained.decoding", "experiments.speed.machine", devices=1)
         pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha)
+        per_layer = {"rule": None, "scan": False, "per-layer": True}.get(args.layout)
+        if args.layout == "probe":
+            cpu = machine.describe()
+            per_layer = decoding.remembered_layout(
+                pre, loading.cache_dir() / "layout_probe.json",
+                f"{cpu['host_cpu']['model']} x{cpu['cpus']}")["per_layer"]
         if args.top_k > pre.cfg.vocab_size:
             raise ConfigError(f"top_k={args.top_k}: must be at most the vocabulary "
                               f"({pre.cfg.vocab_size})")
@@ -102,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = chat_stream.stream_reply(
                 pre, messages, args.system, args.max_new_tokens,
                 chat_stream.turn_key(args.seed, i), args.temperature, args.top_k, args.kv_int8,
-                on_text=None if args.json else echo)
+                on_text=None if args.json else echo, per_layer=per_layer)
             history = messages + [{"role": "assistant", "content": row["reply"]}]
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])

@@ -107,13 +107,14 @@ def _stream_step(graphdef, temperature: float, top_k: int):
 
 def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: jax.Array,
            temperature: float = 0.0, top_k: int = 0, stop_ids: tuple[int, ...] = (),
-           make_cache=None):
+           make_cache=None, per_layer: bool | None = None):
     """Yield new tokens one at a time (batch 1), stopping after a token in `stop_ids`.
 
     The same prefill + cached single-position steps as `generate`, but each step is its own
     jitted call so a caller can print tokens as they come and stop early (a chat turn ends at
     its end-of-turn token, usually long before `max_new_tokens`). The cache is sized for the
-    prompt plus `max_new_tokens`, so every step reuses one compiled program.
+    prompt plus `max_new_tokens`, so every step reuses one compiled program. `per_layer` chooses
+    the layer layout as in `generate` (None: `default_per_layer`).
     """
     model = nnx.merge(graphdef, params)
     T = prompt_1xT.shape[1]
@@ -124,7 +125,8 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     cache = (make_cache(model.cfg, 1, total) if make_cache is not None
              else model.init_cache(1, total))
     layers = None
-    if default_per_layer(model):  # split once, eagerly: each step then reads weights in place
+    if default_per_layer(model) if per_layer is None else per_layer:
+        # split once, eagerly: each step then reads weights in place
         layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
     step = _stream_step(graphdef, temperature, top_k)

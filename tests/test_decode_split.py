@@ -104,3 +104,17 @@ def test_flag_rows_alternate_children_and_take_medians(monkeypatch):
     assert calls == ["", "--a", "", "--a"]  # baseline and flag set alternate, round by round
     assert row["baseline_tokens_per_s"] == 11.0 and row["tokens_per_s"] == 18.0
     assert row["speedup"] == 18.0 / 11.0
+
+
+def test_layout_probe_is_remembered_per_host_and_model(tmp_path):
+    pre = models()["w8a8"]
+    cache = tmp_path / "shardq" / "layout_probe.json"
+    first = decoding.remembered_layout(pre, cache, "host A")
+    assert not first["remembered"] and isinstance(first["per_layer"], bool)
+    again = decoding.remembered_layout(pre, cache, "host A")
+    assert again["remembered"] and again["per_layer"] == first["per_layer"]
+    # Another host probes anew; a damaged file is probed over, not trusted.
+    assert not decoding.remembered_layout(pre, cache, "host B")["remembered"]
+    cache.write_text("{not json")
+    assert not decoding.remembered_layout(pre, cache, "host A")["remembered"]
+    assert decoding.remembered_layout(pre, cache, "host A")["remembered"]

@@ -29,10 +29,12 @@ def turn_key(seed: int, turn: int) -> jax.Array:
 def stream_reply(pre: Pretrained, messages: list[dict[str, str]], system: str | None,
                  max_new_tokens: int, key: jax.Array, temperature: float = 0.0, top_k: int = 0,
                  kv_int8: bool = False,
-                 on_text: Callable[[str], None] | None = None) -> dict:
+                 on_text: Callable[[str], None] | None = None,
+                 per_layer: bool | None = None) -> dict:
     """The assistant's reply to `messages`: {"reply", "tokens", "new_tokens", "seconds",
     "tokens_per_s"} (the speed after the prompt's prefill and its compile). `on_text` receives
-    the text as it decodes, whole characters only, and a final newline."""
+    the text as it decodes, whole characters only, and a final newline. `per_layer`: the layer
+    layout of the steps (None: model.generate's rule)."""
     ids = conversation_ids(pre, messages, system)
     if len(ids) + max_new_tokens > pre.cfg.max_len:
         what = "the prompt" if len(messages) == 1 else "the conversation"
@@ -41,7 +43,7 @@ def stream_reply(pre: Pretrained, messages: list[dict[str, str]], system: str | 
     tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
     for tok in stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), max_new_tokens,
                       key, temperature, top_k, stop_ids=(pre.tokenizer.eos_id,),
-                      make_cache=init_int8_cache if kv_int8 else None):
+                      make_cache=init_int8_cache if kv_int8 else None, per_layer=per_layer):
         if first is None:
             first = time.perf_counter()  # prefill (and its compile) done
         tokens.append(tok)

@@ -7,9 +7,11 @@ variants' timed runs interleave so that a change in the machine's load hits them
 from __future__ import annotations
 
 import dataclasses
+import json
 import resource
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,26 @@ def probe_layout(pre: Pretrained, prompt: list[int], new_tokens: int = 16,
     speeds = {r["layout"]: r["tokens_per_s"] for r in rows}
     return {"per_layer": speeds["per_layer"] > speeds["layer_scan"], "tokens_per_s": speeds,
             "probe_tokens": new_tokens, "probe_repeats": repeats}
+
+
+def remembered_layout(pre: Pretrained, cache_file: Path, host: str) -> dict:
+    """`probe_layout`'s choice for this model on this host, probed once and remembered in
+    `cache_file` (keyed by the host, the model, its depth and int8 mode, and the JAX version):
+    {"per_layer", "tokens_per_s", ..., "remembered": whether it came from the file}."""
+    key = f"{host}|{pre.name}|{pre.cfg.n_layers}|{pre.quant}|jax {jax.__version__}"
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), dict) and isinstance(known[key].get("per_layer"), bool):
+        return {**known[key], "remembered": True}
+    prompt = list(range(1, 1 + min(32, pre.cfg.max_len // 4)))
+    choice = probe_layout(pre, prompt)
+    known[key] = choice
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_name(cache_file.name + ".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(cache_file)  # whole or not at all: a reader never sees half a file
+    return {**choice, "remembered": False}
