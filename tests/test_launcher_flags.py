@@ -21,6 +21,10 @@ import pytest
 
 from tests.helpers import ROOT, child_env
 
+# One worker runs every test of this module, so the module fixture's two child processes run
+# once per session (`--dist loadgroup` in pyproject.toml), not once per xdist worker.
+pytestmark = pytest.mark.xdist_group("launcher_flags")
+
 LAUNCHERS = sorted(
     f"experiments.{p.stem}" for p in (Path(ROOT) / "experiments").glob("*.py")
     if 'if __name__ == "__main__":' in p.read_text())
