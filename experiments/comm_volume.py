@@ -19,6 +19,8 @@ reported in the JSON:
 - `zero3_remat` repeats zero3 for each remat setting. With remat=none the zero3 hook's own remat
   policy keeps every activation but no gathered weight, so the backward pass still re-gathers
   (layer_param_gathers = 2 for every setting).
+The presets as users train them (their own depth and scan_unroll) are read by
+`python -m experiments.zero_release` (its "shipped" rows: volume and gathers per step).
 zero3_auto is reported as compiled: the compiler keeps the weights sharded and all-reduces
 activations inside the layer loop (and gathers the token batch), so it has no parameter
 all-gathers in the loop and a volume that depends on batch x sequence, not on Psi.
@@ -29,6 +31,7 @@ experiments/results/comm_volume.json (--out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"preset": args.preset, "devices": n_devices, "mesh": f"fsdp={n_devices}",
                    "micro_steps": 1, "dtype": "float32", "scan_unroll": 1, "remat": args.remat,
                    "n_layers": cfg.n_layers,
-                   "global_batch": n_devices, "seq_len": cfg.max_len},
+                   "global_batch": n_devices, "seq_len": cfg.max_len,
+                   "model": dataclasses.asdict(cfg)},
     }
     path = pathlib.Path(args.out)
     write_result(path, out)

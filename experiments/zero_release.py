@@ -23,7 +23,10 @@ more than one gathered layer per layer; both are far from the threshold on eithe
 
 Every runnable preset users train under zero3 is also read as shipped ("shipped": its own
 scan_unroll, remat, depth and batch, on 8 devices, beside the control on the same config): its
-backward pass must gather every layer again and its peak stay below the control's.
+backward pass must gather every layer again and its peak stay below the control's. Each row
+also holds the step's collective volume per step (in Psi) beside comm_volume's expectation, and a
+preset with an unrolled layer scan is compiled once more with scan_unroll=1 (the loop that
+releases), to show its peak beside the shipped one's.
 
 Hardware: CPU, fake devices, compile-only (a few seconds per compile).
 Output: one JSON line, also written to experiments/results/zero_release.json (--out); the
@@ -125,10 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['gathered_layer_bytes'] / 1e6:.2f} MB; kept gathered layers "
                   f"{r['kept_gathered_layers']:.3f}; released: {r['released']}")
         for r in shipped:
+            unroll1 = (f"; with scan_unroll 1: peak {r['unroll1_peak_bytes']} B, gathered "
+                       f"{r['unroll1_layer_param_gathers']:.2f} times"
+                       if "unroll1_peak_bytes" in r else "")
             print(f"{r['preset']:>19} as shipped: layers gathered {r['layer_param_gathers']:.2f}"
                   f" times per step (control {r['control_layer_param_gathers']:.2f}); peak "
                   f"{r['peak_bytes']} B (control {r['control_peak_bytes']} B); released: "
-                  f"{r['released']}")
+                  f"{r['released']}{unroll1}")
     else:
         print(json.dumps(out))
     return out

@@ -13,7 +13,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from experiments.training.config import TrainConfig
+from experiments.training.config import PRESETS, TrainConfig
 from experiments.training.optim import make_optimizer
 from experiments.zero.evidence import (
     EXPECTED_PSI,
@@ -26,6 +26,7 @@ from experiments.zero.evidence import (
     model_config,
     model_state,
     release_report,
+    shipped_release,
     volume_report,
 )
 from model.config import MODEL_PRESETS
@@ -219,6 +220,27 @@ def test_the_release_check_catches_a_step_that_keeps_every_gathered_layer():
     report = _release_row(KEEP_GATHERED)
     assert not report["released"], report
     assert report["kept_gathered_layers"] >= 0.9, report
+
+
+def test_the_tiny_preset_as_shipped_releases_and_an_unrolled_one_is_caught(monkeypatch):
+    # As zero_release's `shipped` section reads a preset: its own depth, unroll and batch on 8
+    # devices. tiny's layer loop gathers each layer again in the backward pass; with the loop
+    # unrolled (as `small` ships) XLA merges that re-gather with the forward gather and keeps
+    # the weights, which the row must say, beside the releasing scan_unroll=1 alternative.
+    tiny = PRESETS["tiny"]
+    assert tiny.model.scan_unroll == 1
+    row = shipped_release("tiny", N)
+    assert row["released"] and row["peak_bytes"] < row["control_peak_bytes"], row
+    assert row["layer_param_gathers"] == pytest.approx(2.0, abs=0.05), row
+    assert row["control_layer_param_gathers"] == pytest.approx(1.0, abs=0.05), row
+    assert row["volume_psi"] == pytest.approx(row["expected_volume_psi"], rel=0.05), row
+    assert "unroll1_peak_bytes" not in row
+    unrolled = dataclasses.replace(tiny.model, scan_unroll=tiny.model.n_layers)
+    monkeypatch.setitem(PRESETS, "tiny_unrolled", dataclasses.replace(tiny, model=unrolled))
+    row = shipped_release("tiny_unrolled", N)
+    assert not row["released"], row
+    assert row["layer_param_gathers"] == pytest.approx(1.0, abs=0.05), row
+    assert row["unroll1_layer_param_gathers"] == pytest.approx(2.0, abs=0.05), row
 
 
 def test_the_release_fit_has_no_negative_part():

@@ -262,23 +262,39 @@ def _gathered_layers(compiled, cfg) -> float:
 def shipped_release(preset: str, n_devices: int) -> dict:
     """The zero3 step of a runnable preset as shipped (its scan_unroll, remat, dtypes, depth,
     context and batch), beside the control built on the same config: released when the
-    backward pass gathers every layer again and the peak stays below the control's."""
+    backward pass gathers every layer again and the peak stays below the control's.
+
+    A preset with an unrolled layer scan is also compiled with scan_unroll=1, the loop that
+    releases, so the row shows what forcing it would cost or save in peak bytes."""
     run = PRESETS[preset]
     cfg = run.model
     seqs = max(1, run.train.batch_size // n_devices)
+    variants = {"zero3": cfg, KEEP_GATHERED: cfg}
+    if cfg.scan_unroll > 1:
+        variants["zero3_unroll1"] = dataclasses.replace(cfg, scan_unroll=1)
     rows = {}
-    for variant in ("zero3", KEEP_GATHERED):
-        compiled, _ = compile_step(cfg, variant, n_devices, seq_len=cfg.max_len, micro_steps=1,
-                                   seqs_per_device=seqs)
-        rows[variant] = (hlo.memory_peak(compiled).peak, _gathered_layers(compiled, cfg))
-    (peak, gathers), (control_peak, control_gathers) = rows["zero3"], rows[KEEP_GATHERED]
+    for variant, variant_cfg in variants.items():
+        strategy = KEEP_GATHERED if variant == KEEP_GATHERED else "zero3"
+        compiled, _ = compile_step(variant_cfg, strategy, n_devices, seq_len=cfg.max_len,
+                                   micro_steps=1, seqs_per_device=seqs)
+        rows[variant] = (hlo.memory_peak(compiled).peak, _gathered_layers(compiled, cfg),
+                         hlo.volume_per_step(hlo.collectives(compiled.as_text())))
+    (peak, gathers, volume), (control_peak, control_gathers, _) = (rows["zero3"],
+                                                                   rows[KEEP_GATHERED])
     regathers = gathers > 1.5  # halfway between regathering (2) and keeping (1)
-    return {"preset": preset, "model": dataclasses.asdict(cfg), "n_devices": n_devices,
-            "seqs_per_device": seqs, "seq_len": cfg.max_len, "micro_steps": 1,
-            "peak_bytes": peak, "control_peak_bytes": control_peak,
-            "layer_param_gathers": gathers, "control_layer_param_gathers": control_gathers,
-            "regathers_in_backward": regathers, "peak_below_control": peak < control_peak,
-            "released": regathers and peak < control_peak}
+    row = {"preset": preset, "model": dataclasses.asdict(cfg), "n_devices": n_devices,
+           "seqs_per_device": seqs, "seq_len": cfg.max_len, "micro_steps": 1,
+           "peak_bytes": peak, "control_peak_bytes": control_peak,
+           "layer_param_gathers": gathers, "control_layer_param_gathers": control_gathers,
+           "regathers_in_backward": regathers, "peak_below_control": peak < control_peak,
+           "released": regathers and peak < control_peak,
+           # The collectives of the step as shipped, beside comm_volume's expectation for a
+           # step that gathers each layer twice.
+           "volume_psi": volume / param_count(cfg),
+           "expected_volume_psi": expected_volume_psi("zero3", cfg)}
+    if "zero3_unroll1" in rows:
+        row["unroll1_peak_bytes"], row["unroll1_layer_param_gathers"], _ = rows["zero3_unroll1"]
+    return row
 
 
 def compile_step(model_cfg, strategy: str, n_devices: int, **kwargs):

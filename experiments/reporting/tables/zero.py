@@ -82,20 +82,36 @@ def zero_release(d: dict) -> str:
                     f"{r['gathered_layer_bytes'] / 1e6:.2f} MB | "
                     f"{r['kept_gathered_layers']:.2f} | {r['released']} |")
     if d.get("shipped"):
-        rows += ["", "The presets' zero3 steps as shipped (their own depth, unroll, remat and "
-                 f"batch, {d['shipped'][0]['n_devices']} devices) beside the same step keeping "
-                 "every gathered layer:", "",
-                 *head("preset", "layers × unroll", "gathers of each layer per step",
-                       "peak", "peak keeping every layer", "released")]
-        for r in d["shipped"]:
-            m = r["model"]
-            rows.append(f"| {r['preset']} | {m['n_layers']} × {m['scan_unroll']} | "
-                        f"{r['layer_param_gathers']:.2f} (kept: "
-                        f"{r['control_layer_param_gathers']:.2f}) | "
-                        f"{r['peak_bytes'] / 1e6:.1f} MB | "
-                        f"{r['control_peak_bytes'] / 1e6:.1f} MB | "
-                        f"{r['released']} |")
+        rows += _shipped_release(d["shipped"])
     return "\n".join(rows)
+
+
+def _shipped_release(shipped: list[dict]) -> list[str]:
+    # Columns only a newer run writes: the step's volume, and an unrolled preset's unroll-1
+    # alternative (a dash for the presets that have none).
+    volume = all("volume_psi" in r for r in shipped)
+    unroll1 = any("unroll1_peak_bytes" in r for r in shipped)
+    extra = (("volume (× Ψ) / expected",) if volume else ()) + (
+        ("peak with scan_unroll 1 (gathers per step)",) if unroll1 else ())
+    rows = ["", "The presets' zero3 steps as shipped (their own depth, unroll, remat and "
+            f"batch, {shipped[0]['n_devices']} devices) beside the same step keeping "
+            "every gathered layer:", "",
+            *head("preset", "layers × unroll", "gathers of each layer per step",
+                  "peak", "peak keeping every layer", "released", *extra)]
+    for r in shipped:
+        m = r["model"]
+        cell = f" {r['volume_psi']:.3f} / {r['expected_volume_psi']:.3f} |" if volume else ""
+        if unroll1:
+            cell += (f" {r['unroll1_peak_bytes'] / 1e6:.1f} MB "
+                    f"({r['unroll1_layer_param_gathers']:.2f}) |"
+                    if "unroll1_peak_bytes" in r else " — |")
+        rows.append(f"| {r['preset']} | {m['n_layers']} × {m['scan_unroll']} | "
+                    f"{r['layer_param_gathers']:.2f} (kept: "
+                    f"{r['control_layer_param_gathers']:.2f}) | "
+                    f"{r['peak_bytes'] / 1e6:.1f} MB | "
+                    f"{r['control_peak_bytes'] / 1e6:.1f} MB | "
+                    f"{r['released']} |{cell}")
+    return rows
 
 
 def _b(psi: float | None) -> str:
