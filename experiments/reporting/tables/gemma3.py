@@ -1,0 +1,46 @@
+"""Tables of Gemma 3 270M: parity with transformers reading the same GGUF, and the int8 table
+(rendered as SmolLM2's, with what the tied 262k-entry embedding weighs)."""
+
+from __future__ import annotations
+
+from experiments.reporting.tables.common import divergence, head
+from experiments.reporting.tables.pretrained import smollm2_quant
+
+
+def gemma3_parity(d: dict) -> str:
+    return (f"{d['texts']} texts ({d['texts_past_window']} longer than the "
+            f"{d['sliding_window']}-token sliding window, the longest {d['longest_tokens']} "
+            f"tokens): token ids identical for {d['ids_identical']}, greedy next token identical "
+            f"for {d['next_identical']}, max |Δ mean NLL| **{d['max_abs_nll_diff']:.1e}** nats "
+            f"(past the window {d['max_abs_nll_diff_past_window']:.1e}; float32, transformers "
+            f"{d['reference_transformers']} reading the same GGUF).")
+
+
+def gemma3_quant(d: dict) -> str:
+    """SmolLM2's table layout; the modes quantise the blocks only, so the float embedding (the
+    tied head too) is the bytes every int8 row keeps."""
+    float_row = d["rows"][0]
+    int8 = [r for r in d["rows"][1:] if r["quantized_fraction"] > 0]
+    note = ""
+    if int8:
+        kept = min(r["param_bytes"] for r in int8)
+        note = (f"\n\nThe int8 modes quantise the blocks only: of the float model's "
+                f"{float_row['param_bytes']:,} bytes the smallest int8 row keeps {kept:,}, "
+                f"most of it the float32 embedding that is also the tied head (int8 share "
+                f"{min(r['quantized_fraction'] for r in int8):.3f} of the parameters).")
+    return smollm2_quant(d) + note
+
+
+def gemma3_embed_int8(d: dict) -> str:
+    """The int8 modes with the embedding (the tied head) left float or made int8 too."""
+    r0 = d["rows"][0]
+    tied = "tied to the head" if d["tied"] else "untied"
+    rows = [f"{d['model']}: embedding {d['vocab_size']:,} x {d['d_model']} ({tied}); perplexity "
+            f"on {r0['tokens']:,} validation tokens of `pydoc_data` (windows of "
+            f"{r0['window']}):", "",
+            *head("mode", "int8 modules", "perplexity", "vs float",
+                  "KL from float (mean, nats)", "same top-1 token as float", "param bytes")]
+    for r in d["rows"]:
+        rows.append(f"| {r['quant']} | {r.get('quantised', '–')} | {r['perplexity']:.3f} | "
+                    f"{r['vs_float_pct']:+.2f}% | {divergence(r)} | {r['param_bytes']:,} |")
+    return "\n".join(rows)
