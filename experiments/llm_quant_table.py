@@ -21,6 +21,7 @@ figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ from tqdm import tqdm
 
 from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
-from experiments.pretrained import eval_text
+from experiments.pretrained import eval_text, model_ref
 from experiments.reporting.plots import activation_profile
-from experiments.reporting.results_io import results_path, write_result
+from experiments.reporting.results_io import project_relative, results_path, write_result
 from model.gguf import GGUFError
 from quant.modes import MODES, PAPER_ALPHA, SMOOTHING_MODES, QuantConfig, QuantError
 
@@ -88,6 +89,8 @@ def run(args, modes: list[str]) -> dict:
         "experiments.training.pydoc_corpus", "experiments.speed.machine",
         "quant.alpha_search", devices=1)
     float_model = loading.load(args.model, args.layers, args.gguf)
+    if float_model.name not in model_ref.REGISTERED:  # a path: no machine's absolute path kept
+        float_model = dataclasses.replace(float_model, name=project_relative(float_model.name))
     scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)
     # (refuses a --tokens beyond the text before anything is written)
     calib = loading.calibration_rows(float_model.tokenizer, 8)
