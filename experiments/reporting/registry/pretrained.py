@@ -7,6 +7,22 @@ import math
 
 from experiments.reporting.registry.claims import holds, perplexity
 from experiments.reporting.registry.experiment import Experiment, launcher
+from quant.modes import MODES
+
+# The fine-tuned model's table and the packaged one beside it: the modes alone, in windows of
+# the run's context (max_len: 128, and 32 in the quick run).
+_MODES_ONLY = ("--new-tokens", "8", "--rotation-seeds", "0", "--no-paper-alpha",
+               "--no-sensitivity")
+FT_TABLE_FLAGS = ("--window", "128", *_MODES_ONLY)
+FT_TABLE_QUICK_FLAGS = ("--modes", "w8a8", "--tokens", "512", "--window", "32", *_MODES_ONLY)
+
+def _every_mode_measured(d: dict) -> bool:
+    """Finite perplexities, and each int8 row's divergence from float in range."""
+    return all(math.isfinite(r["perplexity"]) and (
+        r["quant"] == "none" or (r["divergence"]["kl_mean"] >= 0
+                                 and 0 <= r["divergence"]["top1_agree"] <= 1))
+        for r in d["rows"])
+
 
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
@@ -21,15 +37,44 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         claim=holds(
             "smollm2_quant.json", "every mode was measured (finite perplexities, and each int8 "
             "mode's divergence from float: a mean KL of at least 0, a top-1 agreement in [0, 1])",
-            lambda d: all(math.isfinite(r["perplexity"]) and (
-                r["quant"] == "none" or (r["divergence"]["kl_mean"] >= 0
-                                         and 0 <= r["divergence"]["top1_agree"] <= 1))
-                for r in d["rows"]),
+            _every_mode_measured,
             full_only=("smoothquant, auto and w8a8-rotated are within 1% of float, and smoothquant "
                        "is no worse than plain per-token w8a8",
                        lambda d: all(r["vs_float_pct"] <= 1.0 for r in d["rows"]
                                      if r["quant"] in ("smoothquant", "auto", "w8a8-rotated"))
                        and perplexity(d, "smoothquant") <= perplexity(d, "w8a8"))),
+    ),
+    # The same table on the fine-tuned model, whose weights are off the packaged 4-bit grid,
+    # beside the packaged model at the same windows: the run's context (its max_len) is 128.
+    # Only the mode rows; the decoding rows, which the launcher cannot leave out, run short.
+    Experiment(
+        name="smollm2_quant_window128",
+        argv=launcher("llm_quant_table", *FT_TABLE_FLAGS,
+                      "--out", "{results}/smollm2_quant_window128.json"),
+        quick_argv=launcher("llm_quant_table", "--layers", "2", *FT_TABLE_QUICK_FLAGS,
+                            "--out", "{results}/smollm2_quant_window128.json"),
+        outputs=("smollm2_quant_window128.json", "smollm2_quant_window128.png"),
+        expected_s=600, quick_expected_s=30,
+        feeds="the packaged SmolLM2's int8 table at the fine-tuned run's context",
+        claim=holds("smollm2_quant_window128.json", "every mode was measured",
+                    _every_mode_measured),
+    ),
+    Experiment(
+        name="smollm2_ft_quant",
+        argv=launcher("llm_quant_table", "--model", "{runs}/finetune-smollm2", *FT_TABLE_FLAGS,
+                      "--out", "{results}/smollm2_ft_quant.json"),
+        quick_argv=launcher("llm_quant_table", "--model", "{runs}/finetune-smollm2",
+                            *FT_TABLE_QUICK_FLAGS, "--out", "{results}/smollm2_ft_quant.json"),
+        outputs=("smollm2_ft_quant.json", "smollm2_ft_quant.png"),
+        expected_s=600, quick_expected_s=30,
+        feeds="SmolLM2 int8 table on the fine-tuned weights, beside the packaged model's",
+        after=("finetune_smollm2", "smollm2_quant_window128"),
+        claim=holds(
+            "smollm2_ft_quant.json", "the model is the fine-tuning run's folder and every mode "
+            "was measured (as for llm_quant_table)",
+            lambda d: d["model"].endswith("finetune-smollm2") and _every_mode_measured(d),
+            full_only=("the table covers float and every int8 mode of quant/",
+                       lambda d: [r["quant"] for r in d["rows"]] == ["none", *MODES])),
     ),
     Experiment(
         name="chat_replies",

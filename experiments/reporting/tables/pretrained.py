@@ -10,6 +10,9 @@ from pathlib import Path
 
 from experiments.reporting.tables.common import SHOWN, cell, divergence, head, load
 
+FT_QUANT = "smollm2_ft_quant.json"  # the int8 table of the fine-tuned SmolLM2
+FT_PACKAGED = "smollm2_quant_window128.json"  # the packaged model's, in the same windows
+
 
 def smollm2_quant(d: dict) -> str:
     m = d["machine"]
@@ -119,6 +122,59 @@ def _method_rows(d: dict) -> list[str]:
                  f"{pct[0]:+.2f}% to {pct[-1]:+.2f}%, median "
                  f"{statistics.median(pct):+.2f}%."]
     return rows
+
+
+def smollm2_ft_quant(results: Path) -> str:
+    """Every int8 mode on the fine-tuned SmolLM2 beside the same mode on the packaged one
+    (FT_PACKAGED of the same folder): whether the modes keep their order once the weights
+    leave the 4-bit grid."""
+    d = load(FT_QUANT, results)
+    if d is None:
+        return f"_(no {SHOWN}/{FT_QUANT} yet: run the commands above)_"
+    pkg = load(FT_PACKAGED, results)
+    theirs = {r["quant"]: r for r in pkg["rows"]} if pkg else {}
+
+    def text(f: dict) -> str:
+        r = f["rows"][0]
+        return f"{r['tokens']:,} validation tokens of `pydoc_data` in windows of {r['window']}"
+
+    same = pkg is not None and text(pkg) == text(d)
+    rows = [f"`{d['model']}` ({d['layers']} layers), perplexity on {text(d)}; the packaged "
+            f"model" + (f" (`{pkg['model']}`) on the same:" if same else
+                        f" (`{pkg['model']}`): {text(pkg)}:" if pkg else
+                        f": no {FT_PACKAGED} yet:"),
+            "", *head("mode", "fine-tuned: perplexity", "vs its float",
+                      "KL from its float (mean, nats)", "same top-1 as its float",
+                      "packaged: perplexity", "vs its float", "KL from its float",
+                      "same top-1")]
+    for r in d["rows"]:
+        p = theirs.get(r["quant"])
+        other = (f"{p['perplexity']:.3f} | {p['vs_float_pct']:+.2f}% | {divergence(p)}" if p
+                 else "– | – | – | –")
+        rows.append(f"| {r['quant']} | {r['perplexity']:.3f} | {r['vs_float_pct']:+.2f}% | "
+                    f"{divergence(r)} | {other} |")
+    mine = _by_kl(d["rows"])
+    shared = [m for m in mine if m in theirs]
+    kept = shared == [m for m in _by_kl(list(theirs.values())) if m in shared]
+    order = f"By mean KL from float, fine-tuned: {' < '.join(mine)}"
+    if shared:
+        order += (f"; packaged, the same modes: "
+                  f"{' < '.join(m for m in _by_kl(list(theirs.values())) if m in shared)} "
+                  f"({'the same order' if kept else 'a different order'})")
+    rows += ["", order + "."]
+    hosts = [f"fine-tuned: {_host(d)}"] + ([f"packaged: {_host(pkg)}"] if pkg else [])
+    return "\n".join(rows + ["", f"Hosts: {'; '.join(hosts)}."])
+
+
+def _by_kl(rows: list[dict]) -> list[str]:
+    """The int8 modes of `rows` from the closest to float to the farthest (mean KL)."""
+    measured = [r for r in rows if r.get("divergence")]
+    return [r["quant"] for r in sorted(measured, key=lambda r: r["divergence"]["kl_mean"])]
+
+
+def _host(d: dict) -> str:
+    m = d["machine"]
+    return f"{m['host_cpu']['model']} ({m['cpus']} cores), JAX {m['jax_version']}"
 
 
 def w8a8_crosscheck(d: dict) -> str:

@@ -53,7 +53,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
 }
 
 # Sections whose renderer reads several results files: it gets the results folder instead.
-MULTI_FILE = {"headline": headline, "export_run": pretrained.export_run}
+MULTI_FILE = {"headline": headline, "export_run": pretrained.export_run,
+              "smollm2_ft_quant": pretrained.smollm2_ft_quant}
 
 
 def documents(root: Path = Path(".")) -> list[Path]:
