@@ -23,11 +23,12 @@ def gemma3_quant(d: dict) -> str:
     int8 = [r for r in d["rows"][1:] if r["quantized_fraction"] > 0]
     note = ""
     if int8:
-        kept = min(r["param_bytes"] for r in int8)
+        least = min(int8, key=lambda r: r["param_bytes"])
         note = (f"\n\nThe int8 modes quantise the blocks only: of the float model's "
-                f"{float_row['param_bytes']:,} bytes the smallest int8 row keeps {kept:,}, "
-                f"most of it the float32 embedding that is also the tied head (int8 share "
-                f"{min(r['quantized_fraction'] for r in int8):.3f} of the parameters).")
+                f"{float_row['param_bytes']:,} bytes the smallest int8 row ({least['quant']}) "
+                f"keeps {least['param_bytes']:,}, most of it the float32 embedding that is also "
+                f"the tied head (int8 share {least['quantized_fraction']:.3f} of the "
+                f"parameters).")
     return smollm2_quant(d) + note
 
 
