@@ -6,7 +6,7 @@ The entries live by area (training, zero, quant, pretrained, speed); ORDER says 
 
 from __future__ import annotations
 
-from experiments.reporting.registry import pretrained, quant, speed, training, zero
+from experiments.reporting.registry import gemma3, pretrained, quant, speed, training, zero
 from experiments.reporting.registry.experiment import Experiment
 
 # The main job's checkpoint feeds the int8 table, so main_job comes before quant_table; every
@@ -21,12 +21,13 @@ ORDER = (
     "smollm2_quant_window128", "smollm2_ft_quant",
     "equivalence_smollm2", "export_train", "export_safetensors", "export_gguf",
     "export_reference", "export_parity", "bench_gpu", "bench_gpu_no_triton", "fault_injection",
+    "parity_gemma3", "gemma3_quant", "gemma3_embed_int8",
 )
 
 
 def _in_order() -> tuple[Experiment, ...]:
     by_name: dict[str, Experiment] = {}
-    for area in (training, zero, quant, pretrained, speed):
+    for area in (training, zero, quant, pretrained, speed, gemma3):
         for e in area.EXPERIMENTS:
             if e.name in by_name:
                 raise ValueError(f"two experiments are named {e.name}")

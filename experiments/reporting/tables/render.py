@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.reporting.tables import pretrained, quant, speed, training, zero
+from experiments.reporting.tables import gemma3, pretrained, quant, speed, training, zero
 from experiments.reporting.tables.common import RESULTS, SHOWN, load
 from experiments.reporting.tables.headline import headline
 
@@ -50,6 +50,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "train_speed": ("bench_train.json", speed.train_speed),
     "train_breakdown": ("bench_train.json", speed.train_breakdown),
     "train_changes": ("bench_train_changes.json", speed.train_changes),
+    "gemma3_parity": ("gemma3_parity.json", gemma3.gemma3_parity),
+    "gemma3_quant": ("gemma3_quant.json", gemma3.gemma3_quant),
+    "gemma3_embed_int8": ("gemma3_embed_int8.json", gemma3.gemma3_embed_int8),
 }
 
 # Sections whose renderer reads several results files: it gets the results folder instead.
