@@ -93,6 +93,13 @@ def run(args, modes: list[str]) -> dict:
         float_model = dataclasses.replace(float_model, name=project_relative(float_model.name))
     scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)
     # (refuses a --tokens beyond the text before anything is written)
+    context = float_model.cfg.max_len  # a run's: the length it was trained on
+    if args.new_tokens >= context:
+        raise ConfigError(f"new_tokens={args.new_tokens}: must be below the model's context of "
+                          f"{context}")
+    # The decoding prompt: the validation text's start, cut so that the new tokens fit.
+    prompt = float_model.tokenizer.encode(
+        pydoc_corpus.split_text("validation")[:400])[:context - args.new_tokens]
     calib = loading.calibration_rows(float_model.tokenizer, 8)
     out = {"model": float_model.name, "gguf": args.gguf, "layers": float_model.cfg.n_layers,
            "corpus": args.corpus, "python": platform.python_version(),  # its docstrings
@@ -103,7 +110,6 @@ def run(args, modes: list[str]) -> dict:
     activation_profile(out["outliers"], Path(args.out).with_suffix(".png"),
                        f"{args.model}: Dense inputs of the float model, "
                        f"{len(calib)} calibration rows")
-    prompt = float_model.tokenizer.encode(pydoc_corpus.split_text("validation")[:400])
 
     def evaluate(mode: str, qcfg: QuantConfig | None = None) -> tuple:
         """`mode`'s model and its perplexity row, with the quantisation's seconds (calibration
