@@ -36,6 +36,12 @@ def _layer(stacked: nnx.State, i) -> nnx.State:
     return jax.tree.map(lambda v: lax.dynamic_index_in_dim(v, i, keepdims=False), stacked)
 
 
+def _at(inputs, i):
+    """Layer i's input from the scan's stacked inputs (an array, or a tuple such as Gemma 3's
+    activations with their layer counter)."""
+    return jax.tree.map(lambda a: a[i], inputs)
+
+
 def prefetching_runner(gather: Gather, scatter: Gather):
     """A `layer_runner` for DecoderLM: gather(shards) -> full layer, scatter(full grad) -> shard."""
 
@@ -73,11 +79,11 @@ def prefetching_runner(gather: Gather, scatter: Gather):
             def body(carry, i):
                 dx, current = carry
                 prev = gather(_layer(stacked, i - 1))  # in flight while layer i recomputes
-                dshard, dx = layer_grads(current, inputs[i], dx)
+                dshard, dx = layer_grads(current, _at(inputs, i), dx)
                 return (dx, prev), dshard
 
             (dx, first), dshards = lax.scan(body, (dx, prefetched), jnp.arange(n - 2, 0, -1))
-            d_first, dx = layer_grads(first, inputs[0], dx)
+            d_first, dx = layer_grads(first, _at(inputs, 0), dx)
             # dshards holds layers n-2 .. 1; assemble 0 .. n-1.
             grads = jax.tree.map(
                 lambda f, mid, last: jnp.concatenate([f[None], jnp.flip(mid, 0), last[None]]),

@@ -290,3 +290,15 @@ def test_sharded_and_half_precision_folders_read_the_same(tmp_path):
         {"weight_map": {n: "model-00003-of-00002.safetensors" for n in names}}))
     with pytest.raises(HFError, match="lists shard 'model-00003-of-00002.safetensors'"):
         load_hf(sharded)
+
+
+def test_zero3_prefetch_runs_gemma_layers_carrying_their_counter():
+    """zero3_prefetch's hand-written backward reads each layer's input from the stacked scan
+    inputs; Gemma's carry is (activations, layer counter): same losses as zero3's."""
+    cfg, params = load_hf(FIXTURES / "gemma3_text", max_len=32)
+    batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 17), np.int32)
+    losses = {s: run_label(s, 8, [batch, batch], cfg, optax.adam(1e-3), seed=0,
+                           mesh_spec="fsdp=8", init_params=params)[0]
+              for s in ("zero3", "zero3_prefetch")}
+    np.testing.assert_allclose(losses["zero3_prefetch"], losses["zero3"], rtol=1e-5)
+    assert losses["zero3"][1] < losses["zero3"][0]

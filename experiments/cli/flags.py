@@ -31,7 +31,7 @@ FIELD_HELP = {
     "n_heads": "query heads per block",
     "n_kv_heads": "key/value heads (grouped-query attention; none: one per query head)",
     "d_ff": "hidden width of the MLP",
-    "mlp": "gelu or swiglu (Llama)",
+    "mlp": "gelu, swiglu (Llama) or geglu (Gemma 3)",
     "tie_embeddings": "the output head is the embedding transposed",
     "max_len": "context length: the sequence length trained on",
     "rope_base": "rotary position embedding base",
