@@ -24,6 +24,14 @@ def _every_mode_measured(d: dict) -> bool:
         for r in d["rows"])
 
 
+def embed_int8_holds(d: dict) -> bool:
+    """`experiments.embed_int8`'s rows: every one measured, and each mode with its embedding in
+    int8 stores fewer bytes than with the blocks alone."""
+    return _every_mode_measured(d) and all(
+        e["param_bytes"] < b["param_bytes"]
+        for b, e in zip(d["rows"][1::2], d["rows"][2::2], strict=True))
+
+
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         name="llm_quant_table",
@@ -47,6 +55,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     # The same table on the fine-tuned model, whose weights are off the packaged 4-bit grid,
     # beside the packaged model at the same windows: the run's context (its max_len) is 128.
     # Only the mode rows; the decoding rows, which the launcher cannot leave out, run short.
+    Experiment(
+        name="smollm2_embed_int8",
+        argv=launcher("embed_int8", "--model", "smollm2", "--tokens", "8192",
+                      "--out", "{results}/smollm2_embed_int8.json"),
+        quick_argv=launcher("embed_int8", "--model", "smollm2", "--tokens", "512",
+                            "--out", "{results}/smollm2_embed_int8.json"),
+        outputs=("smollm2_embed_int8.json",),
+        expected_s=600, quick_expected_s=120,
+        feeds="SmolLM2 with its tied embedding and head in int8",
+        claim=holds("smollm2_embed_int8.json", "every row was measured and int8 of the "
+                    "embedding stores fewer bytes than the blocks alone", embed_int8_holds)),
     Experiment(
         name="smollm2_quant_window128",
         argv=launcher("llm_quant_table", *FT_TABLE_FLAGS,

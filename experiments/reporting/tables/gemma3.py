@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from experiments.reporting.tables.common import divergence, head
 from experiments.reporting.tables.pretrained import smollm2_quant
 
 
@@ -30,18 +29,3 @@ def gemma3_quant(d: dict) -> str:
                 f"the tied head (int8 share {least['quantized_fraction']:.3f} of the "
                 f"parameters).")
     return smollm2_quant(d) + note
-
-
-def gemma3_embed_int8(d: dict) -> str:
-    """The int8 modes with the embedding (the tied head) left float or made int8 too."""
-    r0 = d["rows"][0]
-    tied = "tied to the head" if d["tied"] else "untied"
-    rows = [f"{d['model']}: embedding {d['vocab_size']:,} x {d['d_model']} ({tied}); perplexity "
-            f"on {r0['tokens']:,} validation tokens of `pydoc_data` (windows of "
-            f"{r0['window']}):", "",
-            *head("mode", "int8 modules", "perplexity", "vs float",
-                  "KL from float (mean, nats)", "same top-1 token as float", "param bytes")]
-    for r in d["rows"]:
-        rows.append(f"| {r['quant']} | {r.get('quantised', '–')} | {r['perplexity']:.3f} | "
-                    f"{r['vs_float_pct']:+.2f}% | {divergence(r)} | {r['param_bytes']:,} |")
-    return "\n".join(rows)

@@ -109,7 +109,7 @@ def _decode(d: dict, results: Path) -> tuple[str, str]:
     rotated = f", w8a8-rotated {r['w8a8-rotated']:.1f}" if "w8a8-rotated" in r else ""
     ratios = {x["ratio"]: x["value"] for x in (d.get("peer") or {}).get("decode_ratios", [])}
     peer = "".join(f"; {k} {v:.2f}×" for k, v in ratios.items()
-                   if k.startswith(("float /", "w8a8 /")))
+                   if k.startswith(("our float /", "our w8a8 /")))
     return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f}{rotated} tokens/s{peer}",
             "int8 should beat float (memory-bound); llama.cpp is the peer")
 

@@ -52,7 +52,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "train_changes": ("bench_train_changes.json", speed.train_changes),
     "gemma3_parity": ("gemma3_parity.json", gemma3.gemma3_parity),
     "gemma3_quant": ("gemma3_quant.json", gemma3.gemma3_quant),
-    "gemma3_embed_int8": ("gemma3_embed_int8.json", gemma3.gemma3_embed_int8),
+    "gemma3_embed_int8": ("gemma3_embed_int8.json", pretrained.embed_int8),
+    "smollm2_embed_int8": ("smollm2_embed_int8.json", pretrained.embed_int8),
 }
 
 # Sections whose renderer reads several results files: it gets the results folder instead.

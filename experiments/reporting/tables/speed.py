@@ -273,7 +273,22 @@ def _bench_decode_peer(d: dict) -> list[str]:
     rows += ["", *head("ours / llama.cpp (same run)", "part", "ratio")]
     for part, key in (("decode", "decode_ratios"), ("prefill", "prefill_ratios")):
         rows += [f"| {r['ratio']} | {part} | {r['value']:.2f}× |" for r in peer.get(key, [])]
-    return rows
+    return rows + _weight_rates(d, by)
+
+
+def _weight_rates(d: dict, peer_by: dict) -> list[str]:
+    """Weight bytes each decoder reads per second (bytes per token × tokens/s): how close each
+    comes to what the host's memory delivers."""
+    ours = {r["variant"]: r["weight_bytes_per_token"] * r["tokens_per_s"] / 1e9
+            for r in d["variants"] if r.get("devices", 1) == 1}
+    theirs = {fmt: r["file_bytes"] * r["tokens_per_s"] / 1e9
+              for (fmt, test), r in peer_by.items() if test == "tg"}
+    if not theirs:
+        return []
+    cells = [f"{k} {v:.1f}" for k, v in ours.items() if k in ("float", "w8a8", "w8a8+head8")]
+    cells += [f"llama.cpp {k} {v:.1f}" for k, v in theirs.items()]
+    return ["", f"Weights read per second while decoding (bytes per token × tokens/s), GB/s: "
+            f"{', '.join(cells)}."]
 
 
 def _gpu_variant(r: dict) -> str:
