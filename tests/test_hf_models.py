@@ -18,7 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
-from model import DecoderLM
+from model import DecoderLM, param_count
 from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
 from model.hf_tokenizer import HFTokenizer
@@ -302,3 +302,11 @@ def test_zero3_prefetch_runs_gemma_layers_carrying_their_counter():
               for s in ("zero3", "zero3_prefetch")}
     np.testing.assert_allclose(losses["zero3_prefetch"], losses["zero3"], rtol=1e-5)
     assert losses["zero3"][1] < losses["zero3"][0]
+
+
+def test_param_count_is_exact_for_every_architecture():
+    """model.flops.param_count (the planner's and the ZeRO evidence's Ψ) against the arrays the
+    model builds: q/k/v biases, q/k norms, q wider than d_model, GeGLU and Gemma's four norms."""
+    for arch in ("qwen2", "qwen3", "gemma3_text"):
+        cfg, params = load_hf(FIXTURES / arch, max_len=32)
+        assert param_count(cfg) == sum(np.size(x) for x in jax.tree.leaves(params)), arch
