@@ -22,11 +22,13 @@ SHARDED_RULES: dict[str, str | None] = {
 }
 
 
+def _mapped(logical_axes: P, rules: dict[str, str | None]) -> P:
+    return P(*(rules.get(a) if a else None for a in logical_axes))
+
+
 def spec_for(logical_axes: P, sharded: bool) -> P:
     """PartitionSpec of one leaf: replicated, or with its logical axes mapped through the rules."""
-    if not sharded:
-        return P()
-    return P(*(SHARDED_RULES.get(a) if a else None for a in logical_axes))
+    return _mapped(logical_axes, SHARDED_RULES) if sharded else P()
 
 
 def sharded_dim(logical_axes: P) -> int | None:
@@ -36,6 +38,7 @@ def sharded_dim(logical_axes: P) -> int | None:
             return i
     return None
 
+
 # Batch-1 decoding split over devices by output features (parallel/decode_split.py): each device
 # holds part of the MLP's hidden features and of the vocabulary (the output head). Attention stays
 # whole on every device: its head counts need not divide the device count.
@@ -44,4 +47,4 @@ DECODE_SPLIT_RULES: dict[str, str] = {"mlp": "fsdp", "vocab": "fsdp"}
 
 def decode_split_spec(logical_axes: P) -> P:
     """PartitionSpec of one parameter under DECODE_SPLIT_RULES (other axes whole)."""
-    return P(*(DECODE_SPLIT_RULES.get(a) if a else None for a in logical_axes))
+    return _mapped(logical_axes, DECODE_SPLIT_RULES)

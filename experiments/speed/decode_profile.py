@@ -44,15 +44,16 @@ def group_of(instr: dict) -> str:
 
 def decode_breakdown(fn, args: tuple, new_tokens: int) -> dict:
     """Per-token figures of one traced call `fn(*args)` that decodes `new_tokens` tokens (`fn`
-    jitted and already compiled): `ops_per_token` (operations executed), `wall_ms_per_token`,
-    `ms_per_token` by GROUPS entry, `between_ops_ms_per_token`, and `top_ops` (the longest
-    operations with their group and shape)."""
-    instrs = parse_hlo(fn.lower(*args).compile().as_text())
+    jitted): `ops_per_token` (operations executed), `wall_ms_per_token`, `ms_per_token` by
+    GROUPS entry, `between_ops_ms_per_token`, and `top_ops` (the longest operations with their
+    group and shape)."""
+    compiled = fn.lower(*args).compile()  # its text names the operations the trace times
+    instrs = parse_hlo(compiled.as_text())
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         try:
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(compiled(*args))
             wall = time.perf_counter() - t0
         finally:
             jax.profiler.stop_trace()

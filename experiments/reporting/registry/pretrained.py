@@ -16,7 +16,7 @@ _MODES_ONLY = ("--new-tokens", "8", "--rotation-seeds", "0", "--no-paper-alpha",
 FT_TABLE_FLAGS = ("--window", "128", *_MODES_ONLY)
 FT_TABLE_QUICK_FLAGS = ("--modes", "w8a8", "--tokens", "512", "--window", "32", *_MODES_ONLY)
 
-def _every_mode_measured(d: dict) -> bool:
+def every_mode_measured(d: dict) -> bool:
     """Finite perplexities, and each int8 row's divergence from float in range."""
     return all(math.isfinite(r["perplexity"]) and (
         r["quant"] == "none" or (r["divergence"]["kl_mean"] >= 0
@@ -27,9 +27,25 @@ def _every_mode_measured(d: dict) -> bool:
 def embed_int8_holds(d: dict) -> bool:
     """`experiments.embed_int8`'s rows: every one measured, and each mode with its embedding in
     int8 stores fewer bytes than with the blocks alone."""
-    return _every_mode_measured(d) and all(
+    return every_mode_measured(d) and all(
         e["param_bytes"] < b["param_bytes"]
         for b, e in zip(d["rows"][1::2], d["rows"][2::2], strict=True))
+
+
+def embed_int8_experiment(model: str, stem: str, tokens: int | None, *, expected_s: float,
+                          quick_expected_s: float, feeds: str) -> Experiment:
+    """`experiments.embed_int8` on `model` (its table in {stem}_embed_int8.json); `tokens`:
+    validation tokens per row (None: the launcher's default)."""
+    out = f"{{results}}/{stem}_embed_int8.json"
+    full = ("--tokens", str(tokens)) if tokens is not None else ()
+    return Experiment(
+        name=f"{stem}_embed_int8",
+        argv=launcher("embed_int8", "--model", model, *full, "--out", out),
+        quick_argv=launcher("embed_int8", "--model", model, "--tokens", "512", "--out", out),
+        outputs=(f"{stem}_embed_int8.json",), expected_s=expected_s,
+        quick_expected_s=quick_expected_s, feeds=feeds,
+        claim=holds(f"{stem}_embed_int8.json", "every row was measured and int8 of the "
+                    "embedding stores fewer bytes than the blocks alone", embed_int8_holds))
 
 
 EXPERIMENTS: tuple[Experiment, ...] = (
@@ -45,27 +61,18 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         claim=holds(
             "smollm2_quant.json", "every mode was measured (finite perplexities, and each int8 "
             "mode's divergence from float: a mean KL of at least 0, a top-1 agreement in [0, 1])",
-            _every_mode_measured,
+            every_mode_measured,
             full_only=("smoothquant, auto and w8a8-rotated are within 1% of float, and smoothquant "
                        "is no worse than plain per-token w8a8",
                        lambda d: all(r["vs_float_pct"] <= 1.0 for r in d["rows"]
                                      if r["quant"] in ("smoothquant", "auto", "w8a8-rotated"))
                        and perplexity(d, "smoothquant") <= perplexity(d, "w8a8"))),
     ),
+    embed_int8_experiment("smollm2", "smollm2", 8192, expected_s=600, quick_expected_s=120,
+                          feeds="SmolLM2 with its tied embedding and head in int8"),
     # The same table on the fine-tuned model, whose weights are off the packaged 4-bit grid,
     # beside the packaged model at the same windows: the run's context (its max_len) is 128.
     # Only the mode rows; the decoding rows, which the launcher cannot leave out, run short.
-    Experiment(
-        name="smollm2_embed_int8",
-        argv=launcher("embed_int8", "--model", "smollm2", "--tokens", "8192",
-                      "--out", "{results}/smollm2_embed_int8.json"),
-        quick_argv=launcher("embed_int8", "--model", "smollm2", "--tokens", "512",
-                            "--out", "{results}/smollm2_embed_int8.json"),
-        outputs=("smollm2_embed_int8.json",),
-        expected_s=600, quick_expected_s=120,
-        feeds="SmolLM2 with its tied embedding and head in int8",
-        claim=holds("smollm2_embed_int8.json", "every row was measured and int8 of the "
-                    "embedding stores fewer bytes than the blocks alone", embed_int8_holds)),
     Experiment(
         name="smollm2_quant_window128",
         argv=launcher("llm_quant_table", *FT_TABLE_FLAGS,
@@ -76,7 +83,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         expected_s=600, quick_expected_s=30,
         feeds="the packaged SmolLM2's int8 table at the fine-tuned run's context",
         claim=holds("smollm2_quant_window128.json", "every mode was measured",
-                    _every_mode_measured),
+                    every_mode_measured),
     ),
     Experiment(
         name="smollm2_ft_quant",
@@ -91,7 +98,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         claim=holds(
             "smollm2_ft_quant.json", "the model is the fine-tuning run's folder and every mode "
             "was measured (as for llm_quant_table)",
-            lambda d: d["model"].endswith("finetune-smollm2") and _every_mode_measured(d),
+            lambda d: d["model"].endswith("finetune-smollm2") and every_mode_measured(d),
             full_only=("the table covers float and every int8 mode of quant/",
                        lambda d: [r["quant"] for r in d["rows"]] == ["none", *MODES])),
     ),
