@@ -1,11 +1,12 @@
 """Batch-1 decoding with each step split over the CPU's cores as devices.
 
-A one-token step is a chain of matrix-vector products, each too small for one device's own
-threads to share well. Here every device holds a slice of each MLP kernel and of the output
-head (by output features, `parallel.rules.DECODE_SPLIT_RULES`) and multiplies only its slice;
-XLA inserts the exchanges of the few-KB activations between them (an all-reduce after each
-MLP's down projection and the head's logits). The weights each device reads per token shrink
-with the device count; what each step pays on top is those exchanges.
+A one-token step is a chain of matrix-vector products. Here every device holds a slice of each
+MLP kernel and of the output head (by output features, `parallel.rules.DECODE_SPLIT_RULES`) and
+multiplies only its slice; XLA inserts the exchanges of the few-KB activations between them (an
+all-reduce after each MLP's down projection and the head's logits). The weights each device
+reads per token shrink with the device count; what each step pays on top is those exchanges,
+and whether it gains depends on how busy one device already keeps the cores
+(`experiments.bench_decode` times both).
 """
 
 from __future__ import annotations
