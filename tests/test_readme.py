@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 from experiments.reporting.tables import render as report
-from experiments.reporting.tables.headline import headline
+from experiments.reporting.tables.headline import headline, headline_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -94,3 +94,17 @@ def test_headline_names_the_host_and_commit_of_each_row(tmp_path):
     assert cells(xeon) == ["Intel Xeon Platinum 8375C, 16 cores", "`0123456`"]
     assert cells(epyc) == ["AMD EPYC 9R14, 2 cores", "`fedcba9`"]
     assert cells(None) == ["—", "—"]
+
+
+def test_gpu_headline_is_a_table_of_its_own(tmp_path):
+    """The CPU headline comes from one host; the GPU's rows, from another machine, render in
+    their own table and never in the CPU one."""
+    (tmp_path / "bench_gpu.json").write_text(json.dumps({
+        "machine": {"backend": "gpu", "device_kind": "NVIDIA H100"},
+        "training": [{"strategy": "dp", "remat": "full", "attention": "xla", "mfu": 0.25,
+                      "peak_flops_per_device": 1e15}],
+        "matmuls": [{"n": 4096, "bf16_tflops": 600.0}]}))
+    cpu, gpu = headline(tmp_path), headline_gpu(tmp_path)
+    assert "bench_gpu.json" not in cpu
+    row = next(line for line in gpu.splitlines() if "`bench_gpu.json`" in line)
+    assert "MFU 25.0%" in row and "60% of the chip's peak" in row and "| NVIDIA H100 |" in row

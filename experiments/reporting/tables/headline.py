@@ -1,6 +1,7 @@
-"""The README's headline table: one row per area, our figure beside its published or
+"""The README's headline tables: one row per area, our figure beside its published or
 independent counterpart, each read from the results file named in the row, with the host and
-commit of the run that wrote that file."""
+commit of the run that wrote that file. The CPU rows are one table (one reproduction run on one
+host); the GPU row, necessarily from another machine, is a table of its own."""
 
 from __future__ import annotations
 
@@ -148,6 +149,8 @@ ROWS: tuple[tuple[str, str, Figures], ...] = (
     ("bench_train.json", "training speed (`small`)", _train_speed),
     ("bench_encoder.json", "MiniLM encoding speed", _encoder_speed),
     ("bench_decode.json", "SmolLM2 batch-1 decoding", _decode),
+)
+GPU_ROWS: tuple[tuple[str, str, Figures], ...] = (
     ("bench_gpu.json", "training a 1.3B decoder on one GPU (H200, bf16)", _gpu),
 )
 
@@ -180,15 +183,27 @@ def _row(results: Path, file: str, area: str, figures: Figures) -> str:
     except (KeyError, IndexError, TypeError):  # a smaller grid (reproduce --quick)
         ours, theirs = "_(not in this results set)_", ""
     prov = d.get("provenance")
-    return (f"| {area} | {ours} | {theirs} | `{file}` | {host_label(prov)} | "
-            f"{commit_label(prov)} |")
+    host = host_label(prov)
+    if host == "—":  # a device benchmark run outside reproduce names its device itself
+        host = ((d.get("machine") or {}).get("device_kind")) or host
+    return f"| {area} | {ours} | {theirs} | `{file}` | {host} | {commit_label(prov)} |"
+
+
+def _table(results: Path, rows: tuple[tuple[str, str, Figures], ...]) -> str:
+    lines = head("area", "ours", "published / independent counterpart", "from", "host",
+                 "commit")
+    lines += [_row(results, file, area, figures) for file, area, figures in rows]
+    return "\n".join(lines)
 
 
 def headline(results: Path) -> str:
-    """One row per area: our headline figure beside its published or independent counterpart,
-    each read from the results file named in the row, with the host and commit that file's run
-    records (the rows come from different runs, machines and commits)."""
-    rows = head("area", "ours", "published / independent counterpart", "from", "host",
-                "commit")
-    rows += [_row(results, file, area, figures) for file, area, figures in ROWS]
-    return "\n".join(rows)
+    """One row per area measured on the CPU: our headline figure beside its published or
+    independent counterpart, each read from the results file named in the row, with the host
+    and commit that file's run records (a mixed table shows it in these columns)."""
+    return _table(results, ROWS)
+
+
+def headline_gpu(results: Path) -> str:
+    """The GPU's headline rows, kept out of the CPU table because they come from another
+    machine."""
+    return _table(results, GPU_ROWS)

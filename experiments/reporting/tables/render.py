@@ -13,7 +13,7 @@ from pathlib import Path
 
 from experiments.reporting.tables import gemma3, pretrained, quant, speed, training, zero
 from experiments.reporting.tables.common import RESULTS, SHOWN, load
-from experiments.reporting.tables.headline import headline
+from experiments.reporting.tables.headline import headline, headline_gpu
 
 # Section name -> (its results file, the renderer of that file's JSON).
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
@@ -57,7 +57,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
 }
 
 # Sections whose renderer reads several results files: it gets the results folder instead.
-MULTI_FILE = {"headline": headline, "export_run": pretrained.export_run,
+MULTI_FILE = {"headline": headline, "headline_gpu": headline_gpu,
+              "export_run": pretrained.export_run,
               "smollm2_ft_quant": pretrained.smollm2_ft_quant}
 
 
