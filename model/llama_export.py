@@ -19,6 +19,11 @@ Rotary rows: our q/k kernels are in the rotate-half order, which is Hugging Face
 written as they are; llama.cpp's converter interleaves the two halves of every head, so the GGUF
 gets that permutation (`gguf_permute`, the inverse of `llama_gguf._unpermute`).
 
+An int8 model goes to GGUF as Q8_0 (model/gguf_q8.py): `read` then gives a quantised leaf as
+`Int8Rows` (int8 [..., out, in] and one scale per row, the layout `quant/` stores), and `plan`
+is told which leaves those are, since the header (each tensor's type and size) is written before
+any data; the rotary permutation moves whole rows, scales with them, so a block stays in its row.
+
 The safetensors file is written by hand (an 8-byte header length, a JSON header of names,
 dtypes, shapes and byte offsets, then the raw little-endian data) because the format is that
 simple and the `safetensors` package only writes a whole in-memory dict.
@@ -33,10 +38,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.config import ModelConfig
+from model.gguf_q8 import Int8Rows, Q8Error, pack, row_bytes
 from model.llama_gguf import _LAYER_MAP, _TOP_MAP, expected_shapes
 
 # NNX path -> Hugging Face name ("{}" is the layer).
@@ -85,15 +91,27 @@ class Planned:
     layer: int | None  # index on the stacked `layers` axis (None: not a block parameter)
     name: str  # name in the file
     shape: tuple[int, ...]  # numpy shape in the file ([out, in] for a Linear weight)
+    qtype: str = "F32"  # or "Q8_0" (GGUF only)
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype == "Q8_0":
+            return int(np.prod(self.shape[:-1], dtype=np.int64)) * row_bytes(self.shape[-1])
+        return 4 * int(np.prod(self.shape, dtype=np.int64))
 
 
-def plan(cfg: ModelConfig, fmt: str) -> list[Planned]:
-    """Every tensor of the file, grouped by parameter leaf (the order they are written in)."""
+def plan(cfg: ModelConfig, fmt: str, q8: frozenset[str] | set[str] = frozenset()
+         ) -> list[Planned]:
+    """Every tensor of the file, grouped by parameter leaf (the order they are written in);
+    the leaves named in `q8` are Q8_0 tensors (GGUF only)."""
     names = HF_NAMES if fmt == "safetensors" else GGUF_NAMES
+    if q8 and fmt != "gguf":
+        raise ExportError(f"format={fmt!r}: int8 weights are written only to GGUF (Q8_0)")
     out = []
     for path, shape in expected_shapes(cfg).items():
         layers = range(cfg.n_layers) if path.startswith("blocks/") else [None]
-        out += [Planned(path, i, names[path].format(i), shape) for i in layers]
+        qtype = "Q8_0" if path in q8 else "F32"
+        out += [Planned(path, i, names[path].format(i), shape, qtype) for i in layers]
     return out
 
 
@@ -104,8 +122,30 @@ def gguf_permute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(out, cols))
 
 
-def file_tensor(cfg: ModelConfig, t: Planned, leaf: np.ndarray, fmt: str) -> np.ndarray:
-    """The float32 tensor `t` as the file stores it, from its (stacked) parameter leaf."""
+def _q8_tensor(cfg: ModelConfig, t: Planned, leaf: Int8Rows, fmt: str) -> np.ndarray:
+    """Q8_0 bytes [out, in / 32 * 34] of `t` from its int8 rows (already [out, in])."""
+    rows = leaf if t.layer is None else leaf.layer(t.layer)
+    if t.qtype != "Q8_0" or rows.shape != t.shape:
+        raise ExportError(f"{t.path}: int8 rows {list(rows.shape)} where the plan has "
+                          f"{t.qtype} {list(t.shape)} for {t.name}")
+    heads = {"blocks/attn/q/kernel": cfg.n_heads, "blocks/attn/k/kernel": cfg.kv_heads}
+    if t.path in heads and not cfg.norm_plus_one:  # llama.cpp's row order (Llama family only)
+        q, s = gguf_permute(rows.q, heads[t.path]), gguf_permute(rows.scale[:, None],
+                                                                 heads[t.path])[:, 0]
+        rows = Int8Rows(q, s)
+    try:
+        return pack(rows, t.name)
+    except Q8Error as e:
+        raise ExportError(str(e)) from None
+
+
+def file_tensor(cfg: ModelConfig, t: Planned, leaf, fmt: str) -> np.ndarray:
+    """The tensor `t` as the file stores it (float32, or Q8_0's bytes), from its (stacked)
+    parameter leaf."""
+    if isinstance(leaf, Int8Rows):
+        return _q8_tensor(cfg, t, leaf, fmt)
+    if t.qtype != "F32":
+        raise ExportError(f"{t.path}: float values where the plan has {t.qtype} for {t.name}")
     a = np.asarray(leaf if t.layer is None else leaf[t.layer], np.float32)
     if t.path.endswith("/kernel"):
         a = a.T
@@ -121,10 +161,10 @@ def file_tensor(cfg: ModelConfig, t: Planned, leaf: np.ndarray, fmt: str) -> np.
 
 
 def tensors(cfg: ModelConfig, read: Callable[[str], np.ndarray],
-            fmt: str) -> Iterator[tuple[Planned, np.ndarray]]:
-    """(planned tensor, array) in plan order; `read(path)` is called once per parameter leaf,
-    and the leaf is released before the next one is read."""
-    todo = plan(cfg, fmt)
+            fmt: str, todo: list[Planned] | None = None) -> Iterator[tuple[Planned, np.ndarray]]:
+    """(planned tensor, array) in plan order (`todo`, default `plan(cfg, fmt)`); `read(path)`
+    is called once per parameter leaf, and the leaf is released before the next one is read."""
+    todo = plan(cfg, fmt) if todo is None else todo
     i = 0
     while i < len(todo):
         path = todo[i].path
@@ -274,8 +314,9 @@ def _copy_metadata(w, key: str, vtype, value) -> None:
 
 
 def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndarray], *,
-               context_length: int, metadata: dict) -> dict:
-    """An F32 GGUF of the llama architecture. `metadata` ({key: (type, value)} as
+               context_length: int, metadata: dict, q8: frozenset[str] = frozenset()) -> dict:
+    """A GGUF of the llama architecture: F32, or with the leaves named in `q8` as Q8_0
+    (`read` gives those as `Int8Rows`). `metadata` ({key: (type, value)} as
     `model.gguf.GGUFFile.metadata` holds it) supplies the tokenizer (`tokenizer.*`) and
     descriptive `general.*` keys; the architecture keys come from `cfg`."""
     w = GGUFWriter(str(path), "llama")
@@ -284,7 +325,7 @@ def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndar
     for key, (vtype, value) in metadata.items():
         if key.startswith(("general.", "tokenizer.")) and key not in skip:
             _copy_metadata(w, key, vtype, value)
-    w.add_file_type(LlamaFileType.ALL_F32)
+    w.add_file_type(LlamaFileType.MOSTLY_Q8_0 if q8 else LlamaFileType.ALL_F32)
     w.add_context_length(context_length)
     w.add_embedding_length(cfg.d_model)
     w.add_block_count(cfg.n_layers)
@@ -295,16 +336,17 @@ def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndar
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    planned = plan(cfg, "gguf")
-    for t in planned:
-        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32),
-                          4 * int(np.prod(t.shape, dtype=np.int64)))
+    planned = plan(cfg, "gguf", q8)
+    for t in planned:  # the logical shape; a Q8_0 tensor's bytes are its rows' blocks
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes,
+                          raw_dtype=GGMLQuantizationType[t.qtype])
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, a in tensors(cfg, read, "gguf"):
+        for _, a in tensors(cfg, read, "gguf", planned):
             w.write_tensor_data(a)  # the writer takes them in the order their infos were added
     finally:
         w.close()
-    return {"tensors": len(planned), "bytes": Path(path).stat().st_size}
+    return {"tensors": len(planned), "q8_0_tensors": sum(t.qtype == "Q8_0" for t in planned),
+            "bytes": Path(path).stat().st_size}

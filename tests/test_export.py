@@ -236,6 +236,12 @@ def test_bad_input_writes_nothing(mixed_run, tmp_path):
         exporter.run_source(workdir, layers=3)
     with pytest.raises(ConfigError, match="step=7: no such checkpoint"):
         exporter.run_source(workdir, step=7)
+    # a run given as a model reference takes --step as --workdir does
+    assert exporter.pretrained_source(str(workdir), step=1).step == 1
+    with pytest.raises(ConfigError, match="step=7: no such checkpoint"):
+        exporter.pretrained_source(str(workdir), step=7)
+    with pytest.raises(ConfigError, match="step=1: only for a training run"):
+        exporter.pretrained_source("smollm2", step=1)
     with pytest.raises(ConfigError, match="model='llama3': allowed smollm2"):
         exporter.pretrained_source("llama3")
     with pytest.raises(ConfigError, match="layers=0: must be in 1..2"):

@@ -9,17 +9,42 @@ from experiments.cli.config import ConfigError, check_output_folder
 from experiments.pretrained import model_ref
 
 PRETRAINED = ("smollm2",)  # the pretrained models an export can start from
+# The int8 modes whose model a GGUF holds as Q8_0: per-row int8 weights with the smoothing
+# folded into float norms and kernels. The others need what llama.cpp's graph has no place for.
+Q8_MODES = ("w8", "w8a8", "smoothquant")
+_NO_Q8 = {"w8a8-rotated": "its Hadamard rotation of every int8 product's input",
+          "w8a8-outlier": "its float product of the outlier columns",
+          "auto": "its layers kept in bf16 beside the int8 ones",
+          "w8a8-static": "its calibrated activation scales",
+          "w8a8-tensor": "its per-tensor activation scale"}
 
 
-def check_source(model: str | None, layers: int | None) -> None:
+def check_source(model: str | None, layers: int | None, step: int | None = None) -> None:
     """What can be judged of the export's source before anything is read: a model reference
     an export can start from (a registered name, a .gguf file or a run folder; a Hugging Face
-    folder already is an export), a positive layer count (its upper bound needs the model)."""
-    if model is not None and model_ref.resolve(model).kind == "hf":
+    folder already is an export), a positive layer count (its upper bound needs the model), a
+    step only for a training run (--workdir RUN or --model RUN)."""
+    kind = model_ref.resolve(model).kind if model is not None else "run"
+    if step is not None and kind != "run":
+        raise ConfigError(f"step={step}: only for a training run (--workdir RUN or --model RUN); "
+                          f"model={model!r} has no steps")
+    if kind == "hf":
         raise ConfigError(f"model={model!r}: a Hugging Face folder is what an export writes; "
                           f"export from {', '.join(PRETRAINED)}, a .gguf file or a run folder")
     if layers is not None and layers < 1:
         raise ConfigError(f"layers={layers}: must be a positive integer")
+
+
+def check_quant(quant: str, fmt: str) -> None:
+    """An int8 export: a mode whose model Q8_0 can hold, written to GGUF (one line otherwise)."""
+    if quant == "none":
+        return
+    if quant not in Q8_MODES:
+        why = f" ({_NO_Q8[quant]} has no place in llama.cpp's graph)" if quant in _NO_Q8 else ""
+        raise ConfigError(f"quant={quant!r}: allowed none, {', '.join(Q8_MODES)}{why}")
+    if fmt != "gguf":
+        raise ConfigError(f"quant={quant!r}: only with --format gguf (Q8_0 tensors); a Hugging "
+                          f"Face folder is written in float32")
 
 
 def check_out(out: str | Path, force: bool) -> Path:

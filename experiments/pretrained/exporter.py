@@ -31,10 +31,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained import model_ref
-from experiments.pretrained.export_checks import PRETRAINED, check_out
+from experiments.pretrained import loading, model_ref
+from experiments.pretrained.export_checks import PRETRAINED, check_out, check_quant
 from experiments.training import checkpoint as ckpt
-from experiments.training import integrity
+from experiments.training import integrity, lineage
 from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
@@ -67,6 +67,9 @@ class Source:
     read: Callable[[str], np.ndarray]  # NNX path -> float32 leaf (blocks: first n_layers)
     gguf: GGUFFile | None
     step: int | None = None
+    q8: frozenset[str] = frozenset()  # leaves `read` gives as Int8Rows (GGUF Q8_0)
+    quant: str = "none"  # the int8 mode (experiments/pretrained/export_q8.py)
+    quant_info: dict | None = None
 
 
 def _lookup(tree: dict, path: str):
@@ -80,20 +83,28 @@ def _check_layers(layers: int | None, available: int) -> None:
         raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
 
 
-def pretrained_source(name: str, layers: int | None = None) -> Source:
-    """A model reference's float32 weights: the packaged model or a .gguf file as it is (the
+def pretrained_source(name: str, layers: int | None = None,
+                      step: int | None = None) -> Source:
+    """A model reference's float32 weights: a registered model or a .gguf file as it is (the
     whole model is dequantised in memory: it is the GGUF file itself that is the streaming
-    source here), or a run folder's newest intact checkpoint (`run_source`)."""
+    source here), or a run folder's newest intact checkpoint (or `step`: `run_source`)."""
     ref = model_ref.resolve(name)
     if ref.kind == "run":
-        return run_source(name, layers, None)
+        return run_source(name, layers, step)
     if ref.kind != "name" and ref.kind != "gguf":
-        raise ConfigError(f"model={name!r}: allowed {', '.join(PRETRAINED)}, a .gguf file or "
-                          f"a run folder")
-    path = ref.ref if ref.kind == "gguf" else None
-    _check_layers(layers, config_from_gguf(GGUFFile(path or package_gguf_path())).n_layers)
+        raise ConfigError(f"model={name!r}: allowed {', '.join(model_ref.REGISTERED)}, a .gguf "
+                          f"file or a run folder")
+    if step is not None:
+        raise ConfigError(f"step={step}: only for a training run (model={name!r} has no steps)")
+    if ref.kind == "gguf":
+        path = Path(ref.ref)
+    elif name in loading.ASSEMBLED:
+        path = loading.assembled_gguf(name)
+    else:
+        path = package_gguf_path()
+    _check_layers(layers, config_from_gguf(GGUFFile(path)).n_layers)
     cfg, params, g = load_gguf(path, n_layers=layers)
-    label = f"{name} ({package_gguf_path().name})" if path is None else path
+    label = f"{name} ({path.name})" if ref.kind == "name" else ref.ref
     return Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32), g)
 
 
@@ -124,7 +135,8 @@ def run_source(workdir: str | Path, layers: int | None = None,
     except ExportError as e:
         raise ConfigError(str(e)) from None
     _check_layers(layers, run.model.n_layers)
-    init = getattr(run.train, "init", None)  # set by runs that fine-tune a pretrained model
+    # set by runs that fine-tune a pretrained model, or a run that did (followed to its root)
+    init = lineage.origin(getattr(run.train, "init", None)).pretrained
     if init is not None and init not in PRETRAINED:
         raise ConfigError(f"init={init!r}: no tokenizer for it (known: {', '.join(PRETRAINED)})")
     mngr = ckpt.manager(workdir, read_only=True)
@@ -159,6 +171,7 @@ def run_source(workdir: str | Path, layers: int | None = None,
 def check_format(fmt: str, source: Source) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"format={fmt!r}: allowed {', '.join(FORMATS)}")
+    check_quant(source.quant, fmt)
     if fmt == "gguf" and source.gguf is None:
         raise ConfigError("format='gguf': needs a model with a BPE tokenizer (a run started "
                           "with init smollm2, or --model); this run is a byte model (use "
@@ -215,8 +228,11 @@ def _write(folder: Path, source: Source, fmt: str) -> dict:
                     generation_config(tok.get("bos_id"), tok.get("eos_id")))
         written["tokenizer"] = tok["tokenizer"]
     else:
-        written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
-                             metadata=source.gguf.metadata)
+        try:
+            written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
+                                 metadata=source.gguf.metadata, q8=source.q8)
+        except ExportError as e:
+            raise ConfigError(str(e)) from None
         written["tokenizer"] = "bpe"
     return written
 
@@ -239,12 +255,14 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
     try:
         written = _write(tmp, source, fmt)
         summary = {"out": str(out), "format": fmt, "source": source.label, "step": source.step,
-                   "layers": source.cfg.n_layers, **written,
+                   "layers": source.cfg.n_layers, "quant": source.quant,
+                   **({"int8": source.quant_info} if source.quant_info else {}), **written,
                    "model_bytes_float32": model_bytes(source.cfg),
                    "largest_tensor_bytes": largest_leaf_bytes(source.cfg),
                    "peak_rss_before_bytes": rss_before, "peak_rss_bytes": _peak_rss()}
         _write_json(tmp / PROVENANCE_FILE, {k: summary[k] for k in
-                                            ("format", "source", "step", "layers", "tokenizer")})
+                                            ("format", "source", "step", "layers", "quant",
+                                             "tokenizer")})
         if out.exists():  # --force: move the old folder aside, swap the new one in
             old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)

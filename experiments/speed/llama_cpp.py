@@ -1,5 +1,7 @@
 """llama.cpp as a peer of `experiments.bench_decode`: its tools located, its model files
-prepared once, `llama-bench` run and its JSON read.
+prepared once, `llama-bench` run and its JSON read; and of `experiments.llama_cpp_int8`:
+`llama-perplexity` run on a text (perplexity, and KL divergence from a base model's saved
+logits) and its report read.
 
 llama.cpp is never a dependency: its tools are built apart (docs/decoding_and_gpu.md) and named
 by `--llama-cpp DIR` or $SHARDQ_LLAMA_CPP (a folder holding llama-bench and llama-quantize, or a
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 from collections.abc import Callable, Mapping
@@ -23,6 +26,7 @@ from experiments.cli.config import ConfigError
 
 ENV = "SHARDQ_LLAMA_CPP"
 TOOLS = ("llama-bench", "llama-quantize")
+PERPLEXITY = "llama-perplexity"
 FORMATS = ("F32", "Q8_0")
 # What a prepared folder records: a file made for another model, layer count or llama.cpp
 # build is made again.
@@ -38,23 +42,29 @@ class PeerError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Tools:
-    bench: Path
+    bench: Path | None
     quantize: Path
+    perplexity: Path | None = None  # found beside the others when built
 
 
-def _tools_in(folder: Path) -> Tools | None:
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _tools_in(folder: Path, need: tuple[str, ...]) -> Tools | None:
     for d in (folder, folder / "bin"):
-        paths = [d / t for t in TOOLS]
-        if all(p.is_file() and os.access(p, os.X_OK) for p in paths):
-            return Tools(*paths)
+        if all(_executable(d / t) for t in need):
+            found = {t: d / t if _executable(d / t) else None
+                     for t in (*TOOLS, PERPLEXITY)}
+            return Tools(found["llama-bench"], found["llama-quantize"], found[PERPLEXITY])
     return None
 
 
 def locate(flag: str | None, environ: Mapping[str, str] = os.environ,
-           ) -> tuple[Tools | None, str]:
+           need: tuple[str, ...] = TOOLS) -> tuple[Tools | None, str]:
     """(the tools, "") from `flag` (else $SHARDQ_LLAMA_CPP), or (None, why the peer rows are
     skipped) when neither names a folder. ConfigError (one line) when the folder named lacks
-    the tools: a peer asked for and absent is bad input, not a silent skip."""
+    the tools `need` names: a peer asked for and absent is bad input, not a silent skip."""
     field, value = ("llama_cpp", flag) if flag else (ENV, environ.get(ENV, ""))
     if not value:
         return None, (f"llama.cpp peer rows skipped: no tools named (give --llama-cpp DIR or set "
@@ -62,10 +72,10 @@ def locate(flag: str | None, environ: Mapping[str, str] = os.environ,
     folder = Path(value).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"{field}={value!r}: no such folder; give the folder holding "
-                          f"{' and '.join(TOOLS)} (or a llama.cpp build folder with bin/)")
-    tools = _tools_in(folder)
+                          f"{' and '.join(need)} (or a llama.cpp build folder with bin/)")
+    tools = _tools_in(folder, need)
     if tools is None:
-        raise ConfigError(f"{field}={value!r}: holds no executable {' and '.join(TOOLS)} (in it "
+        raise ConfigError(f"{field}={value!r}: holds no executable {' and '.join(need)} (in it "
                           f"or in its bin/); build them: docs/decoding_and_gpu.md")
     return tools, ""
 
@@ -132,9 +142,10 @@ def version(tools: Tools) -> dict:
     """llama.cpp's build: `llama-bench --version`'s text (it may print to either stream), and
     the source package the tools were built in when a PKG-INFO lies above them: a build from a
     source package without git says build 0 and commit unknown, and the package names it."""
-    proc = _run([str(tools.bench), "--version"], "llama-bench --version")
+    tool = tools.bench or tools.quantize  # every llama.cpp tool answers --version
+    proc = _run([str(tool), "--version"], f"{tool.name} --version")
     out = {"llama_cpp_version": " ".join((proc.stdout + proc.stderr).split())}
-    for folder in list(tools.bench.resolve().parents)[:5]:
+    for folder in list(tool.resolve().parents)[:5]:
         info = folder / "PKG-INFO"
         if info.is_file():
             fields = dict(line.split(": ", 1) for line in info.read_text().splitlines()[:20]
@@ -142,6 +153,13 @@ def version(tools: Tools) -> dict:
             out["source_package"] = f"{fields.get('Name', '?')} {fields.get('Version', '?')}"
             break
     return out
+
+
+def quantize(tools: Tools, src: Path, dst: Path, qtype: str) -> None:
+    """llama-quantize's `qtype` of `src`, written beside `dst` and renamed into place."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    _run([str(tools.quantize), str(src), str(tmp), qtype], "llama-quantize")
+    os.replace(tmp, dst)
 
 
 def prepare(tools: Tools, folder: Path, key: dict, export: Callable[[Path], Path]) -> dict:
@@ -159,9 +177,7 @@ def prepare(tools: Tools, folder: Path, key: dict, export: Callable[[Path], Path
     meta.unlink(missing_ok=True)
     exported = export(folder / "export")
     os.replace(exported, paths["F32"])
-    tmp = folder / "model-q8_0.gguf.tmp"
-    _run([str(tools.quantize), str(paths["F32"]), str(tmp), "Q8_0"], "llama-quantize")
-    os.replace(tmp, paths["Q8_0"])
+    quantize(tools, paths["F32"], paths["Q8_0"], "Q8_0")
     meta.write_text(json.dumps(key, indent=1) + "\n")
     return paths
 
@@ -192,3 +208,58 @@ def ratios(ours: dict[str, float], int8: list[str], peer: dict[str, float],
         pairs += [(n, "Q8_0", f"our {n} / llama.cpp Q8_0") for n in present]
     return [{"ratio": what, "ours": n, "peer": fmt, "value": ours[n] / peer[fmt]}
             for n, fmt, what in pairs]
+
+
+# --- llama-perplexity ------------------------------------------------------------------------
+
+# What a `--kl-divergence` run prints (its "Mean PPL(Q)" and the KLD statistics; nats) and what
+# a plain run prints last ("Final estimate: PPL = ...").
+_NUMBER = r"\s*([0-9.eE+-]+)"
+_KL_LINES = {"perplexity": r"Mean PPL\(Q\)\s*:" + _NUMBER + r"\s*±" + _NUMBER,
+             "kl_mean": r"Mean\s+KLD:" + _NUMBER, "kl_median": r"Median\s+KLD:" + _NUMBER,
+             "kl_p99": r"99\.0%\s+KLD:" + _NUMBER, "kl_max": r"Maximum KLD:" + _NUMBER,
+             "top1_agree": r"Same top p:" + _NUMBER}
+_FINAL = r"Final estimate: PPL = ([0-9.eE+-]+) \+/- ([0-9.eE+-]+)"
+
+
+def perplexity_argv(tools: Tools, model: Path, threads: int, base: Path, *, text: Path | None,
+                    ctx: int, chunks: int) -> list[str]:
+    """llama-perplexity over `chunks` windows of `ctx` tokens: with `text`, on that file,
+    saving the model's logits to `base` (the reference); without, the KL divergence of `model`
+    from the logits in `base` (the tokens are read from there too)."""
+    argv = [str(tools.perplexity), "-m", str(model), "-c", str(ctx), "--chunks", str(chunks),
+            "-t", str(threads), "--kl-divergence-base", str(base)]
+    return argv + (["-f", str(text)] if text is not None else ["--kl-divergence"])
+
+
+def parse_perplexity(text: str, kl: bool) -> dict:
+    """perplexity (and its ± uncertainty) from llama-perplexity's report; with `kl`, the KL
+    divergence from the base too (mean, median, 99th percentile, max, in nats) and the share
+    of positions whose most likely token is the base's. PeerError when a figure is missing."""
+    out = {}
+    patterns = _KL_LINES if kl else {"perplexity": _FINAL}
+    for key, pattern in patterns.items():
+        m = re.search(pattern, text)
+        if m is None:
+            raise PeerError(f"llama-perplexity printed no {key} (expected a line matching "
+                            f"{pattern!r})")
+        out[key] = float(m.group(1))
+        if key == "perplexity":
+            out["perplexity_uncertainty"] = float(m.group(2))
+    if kl:
+        out["top1_agree"] /= 100.0  # printed as a percentage
+    chunks = re.search(r"over (\d+) chunks, n_ctx=(\d+)", text)
+    if chunks is None:
+        raise PeerError("llama-perplexity printed no chunk count ('over N chunks, n_ctx=C')")
+    out["chunks"], out["ctx"] = int(chunks.group(1)), int(chunks.group(2))
+    return out
+
+
+def perplexity(tools: Tools, model: Path, threads: int, base: Path, *, text: Path | None,
+               ctx: int, chunks: int) -> dict:
+    """One llama-perplexity run's parsed figures (see `perplexity_argv`, `parse_perplexity`)."""
+    if tools.perplexity is None:
+        raise PeerError(f"{PERPLEXITY} is not among the tools found")
+    proc = _run(perplexity_argv(tools, model, threads, base, text=text, ctx=ctx, chunks=chunks),
+                f"llama-perplexity on {model.name}")
+    return parse_perplexity(proc.stdout + proc.stderr, kl=text is None)

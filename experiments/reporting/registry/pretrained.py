@@ -48,6 +48,18 @@ def embed_int8_experiment(model: str, stem: str, tokens: int | None, *, expected
                     "embedding stores fewer bytes than the blocks alone", embed_int8_holds))
 
 
+def q8_rows_hold(d: dict) -> bool:
+    """`experiments.llama_cpp_int8`'s rows: the float32 reference first, every file read over
+    the same windows, figures in range, and Q8_0 files near a quarter of float32's bytes."""
+    base, rows = d["rows"][0], d["rows"][1:]
+    return bool(rows) and base["name"] == "float32" and all(
+        math.isfinite(r["perplexity"]) and (r["chunks"], r["ctx"]) == (base["chunks"],
+                                                                       base["ctx"])
+        for r in d["rows"]) and all(
+        r["kl_mean"] >= 0 and 0 <= r["top1_agree"] <= 1
+        and r["file_bytes"] <= 0.3 * base["file_bytes"] for r in rows)
+
+
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         name="llm_quant_table",
@@ -249,4 +261,17 @@ EXPERIMENTS: tuple[Experiment, ...] = (
             lambda d: d["ids_identical"] == d["next_identical"] == d["texts"]
             and d["max_abs_nll_diff"] <= 1e-4),
     ),
+    # llama.cpp's perplexity of our int8 models exported as Q8_0 beside its own Q8_0; the
+    # launcher needs llama.cpp's tools ($SHARDQ_LLAMA_CPP) and exits 2 without them.
+    Experiment(
+        name="llama_cpp_int8",
+        argv=launcher("llama_cpp_int8", "--out", "{results}/llama_cpp_int8.json"),
+        quick_argv=launcher("llama_cpp_int8", "--layers", "2", "--modes", "w8a8",
+                            "--chunks", "2", "--out", "{results}/llama_cpp_int8.json"),
+        outputs=("llama_cpp_int8.json",),
+        expected_s=600, quick_expected_s=60,
+        feeds="llama.cpp's perplexity of our Q8_0 exports (docs/smollm2_export.md)",
+        claim=holds("llama_cpp_int8.json", "every file was measured on the same windows (finite "
+                    "perplexity; KL from float32 non-negative, top-1 agreement in [0, 1]) and "
+                    "each Q8_0 file is at most 30% of the float32 one", q8_rows_hold)),
 )
