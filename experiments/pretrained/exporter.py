@@ -1,4 +1,5 @@
-"""Export a model to Hugging Face's Llama folder (safetensors) or to a GGUF file.
+"""Export a model to a Hugging Face folder (safetensors, the config of its family: llama,
+mistral, qwen2, qwen3 or gemma3_text) or to a GGUF file (llama or gemma3).
 
 Two sources: a training run's newest intact checkpoint (`run_source`), or a pretrained model as
 it ships (`pretrained_source`). A run is read one parameter leaf at a time: each leaf is
@@ -38,20 +39,17 @@ from experiments.training import integrity, lineage
 from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
-from model.llama_export import (
-    FORMATS,
-    GGUF_FILE,
-    SAFETENSORS_FILE,
-    ExportError,
+from model.gguf_export import gguf_arch, write_gguf
+from model.hf_decoder import expected_shapes
+from model.hf_export import (
     byte_tokenizer,
-    check_llama,
     generation_config,
     hf_config,
     tokenizer_config,
-    write_gguf,
     write_safetensors,
 )
-from model.llama_gguf import config_from_gguf, expected_shapes, load_gguf, package_gguf_path
+from model.llama_export import FORMATS, GGUF_FILE, SAFETENSORS_FILE, ExportError, family
+from model.llama_gguf import config_from_gguf, load_gguf, package_gguf_path
 from model.tokenizer import tokenizer_from_gguf
 from parallel.state import abstract_model, is_mixed
 
@@ -131,7 +129,7 @@ def run_source(workdir: str | Path, layers: int | None = None,
         raise ConfigError(f"workdir={str(workdir)!r}: no such folder")
     run = load_config(workdir)
     try:
-        check_llama(run.model)
+        family(run.model)
     except ExportError as e:
         raise ConfigError(str(e)) from None
     _check_layers(layers, run.model.n_layers)
@@ -194,7 +192,7 @@ def _tokenizer_files(folder: Path, source: Source) -> dict:
         add_bos = bool(bpe.bos)
         template = (g.get_str("tokenizer.chat_template")
                     if "tokenizer.chat_template" in g.metadata else None)
-        max_len = g.get_int("llama.context_length")
+        max_len = _file_context(g)
     tok.save(str(folder / "tokenizer.json"))
     cfg = tokenizer_config(tok, bos_id=special.get("bos_id"), eos_id=special.get("eos_id"),
                            pad_id=special.get("pad_id"), unk_id=special.get("unk_id"),
@@ -211,28 +209,30 @@ def _context_length(source: Source) -> int:
     """The positions the model handles: the pretrained file's context (fine-tuning on a shorter
     one does not shorten it: rotary has no learned positions), else the run's max_len."""
     if source.gguf is not None:
-        return max(source.cfg.max_len, source.gguf.get_int("llama.context_length"))
+        return max(source.cfg.max_len, _file_context(source.gguf))
     return source.cfg.max_len
+
+
+def _file_context(g: GGUFFile) -> int:
+    return g.get_int(f"{g.get_str('general.architecture')}.context_length")
 
 
 def _write(folder: Path, source: Source, fmt: str) -> dict:
     cfg = source.cfg
     ctx = _context_length(source)
     if fmt == "safetensors":
-        written = write_safetensors(folder / SAFETENSORS_FILE, cfg, source.read)
         tok = _tokenizer_files(folder, source)
-        _write_json(folder / "config.json", hf_config(cfg, max_positions=ctx,
-                                                      bos_id=tok.get("bos_id"),
-                                                      eos_id=tok.get("eos_id")))
+        config = hf_config(cfg, max_positions=ctx, bos_id=tok.get("bos_id"),
+                           eos_id=tok.get("eos_id"))  # checked before the tensors are written
+        written = write_safetensors(folder / SAFETENSORS_FILE, cfg, source.read)
+        _write_json(folder / "config.json", config)
         _write_json(folder / "generation_config.json",
                     generation_config(tok.get("bos_id"), tok.get("eos_id")))
         written["tokenizer"] = tok["tokenizer"]
+        written["model_type"] = config["model_type"]
     else:
-        try:
-            written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
-                                 metadata=source.gguf.metadata, q8=source.q8)
-        except ExportError as e:
-            raise ConfigError(str(e)) from None
+        written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
+                             metadata=source.gguf.metadata, q8=source.q8)
         written["tokenizer"] = "bpe"
     return written
 
@@ -242,7 +242,9 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
     check_format(fmt, source)
     out = check_out(out, force)
     try:
-        check_llama(source.cfg)
+        family(source.cfg)
+        if fmt == "gguf":
+            gguf_arch(source.cfg)
     except ExportError as e:
         raise ConfigError(str(e)) from None
     rss_before = _peak_rss()
@@ -253,7 +255,10 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's private 0700 is not what a model folder wants
     old = None
     try:
-        written = _write(tmp, source, fmt)
+        try:
+            written = _write(tmp, source, fmt)
+        except ExportError as e:
+            raise ConfigError(str(e)) from None
         summary = {"out": str(out), "format": fmt, "source": source.label, "step": source.step,
                    "layers": source.cfg.n_layers, "quant": source.quant,
                    **({"int8": source.quant_info} if source.quant_info else {}), **written,

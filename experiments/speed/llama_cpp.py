@@ -27,6 +27,7 @@ from experiments.cli.config import ConfigError
 ENV = "SHARDQ_LLAMA_CPP"
 TOOLS = ("llama-bench", "llama-quantize")
 PERPLEXITY = "llama-perplexity"
+PERPLEXITY_TRIES = 4  # runs of llama-perplexity before its report counts as missing
 FORMATS = ("F32", "Q8_0")
 # What a prepared folder records: a file made for another model, layer count or llama.cpp
 # build is made again.
@@ -260,6 +261,14 @@ def perplexity(tools: Tools, model: Path, threads: int, base: Path, *, text: Pat
     """One llama-perplexity run's parsed figures (see `perplexity_argv`, `parse_perplexity`)."""
     if tools.perplexity is None:
         raise PeerError(f"{PERPLEXITY} is not among the tools found")
-    proc = _run(perplexity_argv(tools, model, threads, base, text=text, ctx=ctx, chunks=chunks),
-                f"llama-perplexity on {model.name}")
-    return parse_perplexity(proc.stdout + proc.stderr, kl=text is None)
+    argv = perplexity_argv(tools, model, threads, base, text=text, ctx=ctx, chunks=chunks)
+    # llama.cpp logs from a thread it does not join at exit, so a run's last lines (the report)
+    # are sometimes lost; the computation is deterministic, so a lost report is run again.
+    for attempt in range(PERPLEXITY_TRIES):
+        proc = _run(argv, f"llama-perplexity on {model.name}")
+        try:
+            return parse_perplexity(proc.stdout + proc.stderr, kl=text is None)
+        except PeerError:
+            if attempt + 1 == PERPLEXITY_TRIES:
+                raise
+    raise AssertionError("unreachable")

@@ -1,0 +1,147 @@
+"""Export of every family the Hugging Face reader reads (llama, mistral, qwen2, qwen3,
+gemma3_text) against the tiny models transformers made (tests/fixtures/hf/, written by
+experiments/reference/make_hf_fixtures.py): our safetensors export holds transformers' own
+tensor names and values and our reader reads it back to the same config and bit-identical
+parameters; a Gemma 3 GGUF reads back through model/llama_gguf.py; what a format has no place
+for is refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained import exporter
+from model.gguf import GGUFFile
+from model.hf_decoder import load_hf
+from model.llama_export import GGUF_FILE, SAFETENSORS_FILE
+from model.llama_gguf import GEMMA3_LOCAL_BASE, GEMMA3_QUERY_PRE_ATTN_SCALAR, load_gguf
+from tests import gguf_files
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# config.json keys whose values transformers' own save_pretrained wrote and ours must repeat
+SAME_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+             "tie_word_embeddings", "rope_parameters", "sliding_window", "layer_types",
+             "query_pre_attn_scalar", "final_logit_softcapping", "hidden_activation",
+             "use_sliding_window", "max_position_embeddings")
+
+
+def _lookup(tree, path):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def _flat(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}/")
+        else:
+            yield prefix + k, np.asarray(v)
+
+
+def source(cfg, params, label="fixture", gguf=None):
+    return exporter.Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32),
+                           gguf)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_safetensors_round_trip(arch, tmp_path):
+    cfg, params = load_hf(FIXTURES / arch)
+    summary = exporter.export(source(cfg, params), "safetensors", tmp_path / "out")
+    ours = json.loads((tmp_path / "out" / "config.json").read_text())
+    theirs = json.loads((FIXTURES / arch / "config.json").read_text())
+    for key in SAME_KEYS:
+        if key in theirs:
+            assert ours.get(key) == theirs[key], (arch, key)
+    # transformers' names and values, tensor for tensor (a tied head is not saved)
+    want, got = load_file(str(FIXTURES / arch / SAFETENSORS_FILE)), load_file(
+        str(tmp_path / "out" / SAFETENSORS_FILE))
+    if cfg.tie_embeddings:
+        want.pop("lm_head.weight", None)
+    assert got.keys() == want.keys() and summary["tensors"] == len(got)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    cfg2, params2 = load_hf(tmp_path / "out")
+    assert cfg2 == cfg
+    a, b = dict(_flat(params)), dict(_flat(params2))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _conventional(cfg):
+    """The fixture's Gemma with Gemma 3's conventions, which a GGUF cannot state but its
+    readers assume: every sixth layer global, local RoPE base 10,000, query scale 1/sqrt(256),
+    no soft-cap."""
+    pattern = "".join("g" if (i + 1) % 6 == 0 else "s" for i in range(cfg.n_layers))
+    return dataclasses.replace(cfg, layer_pattern=pattern, rope_local_base=GEMMA3_LOCAL_BASE,
+                               query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+                               final_softcap=0.0)
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    """Tokenizer metadata for a GGUF (a tiny BPE file: the round trips read no text)."""
+    return GGUFFile(gguf_files.write(tmp_path_factory.mktemp("meta") / "meta.gguf"))
+
+
+def test_gemma3_gguf_round_trip(meta, tmp_path):
+    cfg, params = load_hf(FIXTURES / "gemma3_text")
+    cfg = _conventional(cfg)
+    exporter.export(source(cfg, params, gguf=meta), "gguf", tmp_path / "g")
+    path = tmp_path / "g" / GGUF_FILE
+    g = GGUFFile(path)
+    assert g.get_str("general.architecture") == "gemma3"
+    assert "blk.0.post_ffw_norm.weight" in g.tensors and "output.weight" not in g.tensors
+    # the file holds 1 + w for every norm and Hugging Face's q/k row order
+    np.testing.assert_array_equal(g.tensor("blk.1.attn_q_norm.weight"),
+                                  params["blocks"]["attn"]["q_norm"]["scale"][1] + 1)
+    np.testing.assert_array_equal(g.tensor("blk.0.attn_q.weight"),
+                                  params["blocks"]["attn"]["q"]["kernel"][0].T)
+    cfg2, back, _ = load_gguf(path)
+    assert cfg2 == dataclasses.replace(cfg, max_len=cfg2.max_len)
+    a, b = dict(_flat(params)), dict(_flat(back))
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.endswith("norm/scale"):  # (1 + w) - 1 in float32: within an ulp of 1 + w
+            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=np.spacing(np.float32(2.0)))
+        else:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    # a model read from a GGUF goes back to the same bytes' values exactly
+    exporter.export(source(cfg2, back, gguf=meta), "gguf", tmp_path / "g2")
+    _, again, _ = load_gguf(tmp_path / "g2" / GGUF_FILE)
+    for k, v in _flat(again):
+        np.testing.assert_array_equal(v, b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("arch, fmt, fragment", [
+    ("gemma3_text", "gguf", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
+    ("qwen2", "gguf", "model_type='qwen2': format='gguf' is written for llama, gemma3_text"),
+    ("qwen3", "gguf", "model_type='qwen3': format='gguf'"),
+    ("mistral", "gguf", "model_type='mistral': format='gguf'"),
+])
+def test_what_a_format_cannot_hold_is_refused(arch, fmt, fragment, meta, tmp_path):
+    cfg, params = load_hf(FIXTURES / arch)
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        exporter.export(source(cfg, params, gguf=meta), fmt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_fields_no_family_holds_are_refused(tmp_path):
+    cfg, params = load_hf(FIXTURES / "qwen2")
+    odd = dataclasses.replace(cfg, sliding_window=8)  # Qwen2's biases and Mistral's window
+    with pytest.raises(ConfigError, match="sliding_window=8: qwen2's config.json has no place"):
+        exporter.export(source(odd, params), "safetensors", tmp_path / "out")
+    gelu = dataclasses.replace(cfg, mlp="gelu", qkv_bias=False)
+    with pytest.raises(ConfigError, match="mlp='gelu': no exported family"):
+        exporter.export(source(gelu, params), "safetensors", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
