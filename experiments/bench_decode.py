@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     p.add_argument("--model", default="smollm2", metavar="REF",
                    help=f"the model: {model_ref.ALLOWED} (default: smollm2)")
+    model_ref.add_step_flag(p)
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--rounds", type=int, default=2,
@@ -131,7 +132,7 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
-    model_ref.resolve(args.model)
+    model_ref.check_step(args.model, args.step)
     check_output_file("out", args.out)
     if args.decode_only:  # a child run of the XLA flag rows: no peer
         return names, None, ""
@@ -149,11 +150,12 @@ def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
     (exporter,) = startup.load("experiments.pretrained.exporter")
     src = Path(args.model)
     key = {"model": args.model, "label": float_model.name, "layers": float_model.cfg.n_layers,
-           "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None}
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{src.name}-{float_model.cfg.n_layers}L")
+           "step": args.step, "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None}
+    step = "" if args.step is None else f"-step{args.step}"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{src.name}{step}-{float_model.cfg.n_layers}L")
 
     def export(out: Path) -> Path:
-        source = exporter.pretrained_source(args.model, args.layers)
+        source = exporter.pretrained_source(args.model, args.layers, args.step)
         exporter.export(source, "gguf", out, force=True)
         return out / "model.gguf"
     return llama_cpp.prepare(tools, Path(args.peer_dir) / slug, key, export)
@@ -177,7 +179,8 @@ def child_argv(args) -> list[str]:
     """The flags a child run of the XLA flag rows gets: the flag variant, same model and timing."""
     argv = ["--variants", FLAGS_VARIANT, "--model", args.model, "--new-tokens",
             str(args.new_tokens), "--repeats", str(args.repeats), "--rounds", "1"]
-    return argv + (["--layers", str(args.layers)] if args.layers is not None else [])
+    return (argv + (["--layers", str(args.layers)] if args.layers is not None else [])
+            + (["--step", str(args.step)] if args.step is not None else []))
 
 
 def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> dict:
@@ -190,7 +193,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
      xla_flag_runs) = (startup.begin(*modules, devices=split) if split > 1
                        else startup.load(*modules))
     load_before = os.getloadavg()[0]
-    float_model = loading.load(args.model, n_layers=args.layers)
+    float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
     files = peer_files(args, tools, float_model) if tools is not None else {}
     built = llama_cpp.version(tools) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).

@@ -4,11 +4,14 @@
   python -m experiments.chat --model smollm2 --quant w8a8 --kv-int8 --prompt "Name a prime."
   python -m experiments.chat --prompt "Tell a story." --temperature 0.7 --top-k 40 --seed 1
   python -m experiments.chat --model smollm2 --interactive      # a conversation, one line a turn
+  python -m experiments.chat --model runs/ft --step 12 --prompt "The os module"  # a run's step
 
 The prompt goes through the model's ChatML template (a default system message, then the user
-turn, then `<|im_start|>assistant\\n`); decoding stops at `<|im_end|>` or after
---max-new-tokens. Greedy unless --temperature > 0. With --json the last line is {"reply",
-"tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after the prompt's prefill).
+turn, then `<|im_start|>assistant\\n`); a base model without a chat template (Gemma 3 270M, a
+run fine-tuned from it) continues the prompt as plain text. Decoding stops at the model's end
+token or after --max-new-tokens. Greedy unless --temperature > 0. With --json the last line is
+{"reply", "tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after the prompt's
+prefill). --step N with --model RUN reads that checkpoint of the run.
 --interactive reads one user turn per line from stdin (after --prompt, if given) and keeps the
 conversation: each turn is the whole ChatML history so far plus the new message. An empty line,
 `/exit` or the end of input stops it; a conversation that outgrows the context ends in one
@@ -24,14 +27,17 @@ import sys
 
 from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_text, fail
+from experiments.pretrained import model_ref
 from model.gguf import GGUFError
 from quant.modes import QuantError
 
 PROG = "experiments.chat"
 LAYOUTS = ("probe", "rule", "scan", "per-layer")
+DEFAULT_NEW_TOKENS = 128
 
 
 def check(args) -> None:
+    model_ref.check_step(args.model, args.step)
     model_flags.check_model_flags(args)
     if args.prompt is None and not args.interactive:
         raise ConfigError("prompt: not given; pass --prompt TEXT (or --interactive)")
@@ -41,7 +47,7 @@ def check(args) -> None:
         check_text("system", args.system)
     if args.interactive and args.json:
         raise ConfigError("json: not with --interactive (one reply per run)")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={args.max_new_tokens}: must be a positive integer")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"temperature={args.temperature}: must be finite and >= 0 (0: greedy)")
@@ -76,11 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p)
+    model_ref.add_step_flag(p)
     p.add_argument("--prompt", default=None, help="the user's message")
     p.add_argument("--interactive", action="store_true",
                    help="then read more user turns from stdin, one per line")
     p.add_argument("--system", default=None, help="a system message (default: the model's)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per reply")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"per reply (default {DEFAULT_NEW_TOKENS}, or what the model's context "
+                        f"leaves after the prompt: a run trained on short sequences)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         loading, chat_stream, decoding, machine = startup.begin(
             "experiments.pretrained.loading", "experiments.pretrained.chat_stream",
             "experiments.pretrained.decoding", "experiments.speed.machine", devices=1)
-        pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha)
+        pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha,
+                                     args.step)
         per_layer = {"rule": None, "scan": False, "per-layer": True}.get(args.layout)
         if args.layout == "probe":
             cpu = machine.describe()
@@ -112,8 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
         turns = user_turns(args.prompt) if args.interactive else [args.prompt]
         for i, message in enumerate(turns):
             messages = history + [{"role": "user", "content": message}]
+            new_tokens = args.max_new_tokens or max(1, min(
+                DEFAULT_NEW_TOKENS,
+                pre.cfg.max_len - len(loading.conversation_ids(pre, messages, args.system))))
             row = chat_stream.stream_reply(
-                pre, messages, args.system, args.max_new_tokens,
+                pre, messages, args.system, new_tokens,
                 chat_stream.turn_key(args.seed, i), args.temperature, args.top_k, args.kv_int8,
                 on_text=None if args.json else echo, per_layer=per_layer)
             history = messages + [{"role": "assistant", "content": row["reply"]}]

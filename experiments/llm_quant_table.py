@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog=PROG, description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags.add_model_flags(p, quant=False)
+    model_ref.add_step_flag(p)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated int8 modes")
     p.add_argument("--tokens", type=int, default=8192, help="validation tokens per mode")
     p.add_argument("--window", type=int, default=512)
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check(args) -> list[str]:
     """The flags that can be judged before the model loads; returns the int8 modes."""
+    model_ref.check_step(args.model, args.step)
     model_flags.check_model_flags(args)
     modes = model_flags.parse_modes(args.modes)
     model_flags.check_window_flags(args.tokens, args.window)
@@ -88,7 +90,7 @@ def run(args, modes: list[str]) -> dict:
         "experiments.pretrained.decoding", "experiments.pretrained.outliers",
         "experiments.training.pydoc_corpus", "experiments.speed.machine",
         "quant.alpha_search", devices=1)
-    float_model = loading.load(args.model, args.layers, args.gguf)
+    float_model = loading.load(args.model, args.layers, args.gguf, args.step)
     if float_model.name not in model_ref.REGISTERED:  # a path: no machine's absolute path kept
         float_model = dataclasses.replace(float_model, name=project_relative(float_model.name))
     scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)

@@ -4,6 +4,7 @@
 
   python -m experiments.train --workdir runs/small --resume --devices 4 --strategy zero3
   python -m experiments.train --workdir runs/more --init runs/small --steps 500 --lr 1e-3
+  python -m experiments.train --workdir runs/ft --init path/to/hf_folder --steps 20
 
 Writes WORKDIR/config.json, WORKDIR/metrics.jsonl (one JSON object per logged step), Orbax
 checkpoints under WORKDIR/checkpoints/, and at the end WORKDIR/summary.json with its loss curve
@@ -14,6 +15,14 @@ flag that would change the model or the optimisation is refused, naming the fiel
 run is extended by a new one: --init RUN starts a new run (new workdir, new schedule) from the
 run's newest intact checkpoint, with its model, tokenizer and training config (the flags given
 change it; --preset takes that preset's training config instead).
+
+--init REF also takes any pretrained model `--model` accepts (experiments/pretrained/model_ref.py:
+smollm2, gemma3-270m, a .gguf file, a Hugging Face folder): the run trains REF's own
+architecture on text tokenized with REF's tokenizer, its weights placed one tensor at a time
+into their shards. The dtypes, remat, context and training config come from --preset (default:
+the preset named like the model, else the fine-tuning defaults: zero3, bf16, context 128, the
+pydoc topics); config.json records REF (a path made absolute), so `--model RUN` later reads the
+run with REF's architecture and tokenizer.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_output_folder, fail
 from experiments.cli.flags import add_override_flags, config_from_args
 from experiments.training.config import PRESETS, Config, load_config
+from experiments.training.init_config import pretrained_base
 
 PROG = "experiments.train"
 DEFAULT_PRESET = "small"
@@ -47,9 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def base_config(args: argparse.Namespace) -> Config | None:
+    """The config the flags given are applied over: with --resume, the run's own; with --init
+    naming a pretrained model, that model's (init_config.pretrained_base; args.override_init
+    becomes what the run records); else None: the preset's (default DEFAULT_PRESET), or with
+    --init RUN that run's."""
+    resumed = _resumed_config(args)
+    if resumed is not None or args.override_init is None or args.resume:
+        return resumed
+    base = pretrained_base(args.override_init, args.preset, args.override_n_layers,
+                           args.override_data)
+    if base is not None:
+        args.override_init = base.train.init
+    return base
+
+
 def _resumed_config(args: argparse.Namespace) -> Config | None:
-    """With --resume, the run's own config (the flags given are applied over it), else None:
-    the preset's (default DEFAULT_PRESET), or with --init RUN that run's."""
     if not (args.resume and (Path(args.workdir) / "config.json").exists()):
         return None
     run = load_config(args.workdir)
@@ -63,7 +86,7 @@ def _resumed_config(args: argparse.Namespace) -> Config | None:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_from_args(args, base=_resumed_config(args), default_preset=DEFAULT_PRESET)
+        cfg = config_from_args(args, base=base_config(args), default_preset=DEFAULT_PRESET)
         check_output_folder("workdir", args.workdir, "the run")
     except ConfigError as e:
         fail(PROG, str(e))

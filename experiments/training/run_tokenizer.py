@@ -1,7 +1,9 @@
-"""A run's tokenizer: bytes for a run trained from random weights, else the vocabulary of the
-pretrained model at the root of its chain (experiments/training/lineage.py). Every command that
-reads a run's text (training data, validation, calibration, prompts, samples) goes through here,
-so a token model is never fed bytes. Importing this module does not import JAX.
+"""A run's tokenizer: bytes for a run trained from random weights, else the tokenizer of the
+pretrained model at the root of its chain (experiments/training/lineage.py): a registered
+model's (BPE for SmolLM2, SentencePiece for Gemma 3), a GGUF file's, or a Hugging Face
+folder's tokenizer.json. Every command that reads a run's text (training data, validation,
+calibration, prompts, samples) goes through here, so a token model is never fed bytes.
+Importing this module does not import JAX.
 """
 
 from __future__ import annotations
@@ -9,16 +11,22 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.cli.config import ConfigError, check_text
+from experiments.pretrained import model_ref, registered
 from experiments.training import lineage
 from model.gguf import GGUFFile
-from model.llama_gguf import package_gguf_path
-from model.tokenizer import BPETokenizer, tokenizer_from_gguf
+from model.hf_tokenizer import HFTokenizer
+from model.tokenizer import BPETokenizer
 
 
-def pretrained_tokenizer(name: str) -> BPETokenizer:
-    """The tokenizer of the registered pretrained model `name`."""
-    g = GGUFFile(package_gguf_path())  # the one registered model (lineage.PRETRAINED_INITS)
-    return tokenizer_from_gguf(g)
+def pretrained_tokenizer(ref: str) -> BPETokenizer:
+    """The tokenizer of the pretrained model `ref` (a registered name, a .gguf file or a Hugging
+    Face folder). ValueError (one line) when it cannot be read."""
+    kind = model_ref.resolve(ref, "init").kind
+    if kind == "hf":
+        return HFTokenizer(ref)
+    if kind == "name":
+        return registered.registered_tokenizer(ref)
+    return registered.gguf_tokenizer(GGUFFile(ref))
 
 
 def tokenizer_for(init: str | None) -> BPETokenizer | None:
