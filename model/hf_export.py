@@ -86,6 +86,11 @@ def _rope(base: float) -> dict:
     return {"rope_type": "default", "rope_theta": base}
 
 
+def _whole(x: float) -> int | float:
+    """An integral value as an int (transformers' Gemma 3 config takes its query scalar as one)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def _family_fields(cfg: ModelConfig, kind: str) -> dict:
     """The config.json keys that differ between the families."""
     full = ["full_attention"] * cfg.n_layers
@@ -97,7 +102,7 @@ def _family_fields(cfg: ModelConfig, kind: str) -> dict:
                 "sliding_window": cfg.sliding_window,
                 "rope_parameters": {"full_attention": _rope(cfg.rope_base),
                                     "sliding_attention": _rope(cfg.rope_local_base)},
-                "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+                "query_pre_attn_scalar": _whole(cfg.query_pre_attn_scalar or cfg.head_dim),
                 "final_logit_softcapping": cfg.final_softcap or None,
                 "attn_logit_softcapping": None, "attention_bias": False,
                 "use_bidirectional_attention": False}

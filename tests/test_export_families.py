@@ -59,8 +59,9 @@ def test_safetensors_round_trip(arch, tmp_path):
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     theirs = json.loads((FIXTURES / arch / "config.json").read_text())
     for key in SAME_KEYS:
-        if key in theirs:
+        if key in theirs:  # the type too: transformers' configs check their fields' types
             assert ours.get(key) == theirs[key], (arch, key)
+            assert type(ours.get(key)) is type(theirs[key]), (arch, key)
     # transformers' names and values, tensor for tensor (a tied head is not saved)
     want, got = load_file(str(FIXTURES / arch / SAFETENSORS_FILE)), load_file(
         str(tmp_path / "out" / SAFETENSORS_FILE))
