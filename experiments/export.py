@@ -1,4 +1,4 @@
-"""Export a trained run or a pretrained model to Hugging Face's Llama layout or to GGUF.
+"""Export a trained run or a pretrained model to a Hugging Face folder or to GGUF.
 
   python -m experiments.export --workdir runs/ft --format safetensors --out exports/ft
   python -m experiments.export --model smollm2 --format safetensors --out exports/smollm2
@@ -6,18 +6,20 @@
   python -m experiments.export --model smollm2 --quant smoothquant --format gguf --out exports/sq
 
 safetensors: DIR/model.safetensors (Hugging Face tensor names, [out, in] kernels, float32),
-config.json (LlamaForCausalLM), generation_config.json, tokenizer.json and tokenizer_config.json;
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
-load it. gguf: DIR/model.gguf (F32, llama.cpp's names and rotary row order, the tokenizer's
-metadata); with --quant MODE (w8, w8a8 or smoothquant, GGUF only) the model is quantised as
-our int8 commands quantise it, blocks and embedding, and every int8 weight is written as Q8_0
-(one block scale per row, the row's scale in fp16; SmoothQuant's factors folded into the float
-norms and kernels), which llama.cpp runs. Both also write shardq_export.json (what was
-exported); --record FILE keeps the summary. A run (--workdir RUN, or --model RUN) is read one
-parameter at a time from its newest intact checkpoint (or --step); a mixed-precision run exports
-its fp32 master weights. A byte model's tokenizer.json maps each UTF-8 byte to its own id.
-`--layers N` keeps the first N blocks. The folder is written beside DIR and renamed into place;
-an existing non-empty DIR needs --force. Prints a JSON summary last.
+config.json of the model's family (llama, mistral, qwen2, qwen3 or gemma3_text),
+generation_config.json, tokenizer.json and tokenizer_config.json;
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)` load it. gguf: DIR/model.gguf (architecture llama or
+gemma3; F32, llama.cpp's names and row order, the tokenizer's metadata); with --quant MODE (w8,
+w8a8 or smoothquant, GGUF only) the model is quantised as our int8 commands quantise it, blocks
+and embedding, and every int8 weight is written as Q8_0 (one block scale per row, the row's
+scale in fp16; SmoothQuant's factors folded into the float norms and kernels), which llama.cpp
+runs. Both also write shardq_export.json (what was exported); --record FILE keeps the summary. A
+run (--workdir RUN, or --model RUN) is read one parameter at a time from its newest intact
+checkpoint (or --step); a mixed-precision run exports its fp32 master weights. A byte model's
+tokenizer.json maps each UTF-8 byte to its own id. `--layers N` keeps the first N blocks. The
+folder is written beside DIR and renamed into place; an existing non-empty DIR needs --force.
+Prints a JSON summary last.
 """
 
 from __future__ import annotations
