@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -146,3 +147,65 @@ def test_fields_no_family_holds_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="mlp='gelu': no exported family"):
         exporter.export(source(gelu, params), "safetensors", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def qwen2_run(tmp_path_factory):
+    """One zero3 step on 2 devices from the qwen2 fixture folder (q/k/v biases, tied head)."""
+    from experiments.training.init_config import pretrained_base
+    from experiments.training.trainer import train_and_evaluate
+
+    base = pretrained_base(str(FIXTURES / "qwen2"), None)
+    cfg = dataclasses.replace(base, model=dataclasses.replace(
+        base.model, max_len=32, param_dtype="float32", compute_dtype="float32", remat="none"),
+        train=dataclasses.replace(base.train, steps=1, batch_size=2, warmup_steps=0, lr=1e-3,
+                                  eval_every=1, eval_batches=1, ckpt_every=1, devices=2))
+    workdir = tmp_path_factory.mktemp("qwen2_run") / "run"
+    train_and_evaluate(cfg, workdir, progress=False)
+    return workdir
+
+
+def test_a_run_from_a_hugging_face_folder_exports_as_its_family(qwen2_run, tmp_path):
+    """Its trained weights, the folder's tokenizer files as they are, qwen2's config.json; no
+    GGUF (the folder's tokenizer has no GGUF form here)."""
+    from experiments.training.restore import restore_params
+
+    summary = exporter.export(exporter.pretrained_source(str(qwen2_run)), "safetensors",
+                              tmp_path / "out")
+    assert summary["model_type"] == "qwen2" and summary["tokenizer"] == "hf"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (FIXTURES / "qwen2" / name).read_bytes()
+    cfg, back = load_hf(tmp_path / "out")
+    assert cfg.qkv_bias and cfg.max_len == 256  # the folder's context, not the run's 32
+    trained = jax.device_get(restore_params(qwen2_run, devices=1).params)
+    for k, v in _flat(trained):
+        np.testing.assert_array_equal(_lookup(back, k), v, err_msg=k)
+    with pytest.raises(ConfigError, match="a run from a Hugging Face folder, whose tokenizer"):
+        exporter.export(exporter.run_source(qwen2_run), "gguf", tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_run_from_a_gguf_file_exports_with_that_files_tokenizer(tmp_path):
+    """A run started from a .gguf file (not the packaged SmolLM2) writes a GGUF whose tokenizer
+    is that file's, and reads back to its trained weights."""
+    from experiments.training.init_config import pretrained_base
+    from experiments.training.restore import restore_params
+    from experiments.training.trainer import train_and_evaluate
+
+    src = gguf_files.write(tmp_path / "tiny.gguf")
+    base = pretrained_base(str(src), None)
+    cfg = dataclasses.replace(base, model=dataclasses.replace(
+        base.model, max_len=32, param_dtype="float32", compute_dtype="float32", remat="none"),
+        train=dataclasses.replace(base.train, steps=1, batch_size=2, warmup_steps=0, lr=1e-3,
+                                  eval_every=1, eval_batches=1, ckpt_every=1, devices=2))
+    train_and_evaluate(cfg, tmp_path / "run", progress=False)
+    summary = exporter.export(exporter.pretrained_source(str(tmp_path / "run")), "gguf",
+                              tmp_path / "out")
+    assert summary["tokenizer"] == "bpe"
+    out = GGUFFile(tmp_path / "out" / GGUF_FILE)
+    assert out.get_strings("tokenizer.ggml.tokens") == GGUFFile(src).get_strings(
+        "tokenizer.ggml.tokens")
+    _, back, _ = load_gguf(tmp_path / "out" / GGUF_FILE)
+    trained = jax.device_get(restore_params(tmp_path / "run", devices=1).params)
+    for k, v in _flat(trained):
+        np.testing.assert_array_equal(_lookup(back, k), v, err_msg=k)

@@ -8,7 +8,6 @@ from pathlib import Path
 from experiments.cli.config import ConfigError, check_output_folder
 from experiments.pretrained import model_ref
 
-PRETRAINED = ("smollm2",)  # the pretrained models an export can start from
 # The int8 modes whose model a GGUF holds as Q8_0: per-row int8 weights with the smoothing
 # folded into float norms and kernels. The others need what llama.cpp's graph has no place for.
 Q8_MODES = ("w8", "w8a8", "smoothquant")
@@ -30,7 +29,8 @@ def check_source(model: str | None, layers: int | None, step: int | None = None)
                           f"model={model!r} has no steps")
     if kind == "hf":
         raise ConfigError(f"model={model!r}: a Hugging Face folder is what an export writes; "
-                          f"export from {', '.join(PRETRAINED)}, a .gguf file or a run folder")
+                          f"export from {', '.join(model_ref.REGISTERED)}, a .gguf file or a run "
+                          f"folder")
     if layers is not None and layers < 1:
         raise ConfigError(f"layers={layers}: must be a positive integer")
 

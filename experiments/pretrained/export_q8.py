@@ -28,7 +28,6 @@ from experiments.pretrained.exporter import Source
 from model.gguf_q8 import QK8_0, Int8Rows, Q8Error, scale_rounding
 from model.hf_decoder import expected_shapes
 from model.llama_gguf import set_path
-from model.tokenizer import tokenizer_from_gguf
 from quant.modes import DEFAULT_RULES, QuantConfig
 
 
@@ -53,8 +52,10 @@ def quantized_params(source: Source, mode: str, alpha: float | None = None
     if mode not in Q8_MODES:
         raise ConfigError(f"quant={mode!r}: allowed {', '.join(Q8_MODES)}")
     if source.gguf is None:
-        raise ConfigError("quant: needs a model with a BPE tokenizer (its calibration text is "
-                          "tokenized); this run is a byte model")
+        what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
+                if source.hf_folder is not None else "a byte model")
+        raise ConfigError(f"quant={mode!r}: a Q8_0 GGUF needs the tokenizer of a GGUF; this "
+                          f"run is {what}")
     cfg = source.cfg
     for what, cols in (("d_model", cfg.d_model), ("q_dim", cfg.q_dim), ("d_ff", cfg.d_ff)):
         if cols % QK8_0:  # checked before the long calibration
@@ -63,7 +64,7 @@ def quantized_params(source: Source, mode: str, alpha: float | None = None
     rules = DEFAULT_RULES + ("embed",) + (() if cfg.tie_embeddings else ("head",))
     qcfg = QuantConfig(mode=mode, rules=rules, alpha=alpha)
     pre = loading.Pretrained(source.label, cfg, loading.abstract_graphdef(cfg),
-                             float_params(source), tokenizer_from_gguf(source.gguf))
+                             float_params(source), source.tokenizer())
     q = loading.quantize(pre, mode, qcfg)
     return q, sorted(_int8_paths(q.params))
 

@@ -32,15 +32,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained import loading, model_ref
-from experiments.pretrained.export_checks import PRETRAINED, check_out, check_quant
+from experiments.pretrained import model_ref, registered
+from experiments.pretrained.export_checks import check_out, check_quant
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, lineage
 from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.gguf_export import gguf_arch, write_gguf
-from model.hf_decoder import expected_shapes
+from model.hf_decoder import expected_shapes, read_config
 from model.hf_export import (
     byte_tokenizer,
     generation_config,
@@ -48,12 +48,14 @@ from model.hf_export import (
     tokenizer_config,
     write_safetensors,
 )
+from model.hf_tokenizer import HFTokenizer
 from model.llama_export import FORMATS, GGUF_FILE, SAFETENSORS_FILE, ExportError, family
-from model.llama_gguf import config_from_gguf, load_gguf, package_gguf_path
-from model.tokenizer import tokenizer_from_gguf
+from model.llama_gguf import config_from_gguf, load_gguf
 from parallel.state import abstract_model, is_mixed
 
 PROVENANCE_FILE = "shardq_export.json"
+# What a run from a Hugging Face folder takes from there into its export.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass
@@ -68,6 +70,16 @@ class Source:
     q8: frozenset[str] = frozenset()  # leaves `read` gives as Int8Rows (GGUF Q8_0)
     quant: str = "none"  # the int8 mode (experiments/pretrained/export_q8.py)
     quant_info: dict | None = None
+    registered: str | None = None  # the registered model `gguf` belongs to (its tokenizer cache)
+    hf_folder: Path | None = None  # a run from a Hugging Face folder: its tokenizer files
+
+    def tokenizer(self):
+        """The tokenizer of the model (None: a byte model)."""
+        if self.gguf is not None:
+            return registered.gguf_tokenizer(self.gguf, self.registered)
+        if self.hf_folder is not None:
+            return HFTokenizer(self.hf_folder)
+        return None
 
 
 def _lookup(tree: dict, path: str):
@@ -94,16 +106,26 @@ def pretrained_source(name: str, layers: int | None = None,
                           f"file or a run folder")
     if step is not None:
         raise ConfigError(f"step={step}: only for a training run (model={name!r} has no steps)")
-    if ref.kind == "gguf":
-        path = Path(ref.ref)
-    elif name in loading.ASSEMBLED:
-        path = loading.assembled_gguf(name)
-    else:
-        path = package_gguf_path()
+    path = Path(ref.ref) if ref.kind == "gguf" else registered.gguf_path(name)
     _check_layers(layers, config_from_gguf(GGUFFile(path)).n_layers)
     cfg, params, g = load_gguf(path, n_layers=layers)
     label = f"{name} ({path.name})" if ref.kind == "name" else ref.ref
-    return Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32), g)
+    return Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32), g,
+                  registered=name if ref.kind == "name" else None)
+
+
+def _origin(init: str | None) -> dict:
+    """Where a run's tokenizer comes from, by the pretrained model at the root of its chain:
+    a registered model's or a .gguf file's GGUF, a Hugging Face folder, or nothing (bytes)."""
+    origin = lineage.origin(init).pretrained
+    if origin is None:
+        return {}
+    kind = model_ref.resolve(origin, "init").kind
+    if kind == "hf":
+        return {"hf_folder": Path(origin)}
+    if kind == "gguf":
+        return {"gguf": GGUFFile(origin)}
+    return {"gguf": GGUFFile(registered.gguf_path(origin)), "registered": origin}
 
 
 def _intact_step(workdir: Path, steps: list[int], step: int | None) -> int:
@@ -134,9 +156,7 @@ def run_source(workdir: str | Path, layers: int | None = None,
         raise ConfigError(str(e)) from None
     _check_layers(layers, run.model.n_layers)
     # set by runs that fine-tune a pretrained model, or a run that did (followed to its root)
-    init = lineage.origin(getattr(run.train, "init", None)).pretrained
-    if init is not None and init not in PRETRAINED:
-        raise ConfigError(f"init={init!r}: no tokenizer for it (known: {', '.join(PRETRAINED)})")
+    origin = _origin(getattr(run.train, "init", None))
     mngr = ckpt.manager(workdir, read_only=True)
     found = _intact_step(workdir, list(mngr.all_steps()), step)
     _, _, abstract = abstract_model(run.model)
@@ -162,8 +182,8 @@ def run_source(workdir: str | Path, layers: int | None = None,
         return array[:n] if path.startswith("blocks/") else array
 
     cfg = dataclasses.replace(run.model, n_layers=n)
-    gguf = GGUFFile(package_gguf_path()) if init else None
-    return Source(f"run {str(workdir)!r} step {found}", cfg, read, gguf, found)
+    return Source(f"run {str(workdir)!r} step {found}", cfg, read, origin.get("gguf"), found,
+                  registered=origin.get("registered"), hf_folder=origin.get("hf_folder"))
 
 
 def check_format(fmt: str, source: Source) -> None:
@@ -171,20 +191,29 @@ def check_format(fmt: str, source: Source) -> None:
         raise ConfigError(f"format={fmt!r}: allowed {', '.join(FORMATS)}")
     check_quant(source.quant, fmt)
     if fmt == "gguf" and source.gguf is None:
-        raise ConfigError("format='gguf': needs a model with a BPE tokenizer (a run started "
-                          "with init smollm2, or --model); this run is a byte model (use "
-                          "--format safetensors)")
+        what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
+                if source.hf_folder is not None else "a byte model")
+        raise ConfigError(f"format='gguf': needs the tokenizer of a GGUF (a run started from "
+                          f"smollm2, gemma3-270m or a .gguf file, or --model); this run is "
+                          f"{what} (use --format safetensors)")
 
 
 def _tokenizer_files(folder: Path, source: Source) -> dict:
     """tokenizer.json + tokenizer_config.json; the ids they give and what they hold."""
     g = source.gguf
+    if source.hf_folder is not None:  # the folder's own files, as they are
+        hf = read_config(source.hf_folder)
+        for name in HF_TOKENIZER_FILES:
+            if (source.hf_folder / name).is_file():
+                shutil.copyfile(source.hf_folder / name, folder / name)
+        return {"tokenizer": "hf", "bos_id": hf.get("bos_token_id"),
+                "eos_id": hf.get("eos_token_id"), "pad_id": hf.get("pad_token_id")}
     if g is None:
         tok, kind, special = byte_tokenizer(), "bytes", {}
         add_bos, template, max_len = False, None, source.cfg.max_len
     else:
-        bpe = tokenizer_from_gguf(g)
-        tok, kind = bpe.tok, "bpe"
+        bpe = source.tokenizer()
+        tok, kind = bpe.tok, _tokenizer_kind(g)
         ids = {k: g.get_int(f"tokenizer.ggml.{k}_token_id") for k in
                ("bos", "eos", "padding", "unknown") if f"tokenizer.ggml.{k}_token_id" in g.metadata}
         special = {"bos_id": ids.get("bos"), "eos_id": ids.get("eos"),
@@ -201,6 +230,11 @@ def _tokenizer_files(folder: Path, source: Source) -> dict:
     return {"tokenizer": kind, **special}
 
 
+def _tokenizer_kind(g: GGUFFile) -> str:
+    return {"gpt2": "bpe", "llama": "sentencepiece"}.get(g.get_str("tokenizer.ggml.model"),
+                                                           g.get_str("tokenizer.ggml.model"))
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
@@ -210,6 +244,9 @@ def _context_length(source: Source) -> int:
     one does not shorten it: rotary has no learned positions), else the run's max_len."""
     if source.gguf is not None:
         return max(source.cfg.max_len, _file_context(source.gguf))
+    if source.hf_folder is not None:
+        return max(source.cfg.max_len, int(read_config(source.hf_folder).get(
+            "max_position_embeddings", source.cfg.max_len)))
     return source.cfg.max_len
 
 
@@ -233,7 +270,7 @@ def _write(folder: Path, source: Source, fmt: str) -> dict:
     else:
         written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
                              metadata=source.gguf.metadata, q8=source.q8)
-        written["tokenizer"] = "bpe"
+        written["tokenizer"] = _tokenizer_kind(source.gguf)
     return written
 
 
