@@ -14,7 +14,11 @@ from experiments.training.restore import restore_params
 from experiments.training.trainer import train_and_evaluate
 from tests.helpers import ROOT, child_env
 
-ENV = child_env()
+# launch_local drops XLA_FLAGS from its processes' environment (a shell's device count must
+# not reach them), so the session's test flags never arrive there. JAX's own switch, which it
+# passes on, makes their compiles as cheap: LLVM unoptimised, as in every other process of the
+# session (tests/xla_flags.py).
+ENV = {**child_env(), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 def losses(workdir):
