@@ -150,7 +150,8 @@ def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
     (exporter,) = startup.load("experiments.pretrained.exporter")
     src = Path(args.model)
     key = {"model": args.model, "label": float_model.name, "layers": float_model.cfg.n_layers,
-           "step": args.step, "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None}
+           "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None,
+           **({"step": args.step} if args.step is not None else {})}
     step = "" if args.step is None else f"-step{args.step}"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{src.name}{step}-{float_model.cfg.n_layers}L")
 

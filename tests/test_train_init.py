@@ -91,7 +91,8 @@ def test_bad_init_and_step_are_one_line_before_jax(run, tmp_path):
     meta.write_bytes(meta.read_bytes() + b" ")
     cases = [
         (("experiments.train", ["--workdir", str(tmp_path / "a"), "--init", "llama9"]),
-         "init='llama9': allowed smollm2, gemma3-270m, a .gguf file"),
+         "init='llama9': not a run folder (no config.json) nor one of smollm2, gemma3-270m, "
+         "a .gguf file, a Hugging Face folder"),
         (("experiments.train", ["--workdir", str(tmp_path / "b"), "--init", str(no_tokenizer)]),
          "(a Hugging Face folder without tokenizer.json)"),
         (("experiments.score", ["--model", str(workdir), "--step", "7", "--text", "a"]),

@@ -206,9 +206,10 @@ PRESETS: dict[str, Config] = {
     # Fine-tuning SmolLM2-135M-Instruct on the pydoc topics under ZeRO-3 (experiments.finetune).
     "smollm2": Config("smollm2", dataclasses.replace(MODEL_PRESETS["smollm2"], **FINETUNE_MODEL),
                       dataclasses.replace(FINETUNE_TRAIN, init="smollm2")),
-    # Fine-tuning Gemma 3 270M (a base model) the same way. Its tied 262,144-entry embedding
-    # makes the logits of one sequence [max_len, 262144]: a shorter context keeps the step's
-    # host memory small with the one sequence per device the 8-device mesh needs.
+    # Fine-tuning Gemma 3 270M (a base model) the same way, one sequence per device. Its step's
+    # memory is set by the tied 262,144 x 640 embedding, which zero3 gathers whole on every
+    # device (with its gradient), not by the context or the logits; the shorter context only
+    # shortens the step on a CPU.
     "gemma3-270m": Config("gemma3-270m", dataclasses.replace(
         GEMMA3_270M, **{**FINETUNE_MODEL, "max_len": 64}), dataclasses.replace(
         FINETUNE_TRAIN, steps=8, eval_every=8, eval_batches=2, ckpt_every=8, keep_ckpts=1,

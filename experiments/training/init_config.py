@@ -48,12 +48,18 @@ def stored_init(init: str, kind: str) -> str:
 def pretrained_base(init: str, preset: str | None, n_layers: int | None = None,
                     data: str | None = None) -> Config | None:
     """The base config of a new run from the pretrained model `init` (None when `init` is a
-    training run's folder: experiments/training/lineage.py builds that one). The model is
+    training run's folder, or no file or folder at all: experiments/training/lineage.py builds
+    the one and refuses the other). The model is
     `init`'s architecture with the execution fields (EXECUTION) and the training config of
     `preset`; without one, of the preset named like the model (smollm2, gemma3-270m), else the
     fine-tuning defaults (config.FINETUNE_MODEL and FINETUNE_TRAIN); with `data`, the corpus is
     that text. ConfigError naming `init` (or `preset`) otherwise."""
-    kind = model_ref.resolve(init, "init").kind
+    try:
+        kind = model_ref.resolve(init, "init").kind
+    except ConfigError:
+        if not (Path(init) / "config.json").is_file():
+            return None  # neither a model nor a run: lineage.origin says what is allowed
+        raise
     if kind == "run":
         return None
     if preset is not None and preset not in PRESETS:
