@@ -7,10 +7,12 @@ restored alone from the Orbax checkpoint (a partial restore onto the host's firs
 written layer by layer, and dropped before the next, so the host never holds the whole model;
 of a mixed-precision run the fp32 master weights are exported, not the bf16 working copy.
 
-The tokenizer: a run started from a pretrained model (`train.init`, e.g. smollm2) has that
-model's BPE tokenizer; any other run is a byte model, whose ids are the UTF-8 bytes of the text,
-exported as a byte-level tokenizer.json with no merges (id = byte value). GGUF export needs the
-BPE tokenizer (llama.cpp has no byte vocabulary without merges).
+The tokenizer: a run started from a pretrained model (`train.init`, followed through runs to
+the root of the chain) has that model's: a registered model's or a .gguf file's, from its GGUF,
+or a Hugging Face folder's tokenizer files, copied as they are. A run from random weights is a
+byte model, whose ids are the UTF-8 bytes of the text, exported as a byte-level tokenizer.json
+with no merges (id = byte value). GGUF export needs a GGUF's tokenizer metadata (llama.cpp has
+no byte vocabulary without merges, and a Hugging Face tokenizer is not converted here).
 
 `export` writes everything into DIR.tmp-XXXX beside DIR and renames it into place at the end:
 an interrupted export leaves no half-written DIR.
