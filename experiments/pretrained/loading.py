@@ -128,12 +128,6 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer.tok.token_to_id("<|im_start|>") is not None
 
 
-def calibration_length(pre: Pretrained) -> int:
-    """Tokens per calibration row: CALIB_LEN, or the model's context when shorter (a run
-    trained on short sequences is calibrated on what it reads)."""
-    return min(CALIB_LEN, pre.cfg.max_len)
-
-
 def calibration_rows(tokenizer: BPETokenizer, n: int, length: int = CALIB_LEN) -> list:
     """n rows [1, length + 1] of consecutive tokens from the training topics (never the
     validation topics perplexity reads)."""
@@ -167,8 +161,7 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
     qcfg = qcfg or QuantConfig(mode=mode)
     graphdef, qparams, plan, report = run_quantize(
         pre.graphdef, jax.device_get(pre.params), qcfg,
-        lambda: calibration_rows(pre.tokenizer, qcfg.calib_batches, calibration_length(pre)),
-        error_report)
+        lambda: calibration_rows(pre.tokenizer, qcfg.calib_batches), error_report)
     return dataclasses.replace(pre, graphdef=graphdef, params=qparams, quant=mode,
                                quantized_fraction=quantized_fraction(pre.params, plan),
                                report=report)
