@@ -6,6 +6,7 @@ time of conftest. Single-device references run on a 1-device mesh inside the sam
 """
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -37,6 +38,8 @@ from parallel.devices import request_cpu_devices  # noqa: E402
 
 request_cpu_devices(8)
 
+from tests.helpers import cli  # noqa: E402  (after the device count: it imports JAX code)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
@@ -44,3 +47,20 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def n_devices() -> int:
     assert len(jax.devices()) == 8, "tests expect 8 fake CPU devices"
     return 8
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_run(tmp_path_factory):
+    """A finished run of the tiny byte-level preset, trained by `experiments.train` as a user
+    runs it: 2 steps on a text file, evaluated and checkpointed at step 2. (workdir, the summary
+    it printed). For the modules that read a finished run (test_run_journeys.py,
+    test_quant_cli.py, one xdist group): they may add to the folder (quant/), never change
+    what the run wrote."""
+    root = tmp_path_factory.mktemp("tiny_byte_run")
+    corpus = root / "corpus.txt"
+    corpus.write_text(open(json.__file__).read() * 4)
+    workdir = root / "run"
+    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "2",
+               "--eval-every", "2", "--ckpt-every", "2", "--data", str(corpus), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return workdir, json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,19 +7,16 @@ import shutil
 
 import pytest
 
-from tests.helpers import cli, one_line_error
+from tests.helpers import cli, cli_in_one_process, one_line_error
+
+# One worker runs this module and test_run_journeys.py: they read the same finished run
+# (conftest.tiny_byte_run), trained once per session.
+pytestmark = pytest.mark.xdist_group("tiny_byte_run")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("qcli")
-    corpus = tmp / "corpus.txt"
-    corpus.write_text(open(json.__file__).read() * 4)
-    workdir = tmp / "run"
-    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "2",
-               "--data", str(corpus), "--no-progress")
-    assert proc.returncode == 0, proc.stderr
-    return workdir
+def trained(tiny_byte_run):
+    return tiny_byte_run[0]
 
 
 def test_quantize_then_evaluate_and_sample(trained):
@@ -65,30 +62,60 @@ def test_outliers_beyond_the_capacity_are_warned_about(trained):
     assert (trained / "quant" / "w8a8-outlier" / "ckpt").is_dir()
 
 
-@pytest.mark.parametrize("args,fragments", [
+# Refused from the flags alone, before JAX starts: run in one process (`refused`).
+EARLY = [
     (["--mode", "w4a4"], ["mode='w4a4'", "w8a8"]),
     (["--mode", "w8a8", "--calib-batches", "0"], ["calib_batches=0", "1..1024"]),
     (["--mode", "w8a8", "--calib-batches", "1025"], ["calib_batches=1025", "1..1024"]),
     (["--mode", "smoothquant", "--alpha", "1.5"], ["alpha=1.5", "[0, 1]"]),
     (["--mode", "w8a8", "--alpha", "0.5"], ["alpha=0.5", "only for the modes that smooth"]),
-    (["--mode", "w8a8", "--include", "nothing/*"], ["select no module"]),
-])
-def test_bad_input_exits_2_and_writes_nothing(trained, args, fragments):
-    before = set(os.listdir(trained / "quant")) if (trained / "quant").exists() else set()
-    one_line_error(cli("quantize", "--workdir", str(trained), *args), *fragments)
-    after = set(os.listdir(trained / "quant")) if (trained / "quant").exists() else set()
+]
+HELP = ["quantize", "quant_table", "bench_int8"]
+
+
+def quant_folders(run):
+    return set(os.listdir(run / "quant")) if (run / "quant").exists() else set()
+
+
+@pytest.fixture(scope="module")
+def refused(trained, tmp_path_factory):
+    """EARLY's quantize refusals on the trained run, evaluate's and quantize's refusals on
+    folders that hold no run, and HELP's --help, in one process
+    (tests/helpers.cli_in_one_process): ({case: proc}, the scratch folder, the run's quant/
+    folders before and after)."""
+    tmp = tmp_path_factory.mktemp("refused")
+    cases = {i: ("quantize", ["--workdir", str(trained), *args])
+             for i, (args, _) in enumerate(EARLY)}
+    cases["evaluate int4"] = ("evaluate", ["--workdir", str(tmp), "--quant", "int4"])
+    cases["quantize no run"] = ("quantize", ["--workdir", str(tmp / "none"), "--mode", "w8"])
+    cases.update({module: (module, ["--help"]) for module in HELP})
+    before = quant_folders(trained)
+    procs = cli_in_one_process(list(cases.values()))
+    return dict(zip(cases, procs, strict=True)), tmp, before, quant_folders(trained)
+
+
+@pytest.mark.parametrize("case", range(len(EARLY)), ids=[a[0][-1] for a in EARLY])
+def test_bad_input_exits_2_and_writes_nothing(refused, case):
+    procs, _, before, after = refused
+    one_line_error(procs[case], *EARLY[case][1])
     assert after == before
 
 
-def test_evaluate_refuses_unknown_mode_and_missing_run(tmp_path):
-    one_line_error(cli("evaluate", "--workdir", str(tmp_path), "--quant", "int4"),
-                   "quant='int4'")
-    one_line_error(cli("quantize", "--workdir", str(tmp_path / "none"), "--mode", "w8"),
-                   "no config.json")
-    assert not (tmp_path / "none").exists()
+def test_a_rule_that_selects_nothing_exits_2_and_writes_nothing(trained):
+    before = quant_folders(trained)
+    one_line_error(cli("quantize", "--workdir", str(trained), "--mode", "w8a8", "--include",
+                       "nothing/*"), "select no module")
+    assert quant_folders(trained) == before
 
 
-@pytest.mark.parametrize("module", ["quantize", "quant_table", "bench_int8"])
-def test_help(module):
-    proc = cli(module, "--help")
+def test_evaluate_refuses_unknown_mode_and_missing_run(refused):
+    procs, tmp, _, _ = refused
+    one_line_error(procs["evaluate int4"], "quant='int4'")
+    one_line_error(procs["quantize no run"], "no config.json")
+    assert not (tmp / "none").exists()
+
+
+@pytest.mark.parametrize("module", HELP)
+def test_help(refused, module):
+    proc = refused[0][module]
     assert proc.returncode == 0 and "--" in proc.stdout

@@ -26,16 +26,16 @@ def _rows(workdir: Path) -> list[dict]:
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+# One worker runs this module and test_quant_cli.py: they read the same finished run, trained
+# once per session.
+pytestmark = pytest.mark.xdist_group("tiny_byte_run")
+
+
 @pytest.fixture(scope="module")
-def byte_run(tmp_path_factory):
-    """A finished tiny byte-level run on a text file: (workdir, its summary)."""
-    root = tmp_path_factory.mktemp("journeys")
-    corpus = root / "corpus.txt"
-    corpus.write_text(open(json.__file__).read() * 4)
-    workdir = root / "a"
-    proc = cli("train", "--workdir", str(workdir), "--preset", "tiny", "--steps", "2",
-               "--eval-every", "2", "--ckpt-every", "2", "--data", str(corpus), "--no-progress")
-    return workdir, _last_json(proc)
+def byte_run(tiny_byte_run):
+    """A finished tiny byte-level run on a text file: (workdir, its summary)
+    (conftest.tiny_byte_run)."""
+    return tiny_byte_run
 
 
 def test_train_writes_its_summary_and_records_its_data(byte_run):
