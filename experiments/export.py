@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError("out: give the folder to write with --out DIR")
         if args.format not in FORMATS:
             raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
-        check_source(args.model, args.layers, args.step)
+        check_source(args.model, args.layers, args.step, args.workdir)
         check_quant(args.quant, args.format)
         check_out(args.out, args.force)
         if args.record is not None:

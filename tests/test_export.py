@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import exporter
+from experiments.pretrained.export_checks import check_source
 from experiments.training.restore import restore_params
 from experiments.training.trainer import train_and_evaluate
 from model.config import ModelConfig
@@ -243,6 +244,12 @@ def test_bad_input_writes_nothing(mixed_run, tmp_path):
         exporter.pretrained_source(str(workdir), step=7)
     with pytest.raises(ConfigError, match="step=1: only for a training run"):
         exporter.pretrained_source("smollm2", step=1)
+    # the launcher's JAX-free check: a step the run has passes, one it lacks is refused, the
+    # run given as --workdir (model None) or as --model
+    for model, workdir_flag in ((None, str(workdir)), (str(workdir), None)):
+        check_source(model, None, 1, workdir_flag)
+        with pytest.raises(ConfigError, match=r"step=7: no such checkpoint \(steps in .*: 1\)"):
+            check_source(model, None, 7, workdir_flag)
     with pytest.raises(ConfigError, match="model='llama3': allowed smollm2"):
         exporter.pretrained_source("llama3")
     with pytest.raises(ConfigError, match="layers=0: must be in 1..2"):

@@ -67,7 +67,8 @@ FIELD_HELP = {
     "devices": "fake CPU devices (none: 8 on a CPU-only machine)",
     "data": "text file or folder to train on (none: the corpus)",
     "corpus": "stdlib (the Python sources) or pydoc-topics, when --data is not given",
-    "init": "start from pretrained weights (smollm2) or a finished run's folder (its newest "
+    "init": "start from pretrained weights (smollm2, gemma3-270m, a .gguf file or a Hugging "
+            "Face folder: its architecture and tokenizer) or a finished run's folder (its newest "
             "intact checkpoint, model and tokenizer; a new schedule)",
     "val_percent": "percent of the data held out for validation",
     "on_nonfinite": "a NaN/Inf loss or gradient: stop or skip the step",
@@ -168,7 +169,7 @@ def config_from_args(args: argparse.Namespace, base: Config | None = None,
                  dataclasses.replace(base.model, **field_overrides(args, ModelConfig)),
                  dataclasses.replace(base.train, **train))
     cfg.validate()
-    if new_run and cfg.train.init not in (None, *PRETRAINED_INITS):
+    if new_run and cfg.train.init is not None and cfg.train.init not in PRETRAINED_INITS:
         lineage.check_same_model(cfg.train.init, cfg)
     return cfg
 

@@ -18,15 +18,20 @@ _NO_Q8 = {"w8a8-rotated": "its Hadamard rotation of every int8 product's input",
           "w8a8-tensor": "its per-tensor activation scale"}
 
 
-def check_source(model: str | None, layers: int | None, step: int | None = None) -> None:
+def check_source(model: str | None, layers: int | None, step: int | None = None,
+                 workdir: str | None = None) -> None:
     """What can be judged of the export's source before anything is read: a model reference
     an export can start from (a registered name, a .gguf file or a run folder; a Hugging Face
     folder already is an export), a positive layer count (its upper bound needs the model), a
-    step only for a training run (--workdir RUN or --model RUN)."""
+    step only for a training run (--workdir RUN or --model RUN), and one of its intact
+    checkpoints."""
     kind = model_ref.resolve(model).kind if model is not None else "run"
     if step is not None and kind != "run":
         raise ConfigError(f"step={step}: only for a training run (--workdir RUN or --model RUN); "
                           f"model={model!r} has no steps")
+    run = model if model is not None else workdir
+    if step is not None and run is not None and (Path(run) / "config.json").is_file():
+        model_ref.check_step(run, step)
     if kind == "hf":
         raise ConfigError(f"model={model!r}: a Hugging Face folder is what an export writes; "
                           f"export from {', '.join(model_ref.REGISTERED)}, a .gguf file or a run "
