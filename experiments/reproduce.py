@@ -22,8 +22,9 @@ After each experiment the runner checks the claim its table makes on the results
 as failed.
 
 Some experiments need what this project does not install: the PyTorch side (set
-$SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md) or an NVIDIA
-GPU. Without it they are skipped, with the reason, and not re-measured (a full run leaves their
+$SHARDQ_TORCH_PYTHON to the reference environment's interpreter, docs/testing.md), llama.cpp's
+tools (set $SHARDQ_LLAMA_CPP to their folder, docs/decoding_and_gpu.md) or an NVIDIA GPU.
+Without it they are skipped, with the reason, and not re-measured (a full run leaves their
 committed results as they are); so is an experiment whose prerequisite (a training run it
 reads) did not pass. --only adds an experiment's prerequisites. The training runs go to
 --runs; in the runner's own folder (the default, or one it created) each run replaces the

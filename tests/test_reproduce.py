@@ -97,6 +97,15 @@ def test_what_a_machine_lacks_is_skipped_not_failed(tmp_path, monkeypatch):
     gpu = _stand_in("gpu", write, (), needs="gpu")
     assert runner.missing_need(gpu, gpu=lambda: False).startswith("needs an NVIDIA GPU")
     assert runner.missing_need(gpu, gpu=lambda: True) is None
+    peer = _stand_in("peer", write, (), needs="llama_cpp")
+    monkeypatch.delenv("SHARDQ_LLAMA_CPP", raising=False)
+    assert "no tools named" in runner.missing_need(peer)
+    monkeypatch.setenv("SHARDQ_LLAMA_CPP", str(tmp_path))
+    assert "holds no executable llama-quantize" in runner.missing_need(peer)
+    for tool in runner.LLAMA_CPP_TOOLS:
+        (tmp_path / tool).write_text("#!/bin/sh\n")
+        (tmp_path / tool).chmod(0o755)
+    assert runner.missing_need(peer) is None
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine")

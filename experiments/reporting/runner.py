@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.cli.config import TORCH_PYTHON_ENV
+from experiments.cli.config import TORCH_PYTHON_ENV, ConfigError
 from experiments.reporting.provenance import environment, stamp
 from experiments.reporting.registry.experiment import Experiment, torch_python
 from experiments.reporting.results_io import (
@@ -34,6 +34,7 @@ from experiments.reporting.results_io import (
     project_relative,
     write_result,
 )
+from experiments.speed import llama_cpp
 
 # In a runs folder the runner made: its training runs may be replaced by the next run.
 SCRATCH_MARK = ".reproduce-scratch"
@@ -51,6 +52,10 @@ def _backend_is_nvidia_gpu() -> bool:
     return out.stdout.strip().endswith("True")
 
 
+# The llama.cpp tools an experiment that `needs` llama_cpp runs.
+LLAMA_CPP_TOOLS = ("llama-quantize", llama_cpp.PERPLEXITY)
+
+
 def missing_need(exp: Experiment, gpu: Callable[[], bool] = _backend_is_nvidia_gpu) -> str | None:
     """Why `exp` cannot run on this machine (None: it can)."""
     if exp.needs == "torch":
@@ -62,6 +67,13 @@ def missing_need(exp: Experiment, gpu: Callable[[], bool] = _backend_is_nvidia_g
             return f"${TORCH_PYTHON_ENV}={python!r} is not an executable file"
     if exp.needs == "gpu" and not gpu():
         return "needs an NVIDIA GPU (JAX's backend here is not one)"
+    if exp.needs == "llama_cpp":
+        try:
+            tools, why = llama_cpp.locate(None, need=LLAMA_CPP_TOOLS)
+        except ConfigError as e:
+            return str(e)
+        if tools is None:
+            return why
     return None
 
 

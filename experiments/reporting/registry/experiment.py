@@ -13,7 +13,7 @@ from experiments.cli.config import TORCH_PYTHON_ENV
 from experiments.reporting.results_io import project_relative
 
 # What an experiment may need beyond this project's environment (see runner.missing_need).
-NEEDS = ("torch", "gpu")
+NEEDS = ("torch", "gpu", "llama_cpp")
 
 # A claim: the results folder and whether the run was quick -> None when it holds, else a line
 # saying what does not.

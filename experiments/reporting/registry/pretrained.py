@@ -268,7 +268,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         argv=launcher("llama_cpp_int8", "--out", "{results}/llama_cpp_int8.json"),
         quick_argv=launcher("llama_cpp_int8", "--layers", "2", "--modes", "w8a8",
                             "--chunks", "2", "--out", "{results}/llama_cpp_int8.json"),
-        outputs=("llama_cpp_int8.json",),
+        outputs=("llama_cpp_int8.json",), needs="llama_cpp",
         expected_s=600, quick_expected_s=60,
         feeds="llama.cpp's perplexity of our Q8_0 exports (docs/smollm2_export.md)",
         claim=holds("llama_cpp_int8.json", "every file was measured on the same windows (finite "

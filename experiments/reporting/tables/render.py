@@ -11,7 +11,15 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.reporting.tables import gemma3, pretrained, quant, speed, training, zero
+from experiments.reporting.tables import (
+    export_q8,
+    gemma3,
+    pretrained,
+    quant,
+    speed,
+    training,
+    zero,
+)
 from experiments.reporting.tables.common import RESULTS, SHOWN, load
 from experiments.reporting.tables.headline import headline, headline_gpu
 
@@ -54,6 +62,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "gemma3_quant": ("gemma3_quant.json", gemma3.gemma3_quant),
     "gemma3_embed_int8": ("gemma3_embed_int8.json", pretrained.embed_int8),
     "smollm2_embed_int8": ("smollm2_embed_int8.json", pretrained.embed_int8),
+    "llama_cpp_int8": ("llama_cpp_int8.json", export_q8.llama_cpp_int8),
 }
 
 # Sections whose renderer reads several results files: it gets the results folder instead.
