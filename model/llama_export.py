@@ -48,18 +48,6 @@ class ExportError(ValueError):
     """A model a format has no place for (launchers print it on one line, exit 2)."""
 
 
-def check_llama(cfg: ModelConfig) -> None:
-    """Whether the model has the Llama layout: a gated SwiGLU MLP and none of the other
-    families' fields."""
-    if cfg.mlp != "swiglu":
-        raise ExportError(f"mlp={cfg.mlp!r}: the Llama layout needs mlp='swiglu' (a GELU MLP "
-                          f"has no LlamaForCausalLM or llama.cpp counterpart)")
-    for field in ("qkv_bias", "qk_norm", "sliding_window", "head_size"):
-        if getattr(cfg, field):
-            raise ExportError(f"{field}={getattr(cfg, field)!r}: the Llama layout has no "
-                              f"place for it (only Llama-architecture models are exported)")
-
-
 def family(cfg: ModelConfig) -> str:
     """The Hugging Face model_type whose fields the model uses (the writers check that the
     config they write reads back as `cfg`). ExportError for a model no family has."""
