@@ -4,6 +4,7 @@
   python -m experiments.export --model smollm2 --format safetensors --out exports/smollm2
   python -m experiments.export --model smollm2 --layers 2 --format gguf --out exports/s2
   python -m experiments.export --model smollm2 --quant smoothquant --format gguf --out exports/sq
+  python -m experiments.export --model path/to/hf_folder --format gguf --out exports/mine
 
 safetensors: DIR/model.safetensors (Hugging Face tensor names, [out, in] kernels, float32),
 config.json of the model's family (llama, mistral, qwen2, qwen3 or gemma3_text),
@@ -16,7 +17,11 @@ and embedding, and every int8 weight is written as Q8_0 (one block scale per row
 scale in fp16; SmoothQuant's factors folded into the float norms and kernels), which llama.cpp
 runs. Both also write shardq_export.json (what was exported); --record FILE keeps the summary. A
 run (--workdir RUN, or --model RUN) is read one parameter at a time from its newest intact
-checkpoint (or --step); a mixed-precision run exports its fp32 master weights. A byte model's
+checkpoint (or --step); a mixed-precision run exports its fp32 master weights. A Hugging Face
+folder (--model FOLDER) is read one tensor at a time and exports to either format; to GGUF
+(llama or gemma3_text on Gemma 3's layer conventions) its tokenizer.json must be a byte-level
+BPE whose pre-tokenizer llama.cpp names (GPT-2's regex, or digits split first), written as
+tokenizer.ggml.* keys; any other tokenizer is refused. A byte model's
 tokenizer.json maps each UTF-8 byte to its own id. `--layers N` keeps the first N blocks. The
 folder is written beside DIR and renamed into place; an existing non-empty DIR needs --force.
 Prints a JSON summary last.
@@ -43,8 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None, help="a training run's folder")
     p.add_argument("--model", default=None, metavar="REF",
-                   help="the model: smollm2, gemma3-270m, a .gguf file or a training run's "
-                        "folder")
+                   help="the model: smollm2, gemma3-270m, a .gguf file, a Hugging Face folder "
+                        "(config.json + safetensors + tokenizer.json) or a training run's folder")
     p.add_argument("--step", type=int, default=None,
                    help="a training run's checkpoint step (default: the newest intact one)")
     p.add_argument("--quant", default="none", metavar="MODE",
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError("out: give the folder to write with --out DIR")
         if args.format not in FORMATS:
             raise ConfigError(f"format={args.format!r}: allowed {', '.join(FORMATS)}")
-        check_source(args.model, args.layers, args.step, args.workdir)
+        check_source(args.model, args.layers, args.step, args.workdir, args.format)
         check_quant(args.quant, args.format)
         check_out(args.out, args.force)
         if args.record is not None:

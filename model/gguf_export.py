@@ -11,6 +11,7 @@ model/llama_gguf.py). The file is read back once written and its config compared
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,12 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.llama_export import GGUF_ARCH, ExportError, family, mismatch, plan, tensors
-from model.llama_gguf import GEMMA3_GLOBAL_EVERY, config_from_gguf
+from model.llama_gguf import (
+    GEMMA3_GLOBAL_EVERY,
+    GEMMA3_LOCAL_BASE,
+    GEMMA3_QUERY_PRE_ATTN_SCALAR,
+    config_from_gguf,
+)
 
 _ARRAY_TYPES = {"int8": "INT8", "uint8": "UINT8", "int16": "INT16", "uint16": "UINT16",
                 "int32": "INT32", "uint32": "UINT32", "int64": "INT64", "uint64": "UINT64",
@@ -51,6 +57,21 @@ def gguf_arch(cfg: ModelConfig) -> str:
                           f"{', '.join(GGUF_ARCH)} (the architectures shardq's GGUF reader "
                           f"reads back); use --format safetensors")
     return GGUF_ARCH[kind]
+
+
+def check_gguf(cfg: ModelConfig) -> str:
+    """The GGUF architecture, and for gemma3 the conventions its readers assume checked
+    without writing anything (ExportError naming the first field off them); `write_gguf` still
+    compares the written file's config."""
+    arch = gguf_arch(cfg)
+    if arch == "gemma3":
+        assumed = dataclasses.replace(
+            cfg, layer_pattern="".join("g" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "s"
+                                       for i in range(cfg.n_layers)),
+            rope_local_base=GEMMA3_LOCAL_BASE, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+            final_softcap=0.0)
+        mismatch(cfg, assumed, "a gemma3 GGUF")
+    return arch
 
 
 def _architecture_keys(w: GGUFWriter, cfg: ModelConfig, arch: str, context_length: int) -> None:

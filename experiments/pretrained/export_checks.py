@@ -7,6 +7,10 @@ from pathlib import Path
 
 from experiments.cli.config import ConfigError, check_output_folder
 from experiments.pretrained import model_ref
+from model.gguf_export import check_gguf
+from model.gguf_tokenizer import TokenizerExportError, tokenizer_metadata
+from model.hf_decoder import HFError, config_from_hf, read_config
+from model.llama_export import ExportError
 
 # The int8 modes whose model a GGUF holds as Q8_0: per-row int8 weights with the smoothing
 # folded into float norms and kernels. The others need what llama.cpp's graph has no place for.
@@ -19,12 +23,12 @@ _NO_Q8 = {"w8a8-rotated": "its Hadamard rotation of every int8 product's input",
 
 
 def check_source(model: str | None, layers: int | None, step: int | None = None,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, fmt: str = "safetensors") -> None:
     """What can be judged of the export's source before anything is read: a model reference
-    an export can start from (a registered name, a .gguf file or a run folder; a Hugging Face
-    folder already is an export), a positive layer count (its upper bound needs the model), a
-    step only for a training run (--workdir RUN or --model RUN), and one of its intact
-    checkpoints."""
+    (a registered name, a .gguf file, a Hugging Face folder or a run folder), a positive layer
+    count (its upper bound needs the model, a Hugging Face folder's config says it), a step
+    only for a training run (--workdir RUN or --model RUN), and one of its intact checkpoints;
+    a Hugging Face folder to GGUF: an architecture a GGUF holds and a tokenizer it can hold."""
     kind = model_ref.resolve(model).kind if model is not None else "run"
     if step is not None and kind != "run":
         raise ConfigError(f"step={step}: only for a training run (--workdir RUN or --model RUN); "
@@ -32,12 +36,25 @@ def check_source(model: str | None, layers: int | None, step: int | None = None,
     run = model if model is not None else workdir
     if step is not None and run is not None and (Path(run) / "config.json").is_file():
         model_ref.check_step(run, step)
-    if kind == "hf":
-        raise ConfigError(f"model={model!r}: a Hugging Face folder is what an export writes; "
-                          f"export from {', '.join(model_ref.REGISTERED)}, a .gguf file or a run "
-                          f"folder")
     if layers is not None and layers < 1:
         raise ConfigError(f"layers={layers}: must be a positive integer")
+    if kind == "hf":
+        _check_hf(Path(model), layers, fmt)
+
+
+def _check_hf(folder: Path, layers: int | None, fmt: str) -> None:
+    where = repr(str(folder / "config.json"))
+    try:
+        hf = read_config(folder)
+        available = config_from_hf(hf, where).n_layers
+        if layers is not None and layers > available:
+            raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
+        if fmt == "gguf":
+            cfg = config_from_hf(hf, where, layers)
+            check_gguf(cfg)
+            tokenizer_metadata(folder, cfg.vocab_size)
+    except (HFError, ExportError, TokenizerExportError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def check_quant(quant: str, fmt: str) -> None:

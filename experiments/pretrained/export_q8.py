@@ -51,7 +51,7 @@ def quantized_params(source: Source, mode: str, alpha: float | None = None
     untied), and the module paths made int8."""
     if mode not in Q8_MODES:
         raise ConfigError(f"quant={mode!r}: allowed {', '.join(Q8_MODES)}")
-    if source.gguf is None:
+    if source.gguf is None and not source.hf_model:
         what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
                 if source.hf_folder is not None else "a byte model")
         raise ConfigError(f"quant={mode!r}: a Q8_0 GGUF needs the tokenizer of a GGUF; this "

@@ -2,17 +2,20 @@
 mistral, qwen2, qwen3 or gemma3_text) or to a GGUF file (llama or gemma3).
 
 Two sources: a training run's newest intact checkpoint (`run_source`), or a pretrained model as
-it ships (`pretrained_source`). A run is read one parameter leaf at a time: each leaf is
-restored alone from the Orbax checkpoint (a partial restore onto the host's first CPU device),
-written layer by layer, and dropped before the next, so the host never holds the whole model;
-of a mixed-precision run the fp32 master weights are exported, not the bf16 working copy.
+it ships (`pretrained_source`: a registered name, a .gguf file or a Hugging Face folder, whose
+safetensors are read one parameter at a time). A run is read one parameter leaf at a time: each
+leaf is restored alone from the Orbax checkpoint (a partial restore onto the host's first CPU
+device), written layer by layer, and dropped before the next, so the host never holds the whole
+model; of a mixed-precision run the fp32 master weights are exported, not the bf16 working copy.
 
 The tokenizer: a run started from a pretrained model (`train.init`, followed through runs to
 the root of the chain) has that model's: a registered model's or a .gguf file's, from its GGUF,
 or a Hugging Face folder's tokenizer files, copied as they are. A run from random weights is a
 byte model, whose ids are the UTF-8 bytes of the text, exported as a byte-level tokenizer.json
-with no merges (id = byte value). GGUF export needs a GGUF's tokenizer metadata (llama.cpp has
-no byte vocabulary without merges, and a Hugging Face tokenizer is not converted here).
+with no merges (id = byte value). GGUF export needs tokenizer metadata: a GGUF's, or a Hugging
+Face folder's byte-level BPE converted by model/gguf_tokenizer.py when the folder itself is
+exported (llama.cpp has no byte vocabulary without merges; a run from a folder keeps the
+folder's files for safetensors only).
 
 `export` writes everything into DIR.tmp-XXXX beside DIR and renames it into place at the end:
 an interrupted export leaves no half-written DIR.
@@ -41,8 +44,9 @@ from experiments.training import integrity, lineage
 from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
-from model.gguf_export import gguf_arch, write_gguf
-from model.hf_decoder import expected_shapes, read_config
+from model.gguf_export import check_gguf, write_gguf
+from model.gguf_tokenizer import TokenizerExportError, tokenizer_metadata
+from model.hf_decoder import HFError, config_from_hf, expected_shapes, iter_params, read_config
 from model.hf_export import (
     byte_tokenizer,
     generation_config,
@@ -73,7 +77,8 @@ class Source:
     quant: str = "none"  # the int8 mode (experiments/pretrained/export_q8.py)
     quant_info: dict | None = None
     registered: str | None = None  # the registered model `gguf` belongs to (its tokenizer cache)
-    hf_folder: Path | None = None  # a run from a Hugging Face folder: its tokenizer files
+    hf_folder: Path | None = None  # a Hugging Face folder, or a run from one: its tokenizer
+    hf_model: bool = False  # the folder itself is exported: its tokenizer may become GGUF keys
 
     def tokenizer(self):
         """The tokenizer of the model (None: a byte model)."""
@@ -95,19 +100,55 @@ def _check_layers(layers: int | None, available: int) -> None:
         raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
 
 
+def hf_reader(folder: Path, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
+    """`read(path)` over a Hugging Face folder's safetensors: `iter_params` walks the leaves
+    in `expected_shapes` order, the order the writers ask for them, so each leaf is read once
+    and dropped before the next; a leaf asked for out of order restarts the walk."""
+    walk: list = [None]
+
+    def read(path: str) -> np.ndarray:
+        try:
+            for _ in range(2):
+                if walk[0] is None:
+                    walk[0] = iter_params(folder, cfg)
+                for found, array in walk[0]:
+                    if found == path:
+                        return array
+                walk[0] = None
+        except HFError as e:
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"{path}: no such parameter in {str(folder)!r}")
+
+    return read
+
+
+def hf_source(folder: str | Path, layers: int | None = None) -> Source:
+    """A Hugging Face folder as it is, read one parameter at a time."""
+    folder = Path(folder)
+    where = repr(str(folder / "config.json"))
+    try:
+        hf = read_config(folder)
+        _check_layers(layers, config_from_hf(hf, where).n_layers)
+        cfg = config_from_hf(hf, where, layers)
+    except HFError as e:
+        raise ConfigError(str(e)) from None
+    return Source(str(folder), cfg, hf_reader(folder, cfg), None, hf_folder=folder,
+                  hf_model=True)
+
+
 def pretrained_source(name: str, layers: int | None = None,
                       step: int | None = None) -> Source:
     """A model reference's float32 weights: a registered model or a .gguf file as it is (the
     whole model is dequantised in memory: it is the GGUF file itself that is the streaming
-    source here), or a run folder's newest intact checkpoint (or `step`: `run_source`)."""
+    source here), a Hugging Face folder (`hf_source`), or a run folder's newest intact
+    checkpoint (or `step`: `run_source`)."""
     ref = model_ref.resolve(name)
     if ref.kind == "run":
         return run_source(name, layers, step)
-    if ref.kind != "name" and ref.kind != "gguf":
-        raise ConfigError(f"model={name!r}: allowed {', '.join(model_ref.REGISTERED)}, a .gguf "
-                          f"file or a run folder")
     if step is not None:
         raise ConfigError(f"step={step}: only for a training run (model={name!r} has no steps)")
+    if ref.kind == "hf":
+        return hf_source(ref.ref, layers)
     path = Path(ref.ref) if ref.kind == "gguf" else registered.gguf_path(name)
     _check_layers(layers, config_from_gguf(GGUFFile(path)).n_layers)
     cfg, params, g = load_gguf(path, n_layers=layers)
@@ -192,7 +233,7 @@ def check_format(fmt: str, source: Source) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"format={fmt!r}: allowed {', '.join(FORMATS)}")
     check_quant(source.quant, fmt)
-    if fmt == "gguf" and source.gguf is None:
+    if fmt == "gguf" and source.gguf is None and not source.hf_model:
         what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
                 if source.hf_folder is not None else "a byte model")
         raise ConfigError(f"format='gguf': needs the tokenizer of a GGUF (a run started from "
@@ -256,6 +297,17 @@ def _file_context(g: GGUFFile) -> int:
     return g.get_int(f"{g.get_str('general.architecture')}.context_length")
 
 
+def gguf_metadata(source: Source) -> dict:
+    """The GGUF keys the written file copies (the tokenizer's): the source GGUF's, or the
+    Hugging Face folder's tokenizer converted (ConfigError, one line, when it cannot be)."""
+    if source.gguf is not None:
+        return source.gguf.metadata
+    try:
+        return tokenizer_metadata(source.hf_folder, source.cfg.vocab_size)
+    except TokenizerExportError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _write(folder: Path, source: Source, fmt: str) -> dict:
     cfg = source.cfg
     ctx = _context_length(source)
@@ -271,8 +323,8 @@ def _write(folder: Path, source: Source, fmt: str) -> dict:
         written["model_type"] = config["model_type"]
     else:
         written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
-                             metadata=source.gguf.metadata, q8=source.q8)
-        written["tokenizer"] = _tokenizer_kind(source.gguf)
+                             metadata=gguf_metadata(source), q8=source.q8)
+        written["tokenizer"] = "bpe" if source.gguf is None else _tokenizer_kind(source.gguf)
     return written
 
 
@@ -283,7 +335,7 @@ def export(source: Source, fmt: str, out: str | Path, force: bool = False) -> di
     try:
         family(source.cfg)
         if fmt == "gguf":
-            gguf_arch(source.cfg)
+            check_gguf(source.cfg)
     except ExportError as e:
         raise ConfigError(str(e)) from None
     rss_before = _peak_rss()

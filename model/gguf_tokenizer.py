@@ -1,0 +1,204 @@
+"""A Hugging Face folder's byte-level BPE tokenizer as GGUF tokenizer metadata
+(`tokenizer.ggml.*`), so a GGUF exported from the folder tokenizes as the folder does, in
+shardq's GGUF reader (model/tokenizer.py) and in llama.cpp.
+
+Only what both readers rebuild exactly is written; anything else is refused in one line rather
+than written as a file that tokenizes differently:
+  model          BPE over byte-level symbols (no byte fallback, no word prefixes or suffixes,
+                 merges not skipped), written as `tokenizer.ggml.model` gpt2;
+  normalizer     none;
+  pre-tokenizer  GPT-2's regex (`ByteLevel` with its regex and no prefix space), alone or
+                 after every number character split off (`Digits` one at a time, or a
+                 `Split` on \\p{N}), written as a `tokenizer.ggml.pre` name that llama.cpp
+                 (LLAMA_CPP_PRE, from its llama-vocab.cpp) and model/tokenizer.py both map to
+                 that split: smollm for the digits; llama.cpp calls GPT-2's regex alone
+                 gpt-2, a name model/tokenizer.py does not read, so such a folder is refused;
+  added tokens   special ones (control tokens, matched whole); a non-special added token or
+                 one that strips its neighbours' spaces has no equal in the readers.
+BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
+`add_bos_token` and a string chat template. Ids must run 0..n-1; a model whose embedding has
+more rows than the tokenizer has tokens gets `[PADi]` tokens of type unused, as llama.cpp's
+converter writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType
+
+from model.tokenizer import PRE_TOKENIZER_SPLITS
+
+NORMAL, CONTROL, UNUSED = 1, 3, 5  # llama.cpp token types
+# llama.cpp's pre-tokenizer names, by the split that comes before GPT-2's regex (None: none).
+LLAMA_CPP_PRE = {None: ("gpt-2",), r"\p{N}": ("smollm",)}
+_STR, _U32, _BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
+_STR_ARRAY = (GGUFValueType.ARRAY, GGUFValueType.STRING)
+_I32_ARRAY = (GGUFValueType.ARRAY, GGUFValueType.INT32)
+
+
+class TokenizerExportError(ValueError):
+    """A tokenizer a GGUF cannot hold so that its readers tokenize as the folder does; one
+    line naming the file."""
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerExportError(f"{str(path)!r}: not readable JSON "
+                                   f"({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise TokenizerExportError(f"{str(path)!r}: not a JSON object")
+    return data
+
+
+def _byte_level(p) -> bool:
+    """GPT-2's byte-level split (tokenizers' defaults: a prefix space and the regex)."""
+    return (isinstance(p, dict) and p.get("type") == "ByteLevel"
+            and not p.get("add_prefix_space", True) and p.get("use_regex", True))
+
+
+def _number_split(p) -> bool:
+    """Every number character (\\p{N}) a piece of its own."""
+    if not isinstance(p, dict):
+        return False
+    if p.get("type") == "Digits":
+        return bool(p.get("individual_digits"))
+    return (p.get("type") == "Split" and p.get("pattern") == {"Regex": r"\p{N}"}
+            and p.get("behavior") == "Isolated" and not p.get("invert", False))
+
+
+_NOT_GPT2 = "not GPT-2's"
+
+
+def _first_split(pre):
+    """The split tokenizer.json's `pre_tokenizer` makes before GPT-2's byte-level regex (None:
+    none; _NOT_GPT2: it is no such pre-tokenizer)."""
+    if _byte_level(pre):
+        return None
+    if isinstance(pre, dict) and pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        if len(parts) == 2 and _number_split(parts[0]) and _byte_level(parts[1]):
+            return r"\p{N}"
+    return _NOT_GPT2
+
+
+def pre_name(pre) -> str:
+    """The GGUF pre-tokenizer name whose split, in llama.cpp and in model/tokenizer.py, equals
+    tokenizer.json's `pre_tokenizer`; TokenizerExportError naming it when there is none."""
+    split = _first_split(pre)
+    names = LLAMA_CPP_PRE.get(split, ())
+    for name in names:
+        if name in PRE_TOKENIZER_SPLITS and PRE_TOKENIZER_SPLITS[name] == split:
+            return name
+    why = (f"llama.cpp names it {', '.join(map(repr, names))}, which shardq's GGUF reader does "
+           f"not read" if names else "no GGUF pre-tokenizer name both llama.cpp and shardq "
+           "read splits text so (known: digits one at a time, then GPT-2's ByteLevel regex)")
+    raise TokenizerExportError(f"pre_tokenizer {_describe(pre)}: {why}")
+
+
+def _describe(pre) -> str:
+    if not isinstance(pre, dict):
+        return repr(pre)
+    if pre.get("type") == "Sequence":
+        return "Sequence[" + ", ".join(_describe(p) for p in pre.get("pretokenizers") or []) + "]"
+    return str(pre.get("type"))
+
+
+def _check_model(model: dict, where: str) -> None:
+    if model.get("type") != "BPE":
+        raise TokenizerExportError(f"{where}: model {model.get('type')!r} is not a byte-level "
+                                   f"BPE (a GGUF is written for byte-level BPE tokenizers only)")
+    for key, ok in (("byte_fallback", (False, None)), ("ignore_merges", (False, None)),
+                    ("dropout", (None,)), ("continuing_subword_prefix", (None, "")),
+                    ("end_of_word_suffix", (None, ""))):
+        if model.get(key) not in ok:
+            raise TokenizerExportError(f"{where}: BPE {key}={model.get(key)!r} has no GGUF "
+                                       f"form (allowed {ok[0]!r})")
+
+
+def _merges(model: dict, where: str) -> list[str]:
+    out = []
+    for m in model.get("merges") or []:
+        pair = m.split(" ") if isinstance(m, str) else list(m)
+        if len(pair) != 2 or any(" " in p for p in pair):
+            raise TokenizerExportError(f"{where}: merge {m!r} is not two tokens without spaces")
+        out.append(" ".join(pair))
+    return out
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
+    """{key: (value type, value)} (as `model.gguf.GGUFFile.metadata` holds it) of the folder's
+    tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise."""
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    where = repr(str(path))
+    if not path.is_file():
+        raise TokenizerExportError(f"{str(folder)!r}: no tokenizer.json")
+    tok = _json(path)
+    model = tok.get("model") or {}
+    _check_model(model, where)
+    if tok.get("normalizer") is not None:
+        raise TokenizerExportError(f"{where}: normalizer "
+                                   f"{_describe(tok['normalizer'])} has no GGUF form")
+    try:
+        pre = pre_name(tok.get("pre_tokenizer"))
+    except TokenizerExportError as e:
+        raise TokenizerExportError(f"{where}: {e}") from None
+    vocab = dict(model.get("vocab") or {})
+    types = {}
+    for added in tok.get("added_tokens") or []:
+        text = added.get("content")
+        if not added.get("special") or any(added.get(k) for k in
+                                           ("lstrip", "rstrip", "single_word", "normalized")):
+            raise TokenizerExportError(f"{where}: added token {text!r} is not a plain special "
+                                       f"token (non-special, stripping or normalized added "
+                                       f"tokens have no GGUF form shardq reads back)")
+        vocab[text] = added["id"]
+        types[added["id"]] = CONTROL
+    n = len(vocab)
+    tokens: list[str | None] = [None] * n
+    for text, i in vocab.items():
+        if not 0 <= i < n or tokens[i] is not None:
+            raise TokenizerExportError(f"{where}: token ids do not run 0..{n - 1} once each "
+                                       f"(token {text!r} has id {i})")
+        tokens[i] = text
+    if n > vocab_size:
+        raise TokenizerExportError(f"{where}: {n} tokens for a model of {vocab_size} embedding "
+                                   f"rows")
+    tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]
+    token_types = np.array([types.get(i, NORMAL) for i in range(n)]
+                           + [UNUSED] * (vocab_size - n), np.int32)
+    meta = {"tokenizer.ggml.model": (_STR, "gpt2"), "tokenizer.ggml.pre": (_STR, pre),
+            "tokenizer.ggml.tokens": (_STR_ARRAY, tokens),
+            "tokenizer.ggml.token_type": (_I32_ARRAY, token_types),
+            "tokenizer.ggml.merges": (_STR_ARRAY, _merges(model, where))}
+    conf_path = folder / "tokenizer_config.json"
+    conf = _json(conf_path) if conf_path.is_file() else {}
+    hf = _json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    for key, field in (("bos", "bos"), ("eos", "eos"), ("padding", "pad"), ("unknown", "unk")):
+        text = _token_text(conf.get(f"{field}_token"))
+        if text is not None and text not in vocab:
+            raise TokenizerExportError(f"{str(conf_path)!r}: {field}_token {text!r} is not a "
+                                       f"token")
+        i = vocab[text] if text is not None else hf.get(f"{field}_token_id")
+        i = i[0] if isinstance(i, list) and i else i
+        if isinstance(i, int) and 0 <= i < n:
+            meta[f"tokenizer.ggml.{key}_token_id"] = (_U32, i)
+    if "tokenizer.ggml.eos_token_id" not in meta:  # shardq's reader needs one
+        raise TokenizerExportError(f"{str(folder)!r}: no EOS token (tokenizer_config.json's "
+                                   f"eos_token or config.json's eos_token_id)")
+    meta["tokenizer.ggml.add_bos_token"] = (_BOOL, bool(conf.get("add_bos_token", False)))
+    if isinstance(conf.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = (_STR, conf["chat_template"])
+    meta["general.name"] = (_STR, folder.resolve().name)
+    return meta

@@ -1,0 +1,216 @@
+"""`export --model HF_FOLDER`: a Hugging Face folder (tests/fixtures/hf/, made by transformers)
+exported to GGUF reads back through our GGUF reader to the folder's parameters, tokenizes as
+the folder's tokenizer.json does (the `tokenizers` library) and scores as the folder does; a
+re-export to safetensors keeps the first N blocks; what a GGUF cannot hold is refused before
+JAX starts, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+from tokenizers import Tokenizer
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained import export_q8, exporter, loading, scoring
+from experiments.pretrained.export_checks import check_source
+from model.gguf import GGUFFile
+from model.hf_decoder import load_hf
+from model.llama_export import GGUF_FILE
+from model.llama_gguf import load_gguf
+from model.tokenizer import tokenizer_from_gguf
+from tests.helpers import launch_in_one_process
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b",
+         "In 1999, 12345 people paid $3.50 each!", "  two  spaces\tand a tab\n\nnew lines",
+         "naïve café — 東京 😀 ok?", "it's we'll they're <|im_end|> done"]
+
+
+def _flat(tree) -> dict:
+    return {k: np.asarray(v) for k, v in flatten_dict(tree, sep="/").items()}
+
+
+def _edited(src: Path, dst: Path, config=None, tokenizer=None) -> Path:
+    """A copy of a fixture folder with config.json / tokenizer.json edited in place."""
+    shutil.copytree(src, dst)
+    for name, edit in (("config.json", config), ("tokenizer.json", tokenizer)):
+        if edit is not None:
+            data = json.loads((dst / name).read_text())
+            edit(data)
+            (dst / name).write_text(json.dumps(data))
+    return dst
+
+
+def _digits_first(tok: dict) -> None:
+    """SmolLM2's pre-tokenizer: every digit on its own, then GPT-2's byte-level regex (a split
+    llama.cpp and our reader both name, smollm)."""
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, tok["pre_tokenizer"]]}
+
+
+def _conventional(hf: dict) -> None:
+    """Gemma 3's conventions, which a GGUF cannot state and its readers assume."""
+    n = hf["num_hidden_layers"]
+    hf["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                         for i in range(n)]
+    hf["query_pre_attn_scalar"] = 256
+    hf["final_logit_softcapping"] = None
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_src")
+    return {"llama": _edited(FIXTURES / "llama", root / "llama", tokenizer=_digits_first),
+            "gemma3_text": _edited(FIXTURES / "gemma3_text", root / "gemma3",
+                                   config=_conventional, tokenizer=_digits_first)}
+
+
+@pytest.fixture(scope="module")
+def exported(folders, tmp_path_factory):
+    """Each folder exported to GGUF as the launcher does (its checks first)."""
+    out = {}
+    for arch, folder in folders.items():
+        dst = tmp_path_factory.mktemp("gguf") / arch
+        check_source(str(folder), None, fmt="gguf")
+        summary = exporter.export(exporter.pretrained_source(str(folder)), "gguf", dst)
+        assert summary["tokenizer"] == "bpe" and summary["source"] == str(folder)
+        out[arch] = dst / GGUF_FILE
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
+    cfg, params = load_hf(folders[arch])
+    cfg2, back, g = load_gguf(exported[arch])
+    assert g.get_str("general.architecture") == {"llama": "llama", "gemma3_text": "gemma3"}[arch]
+    assert cfg2 == cfg
+    a, b = _flat(params), _flat(back)
+    assert a.keys() == b.keys()
+    for k in a:
+        if cfg.norm_plus_one and k.endswith("norm/scale"):  # (1 + w) - 1: within an ulp of 1 + w
+            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=np.spacing(np.float32(2.0)))
+        else:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
+    g = GGUFFile(exported[arch])
+    ours = tokenizer_from_gguf(g)
+    theirs = Tokenizer.from_file(str(folders[arch] / "tokenizer.json"))
+    for text in TEXTS:
+        want = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == want, text
+        assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False)
+    assert ours.eos_id == theirs.token_to_id("<|im_end|>") and ours.bos == []
+    assert g.get_str("tokenizer.ggml.pre") == "smollm"
+    assert g.get_int("tokenizer.ggml.bos_token_id") == theirs.token_to_id("<|endoftext|>")
+    assert "<|im_start|>" in g.get_str("tokenizer.chat_template")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_gguf_scores_as_the_folder(arch, folders, exported):
+    want = scoring.score_texts(loading.load(str(folders[arch])), TEXTS)
+    got = scoring.score_texts(loading.load(str(exported[arch])), TEXTS)
+    for w, r in zip(want, got, strict=True):
+        assert r["tokens"] == w["tokens"] and r["next_token"] == w["next_token"]
+        assert abs(r["mean_nll"] - w["mean_nll"]) <= 1e-6
+
+
+def test_w8_gguf_from_a_folder(folders, tmp_path):
+    """--quant w8: the folder's int8 model as Q8_0, with the folder's tokenizer keys."""
+    source = export_q8.quantized_source(exporter.pretrained_source(str(folders["llama"])), "w8")
+    summary = exporter.export(source, "gguf", tmp_path / "q")
+    assert summary["quant"] == "w8" and summary["q8_0_tensors"] > 0
+    g = GGUFFile(tmp_path / "q" / GGUF_FILE)
+    assert g.get_str("tokenizer.ggml.model") == "gpt2"
+    cfg, _, _ = load_gguf(tmp_path / "q" / GGUF_FILE)
+    assert cfg == load_hf(folders["llama"])[0]
+
+
+def test_safetensors_re_export_keeps_the_first_blocks(tmp_path):
+    summary = exporter.export(exporter.pretrained_source(str(FIXTURES / "qwen2"), layers=1),
+                              "safetensors", tmp_path / "out")
+    assert summary["model_type"] == "qwen2" and summary["layers"] == 1
+    cfg, params = load_hf(FIXTURES / "qwen2", n_layers=1)
+    cfg2, back = load_hf(tmp_path / "out")
+    assert cfg2 == cfg
+    b = _flat(back)
+    for k, v in _flat(params).items():
+        np.testing.assert_array_equal(b[k], v, err_msg=k)
+    assert ((tmp_path / "out" / "tokenizer.json").read_bytes()
+            == (FIXTURES / "qwen2" / "tokenizer.json").read_bytes())
+
+
+def _metaspace(tok: dict) -> None:
+    tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                            "prepend_scheme": "always", "split": True}
+
+
+def _digit_runs(tok: dict) -> None:
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": False}, tok["pre_tokenizer"]]}
+
+
+def _unigram(tok: dict) -> None:
+    tok["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["a", -1.0]]}
+
+
+REFUSALS = [
+    (None, "qwen2", "model_type='qwen2': format='gguf' is written for llama, gemma3_text"),
+    (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
+    (None, "llama", "pre_tokenizer ByteLevel: llama.cpp names it 'gpt-2', which shardq's GGUF "
+                    "reader does not read"),
+    (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
+    (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
+    (None, "gemma3_text", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
+]
+
+
+def test_refused_before_jax_nothing_written(tmp_path):
+    """Each in one line, exit 2, before JAX is imported, no --out written."""
+    cases = []
+    for i, (edit, arch, _) in enumerate(REFUSALS):
+        folder = (FIXTURES / arch if edit is None else
+                  _edited(FIXTURES / arch, tmp_path / f"src{i}", tokenizer=edit))
+        cases.append(("experiments.export", ["--model", str(folder), "--format", "gguf",
+                                             "--out", str(tmp_path / f"out{i}")]))
+    cases.append(("experiments.export", ["--model", str(FIXTURES / "llama"), "--layers", "3",
+                                         "--out", str(tmp_path / "out_layers")]))
+    rows = launch_in_one_process(cases)
+    fragments = [f for _, _, f in REFUSALS] + ["layers=3: must be in 1..2 (the model's layers)"]
+    for (_, argv), row, fragment in zip(cases, rows, fragments, strict=True):
+        lines = [ln for ln in row["stderr"].splitlines() if ln.strip()]
+        assert row["status"] == 2 and len(lines) == 1 and fragment in lines[0], row["stderr"]
+        assert not row["jax_imported"]
+        assert not Path(argv[-1]).exists()
+
+
+def test_step_refused_for_a_folder():
+    with pytest.raises(ConfigError, match="step=3: only for a training run"):
+        exporter.pretrained_source(str(FIXTURES / "llama"), step=3)
+
+
+def test_llama_cpp_loads_the_folders_gguf(exported, tmp_path):
+    """llama.cpp reads the converted tokenizer keys and runs each file (where its tools are
+    named by $SHARDQ_LLAMA_CPP; under CI=true their absence is asserted, not skipped)."""
+    from experiments.speed import llama_cpp
+
+    tools, line = llama_cpp.locate(None, need=(llama_cpp.PERPLEXITY,))
+    if tools is None:
+        if os.environ.get("CI") == "true":
+            assert "skipped" in line and llama_cpp.ENV in line
+            return
+        pytest.skip(f"needs llama.cpp's tools: {line}")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(TEXTS) * 100)
+    for arch, path in exported.items():
+        got = llama_cpp.perplexity(tools, path, 1, tmp_path / f"{arch}.kld", text=text,
+                                   ctx=128, chunks=2)
+        assert got["chunks"] == 2 and np.isfinite(got["perplexity"]), arch
