@@ -11,8 +11,7 @@ than written as a file that tokenizes differently:
                  after every number character split off (`Digits` one at a time, or a
                  `Split` on \\p{N}), written as a `tokenizer.ggml.pre` name that llama.cpp
                  (LLAMA_CPP_PRE, from its llama-vocab.cpp) and model/tokenizer.py both map to
-                 that split: smollm for the digits; llama.cpp calls GPT-2's regex alone
-                 gpt-2, a name model/tokenizer.py does not read, so such a folder is refused;
+                 that split: smollm for the digits, gpt-2 for GPT-2's regex alone;
   added tokens   special ones (control tokens, matched whole); a non-special added token or
                  one that strips its neighbours' spaces has no equal in the readers.
 BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with

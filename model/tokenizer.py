@@ -22,7 +22,9 @@ from model.gguf import GGUFError, GGUFFile
 CONTROL = 3  # llama.cpp token_type of special (control) tokens
 USER_DEFINED = 4  # llama.cpp token_type of tokens matched whole in the text, not special
 SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
-PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None}  # first split; GPT-2's regex follows
+# The split before GPT-2's regex, by GGUF pre-tokenizer name (llama.cpp writes GPT-2's own as
+# gpt-2; gpt2 is the same split).
+PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None, "gpt-2": None}
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 

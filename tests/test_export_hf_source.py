@@ -123,6 +123,19 @@ def test_gguf_scores_as_the_folder(arch, folders, exported):
         assert abs(r["mean_nll"] - w["mean_nll"]) <= 1e-6
 
 
+def test_plain_gpt2_split_exports_as_gpt_2(tmp_path):
+    """The fixture as transformers wrote it (GPT-2's byte-level regex alone) is written as
+    llama.cpp's gpt-2 pre-tokenizer, which our reader splits the same way."""
+    check_source(str(FIXTURES / "llama"), None, fmt="gguf")
+    exporter.export(exporter.pretrained_source(str(FIXTURES / "llama")), "gguf", tmp_path / "g")
+    g = GGUFFile(tmp_path / "g" / GGUF_FILE)
+    assert g.get_str("tokenizer.ggml.pre") == "gpt-2"
+    ours = tokenizer_from_gguf(g)
+    theirs = Tokenizer.from_file(str(FIXTURES / "llama" / "tokenizer.json"))
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text
+
+
 def test_w8_gguf_from_a_folder(folders, tmp_path):
     """--quant w8: the folder's int8 model as Q8_0, with the folder's tokenizer keys."""
     source = export_q8.quantized_source(exporter.pretrained_source(str(folders["llama"])), "w8")
@@ -165,8 +178,6 @@ def _unigram(tok: dict) -> None:
 REFUSALS = [
     (None, "qwen2", "model_type='qwen2': format='gguf' is written for llama, gemma3_text"),
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
-    (None, "llama", "pre_tokenizer ByteLevel: llama.cpp names it 'gpt-2', which shardq's GGUF "
-                    "reader does not read"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
     (None, "gemma3_text", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
