@@ -18,6 +18,7 @@ ORDER = (
     "llm_int8_checkpoint", "w8a8_crosscheck", "embed_fidelity", "bench_int8", "bench_encoder",
     "encoder_ablations", "bench_decode", "bench_train", "bench_train_1dev", "train_changes",
     "train_changes_8dev", "comm_volume_smollm2", "zero_memory_llama", "finetune_smollm2",
+    "finetune_gemma3",
     "smollm2_embed_int8", "smollm2_quant_window128", "smollm2_ft_quant",
     "equivalence_smollm2", "export_train", "export_safetensors", "export_gguf",
     "export_reference", "export_parity", "bench_gpu", "bench_gpu_no_triton", "fault_injection",

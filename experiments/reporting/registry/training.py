@@ -72,6 +72,27 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                        lambda d: d["perplexity_after"] <= 0.9 * d["perplexity_before"])),
     ),
     Experiment(
+        name="finetune_gemma3",
+        argv=launcher("finetune", "--preset", "gemma3-270m", "--devices", "2",
+                      "--workdir", "{runs}/finetune-gemma3", "--json",
+                      "--out", "{results}/finetune_gemma3.json"),
+        quick_argv=launcher("finetune", "--preset", "gemma3-270m", "--devices", "2",
+                            "--workdir", "{runs}/finetune-gemma3", "--n-layers", "2",
+                            "--steps", "2", "--max-len", "32", "--eval-batches", "1", "--json",
+                            "--out", "{results}/finetune_gemma3.json"),
+        outputs=("finetune_gemma3.json", "finetune_gemma3.png"),
+        expected_s=900, quick_expected_s=120,
+        feeds="Gemma 3 270M fine-tuning table (zero3 on 2 devices: its gathered 262k-entry "
+              "embedding per fake device is what host memory holds)",
+        fresh=("{runs}/finetune-gemma3",),
+        claim=holds(
+            "finetune_gemma3.json", "both perplexities are finite and the run is zero3",
+            lambda d: math.isfinite(d["perplexity_before"])
+            and math.isfinite(d["perplexity_after"]) and d["strategy"] == "zero3",
+            full_only=("fine-tuning lowers the held-out perplexity",
+                       lambda d: d["perplexity_after"] < d["perplexity_before"])),
+    ),
+    Experiment(
         name="equivalence_smollm2",
         argv=launcher("equivalence", "--model", "smollm2-truncated", "--steps", "3", "--json",
                       "--out", "{results}/equivalence_smollm2.json"),

@@ -50,6 +50,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "bench_gpu": ("bench_gpu.json", speed.bench_gpu),
     "bench_gpu_no_triton": ("bench_gpu_no_triton.json", speed.bench_gpu),
     "finetune_smollm2": ("finetune_smollm2.json", training.finetune_smollm2),
+    "finetune_gemma3": ("finetune_gemma3.json", training.finetune_smollm2),
     "equivalence_smollm2": ("equivalence_smollm2.json", training.equivalence_smollm2),
     "plan_example": ("plan_7.5b_64x32gb.json", zero.plan_example),
     "plan_accuracy": ("plan_accuracy.json", zero.plan_accuracy),
