@@ -7,6 +7,7 @@ import pytest
 
 from experiments.training.data import (
     SequenceSampler,
+    bos_of,
     default_corpus_root,
     fit_advice,
     is_validation,
@@ -125,3 +126,19 @@ def test_fit_advice_is_computed_from_the_data(tmp_path):
     assert split_sizes(f)[vp][1] * 0.25 >= 8 * 128 + 1 > split_sizes(f)[vp - 1][1] * 0.25
     # Too few sequences for even one per device, and no split that holds out enough.
     assert fit_advice(str(f), 1, 8, 1, 8, 4096, 1.0) == "more text, or a shorter --max-len"
+
+
+def test_rows_of_a_tokenizer_with_bos_each_start_with_it():
+    """A tokenizer that starts every text with BOS (Gemma's): each row is BOS, then the next
+    seq_len tokens of the stream (its own leading BOS not repeated), so no stream token is lost
+    or doubled; without BOS the rows are the stream's windows as before."""
+    bos, seq_len = 2, 4
+    stream = np.array([bos, *range(10, 23)], np.int32)  # 1 + 13 tokens
+    rows = pack(stream, seq_len, bos)
+    assert rows.shape == (3, seq_len + 1) and (rows[:, 0] == bos).all()
+    np.testing.assert_array_equal(rows[:, 1:].ravel(), np.arange(10, 22))
+    plain = pack(stream, seq_len)
+    np.testing.assert_array_equal(plain[0], stream[:seq_len + 1])
+    assert bos_of(None) is None
+    assert bos_of(type("T", (), {"bos": []})()) is None
+    assert bos_of(type("T", (), {"bos": [bos]})()) == bos

@@ -165,13 +165,27 @@ def load_tokens(path: str | None, val_percent: int, corpus: str = "stdlib",
                  for part in (train, val))
 
 
-def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
-    """Non-overlapping rows of seq_len+1 tokens; the ragged tail is dropped."""
-    n = (len(stream) - 1) // seq_len
+def pack(stream: np.ndarray, seq_len: int, bos: int | None = None) -> np.ndarray:
+    """Non-overlapping rows of seq_len+1 tokens; the ragged tail is dropped. With `bos` (the
+    id a tokenizer starts every text with), each row is `bos` then seq_len tokens of the stream:
+    a model pretrained with it at position 0 (Gemma) sees every window start as its texts did."""
+    if bos is not None:
+        stream = stream[1:] if len(stream) and stream[0] == bos else stream
+        n = len(stream) // seq_len
+    else:
+        n = (len(stream) - 1) // seq_len
     if n < 1:
         raise ValueError(f"seq_len={seq_len}: longer than the whole split ({len(stream)} bytes)")
+    if bos is not None:
+        rows = stream[:n * seq_len].reshape(n, seq_len).astype(np.int32)
+        return np.concatenate([np.full((n, 1), bos, np.int32), rows], axis=1)
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return stream[idx].astype(np.int32)
+
+
+def bos_of(tokenizer) -> int | None:
+    """The id every text of `tokenizer` starts with (None: bytes, or a tokenizer without one)."""
+    return tokenizer.bos[0] if tokenizer is not None and tokenizer.bos else None
 
 
 @dataclasses.dataclass

@@ -18,7 +18,13 @@ from experiments.cli.config import ConfigError
 from experiments.cli.runtime import attention_here
 from experiments.training import checkpoint as ckpt
 from experiments.training.config import Config, load_config
-from experiments.training.data import SequenceSampler, load_tokens, pack, validation_batches
+from experiments.training.data import (
+    SequenceSampler,
+    bos_of,
+    load_tokens,
+    pack,
+    validation_batches,
+)
 from experiments.training.run_tokenizer import tokenizer_for
 from model import ModelConfig
 from parallel.mesh import make_mesh
@@ -119,12 +125,17 @@ def run_tokens(cfg: Config) -> tuple:
                        None if tokenizer is None else tokenizer.encode)
 
 
+def run_bos(cfg: Config) -> int | None:
+    """The id each of the run's rows starts with, as its trainer packed them."""
+    return bos_of(tokenizer_for(cfg.train.init))
+
+
 def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:
     """The run's fixed validation batches (token rows), as its trainer evaluated them."""
     t = cfg.train
     try:  # the corpus may have changed since training: it is read again here
         _, val_bytes = run_tokens(cfg)
-        return validation_batches(pack(val_bytes, cfg.model.max_len),
+        return validation_batches(pack(val_bytes, cfg.model.max_len, run_bos(cfg)),
                                   t.batch_size // t.micro_steps, eval_batches or t.eval_batches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -136,7 +147,7 @@ def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
     t = cfg.train
     try:
         train_bytes, _ = run_tokens(cfg)
-        sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len), t.seed)
+        sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len, run_bos(cfg)), t.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     batch = t.batch_size // t.micro_steps

@@ -27,6 +27,7 @@ from experiments.training import integrity, lineage, pretrained_init
 from experiments.training.config import PRETRAINED_INITS, Config, dumps, load_config
 from experiments.training.data import (
     SequenceSampler,
+    bos_of,
     fit_advice,
     load_tokens,
     pack,
@@ -190,8 +191,8 @@ def _read_data(cfg: Config, tokenizer, micro_batch: int, n_dev: int) -> tuple:
     try:
         train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus,
                                                None if tokenizer is None else tokenizer.encode)
-        rows = pack(train_tokens, cfg.model.max_len)
-        val_rows = pack(val_tokens, cfg.model.max_len)
+        rows = pack(train_tokens, cfg.model.max_len, bos_of(tokenizer))
+        val_rows = pack(val_tokens, cfg.model.max_len, bos_of(tokenizer))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
