@@ -16,6 +16,9 @@ from model.gguf import GGUFFile  # noqa: E402
 from model.llama_gguf import package_gguf_path  # noqa: E402
 from model.tokenizer import tokenizer_from_gguf  # noqa: E402
 
+# One worker trains the module's run once (under --dist=loadgroup), not each worker.
+pytestmark = pytest.mark.xdist_group("token_run")
+
 ONE_BLOCK = ("--preset", "smollm2", "--n-layers", "1", "--max-len", "16", "--param-dtype",
              "float32", "--compute-dtype", "float32", "--remat", "none", "--steps", "1",
              "--warmup-steps", "0", "--eval-every", "1", "--ckpt-every", "1", "--eval-batches",

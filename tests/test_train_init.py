@@ -21,6 +21,9 @@ from model.hf_decoder import config_from_hf, load_hf, read_config
 from model.hf_tokenizer import HFTokenizer
 from tests.helpers import cli, launch_in_one_process
 
+# One worker trains the module's run once (under --dist=loadgroup), not each worker.
+pytestmark = pytest.mark.xdist_group("train_init_run")
+
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "gemma3_text"
 TEXTS = ["def main():\n    return 0", "The os module provides"]
 
