@@ -117,26 +117,23 @@ def check_written_with(mngr, steps: list[int], model) -> None:
         return
 
 
-def run_tokens(cfg: Config) -> tuple:
-    """(train, val) token streams of a run: bytes, or its pretrained model's token ids."""
+def run_rows(cfg: Config) -> tuple:
+    """(train, val) rows of a run as its trainer packed them: bytes, or its pretrained model's
+    token ids, each row starting with the tokenizer's BOS where it has one."""
     t = cfg.train
     tokenizer = tokenizer_for(t.init)
-    return load_tokens(t.data, t.val_percent, t.corpus,
-                       None if tokenizer is None else tokenizer.encode)
-
-
-def run_bos(cfg: Config) -> int | None:
-    """The id each of the run's rows starts with, as its trainer packed them."""
-    return bos_of(tokenizer_for(cfg.train.init))
+    parts = load_tokens(t.data, t.val_percent, t.corpus,
+                        None if tokenizer is None else tokenizer.encode)
+    return tuple(pack(part, cfg.model.max_len, bos_of(tokenizer)) for part in parts)
 
 
 def validation_rows(cfg: Config, eval_batches: int | None = None) -> list:
     """The run's fixed validation batches (token rows), as its trainer evaluated them."""
     t = cfg.train
     try:  # the corpus may have changed since training: it is read again here
-        _, val_bytes = run_tokens(cfg)
-        return validation_batches(pack(val_bytes, cfg.model.max_len, run_bos(cfg)),
-                                  t.batch_size // t.micro_steps, eval_batches or t.eval_batches)
+        _, val_rows = run_rows(cfg)
+        return validation_batches(val_rows, t.batch_size // t.micro_steps,
+                                  eval_batches or t.eval_batches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -146,8 +143,8 @@ def calibration_rows(cfg: Config, n: int) -> tuple[list, dict]:
     from: pinned, reproducible calibration data for quantisation."""
     t = cfg.train
     try:
-        train_bytes, _ = run_tokens(cfg)
-        sampler = SequenceSampler(pack(train_bytes, cfg.model.max_len, run_bos(cfg)), t.seed)
+        train_rows, _ = run_rows(cfg)
+        sampler = SequenceSampler(train_rows, t.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     batch = t.batch_size // t.micro_steps

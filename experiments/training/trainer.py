@@ -191,8 +191,8 @@ def _read_data(cfg: Config, tokenizer, micro_batch: int, n_dev: int) -> tuple:
     try:
         train_tokens, val_tokens = load_tokens(t.data, t.val_percent, t.corpus,
                                                None if tokenizer is None else tokenizer.encode)
-        rows = pack(train_tokens, cfg.model.max_len, bos_of(tokenizer))
-        val_rows = pack(val_tokens, cfg.model.max_len, bos_of(tokenizer))
+        bos = bos_of(tokenizer)
+        rows, val_rows = (pack(part, cfg.model.max_len, bos) for part in (train_tokens, val_tokens))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
