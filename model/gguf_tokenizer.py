@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType
 
+from model.hf_tokenizer import token_text
 from model.tokenizer import PRE_TOKENIZER_SPLITS
 
 NORMAL, CONTROL, UNUSED = 1, 3, 5  # llama.cpp token types
@@ -129,12 +130,6 @@ def _merges(model: dict, where: str) -> list[str]:
     return out
 
 
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
     """{key: (value type, value)} (as `model.gguf.GGUFFile.metadata` holds it) of the folder's
     tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise."""
@@ -185,7 +180,7 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
     conf = _json(conf_path) if conf_path.is_file() else {}
     hf = _json(folder / "config.json") if (folder / "config.json").is_file() else {}
     for key, field in (("bos", "bos"), ("eos", "eos"), ("padding", "pad"), ("unknown", "unk")):
-        text = _token_text(conf.get(f"{field}_token"))
+        text = token_text(conf.get(f"{field}_token"))
         if text is not None and text not in vocab:
             raise TokenizerExportError(f"{str(conf_path)!r}: {field}_token {text!r} is not a "
                                        f"token")

@@ -22,7 +22,7 @@ class HFTokenizerError(ValueError):
     """A tokenizer that cannot be read; one line naming the file."""
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
         return value.get("content")
@@ -49,7 +49,7 @@ class HFTokenizer(TokenizerCodec):
             raise HFTokenizerError(f"{str(conf_path)!r}: not readable JSON "
                                    f"({str(e).splitlines()[0]})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        eos, bos = _token_text(conf.get("eos_token")), _token_text(conf.get("bos_token"))
+        eos, bos = token_text(conf.get("eos_token")), token_text(conf.get("bos_token"))
         self.eos_id = self.tok.token_to_id(eos) if eos else None
         self.bos_id = self.tok.token_to_id(bos) if bos else None
         if eos and self.eos_id is None:
