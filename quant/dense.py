@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.layers import Axes, dtype_of, param
+from quant import native_int8, rotation
 from quant import quantizers as qz
-from quant import rotation
 
 ACT_MODES = ("none", "token", "tensor", "static")
 
@@ -76,18 +76,36 @@ def int8_matmul_t(x_q: jax.Array, w_q_out_in: jax.Array, min_rows: int = MIN_INT
     return int8_dot_general(x_q, w_q_out_in, CONTRACT_IN, min_rows)
 
 
+def token_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [tokens, in] times the int8 kernel w_q [out, in] with per-token int8 activations, in
+    XLA's operations; float32 [tokens, out] (w_scale [1, out] or [1, 1])."""
+    s_x = qz.token_scale(x)  # [tokens, 1]
+    acc = int8_matmul_t(qz.quantize(x, s_x), w_q)
+    return acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
+
+
+def token_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """`token_product`, through shardq's own kernel (`quant.native_int8`) where it runs: on a
+    CPU, for a few rows, once it has been built. The same float32 result, bit for bit."""
+    if not native_int8.usable(x.shape[0]):
+        return token_product(x, w_q, w_scale)
+    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native_int8.product,
+                                      default=token_product)
+
+
 def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,
-                      act_scale: jax.Array | None = None) -> jax.Array:
+                      act_scale: jax.Array | None = None, native: bool = False) -> jax.Array:
     """x [tokens, in] (float) times the int8 kernel w_q [out, in]; float32 result [tokens, out].
 
-    w_scale is [1, out] (or [1, 1] per tensor).
+    w_scale is [1, out] (or [1, 1] per tensor). `native`: per-token products of a few rows run
+    in shardq's own int8 kernel on a CPU (`token_product_fast`).
     """
+    if act == "token":
+        return (token_product_fast if native else token_product)(x, w_q, w_scale)
     if act == "none":
         return jax.lax.dot_general(x.astype(jnp.float32), w_q.astype(jnp.float32),
                                    CONTRACT_IN) * w_scale
-    if act == "token":
-        s_x = qz.token_scale(x)  # [tokens, 1]
-    elif act == "tensor":
+    if act == "tensor":
         s_x = qz.tensor_scale(x).reshape(1, 1)
     elif act == "static":
         s_x = qz.scale_from_absmax(act_scale * qz.QMAX).reshape(1, 1)  # guards a zero scale
@@ -113,7 +131,7 @@ class QuantDense(nnx.Module):
                  outlier_threshold: float | None = None, outlier_capacity: int | None = None,
                  kernel_float: jax.Array | None = None,
                  keep_float: jax.Array | None = None, bias: jax.Array | None = None,
-                 rotate: bool = False, rotation_seed: int = 0):
+                 rotate: bool = False, rotation_seed: int = 0, native: bool = True):
         if act not in ACT_MODES:
             raise ValueError(f"act={act!r}: allowed {', '.join(ACT_MODES)}")
         if kernel_q.dtype != jnp.int8:
@@ -124,6 +142,7 @@ class QuantDense(nnx.Module):
         self.act = act
         self.rotate = rotate
         self.rotation_seed = rotation_seed
+        self.native = native
         self.outlier_threshold = outlier_threshold
         # None means every column may be an outlier (exact LLM.int8(), a full float product).
         self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
@@ -145,7 +164,7 @@ class QuantDense(nnx.Module):
         w_scale = self.kernel_scale[...].reshape(1, -1)
         act_scale = self.act_scale[...] if self.act_scale is not None else None
         if self.outlier_threshold is None:
-            return quantized_product(x2, w_q, w_scale, self.act, act_scale)
+            return quantized_product(x2, w_q, w_scale, self.act, act_scale, self.native)
         # LLM.int8(): a column is an outlier if any token has |x| >= threshold in it; the
         # `outlier_capacity` largest columns are candidates.
         col_max = jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=0)  # [in]
@@ -153,7 +172,7 @@ class QuantDense(nnx.Module):
         hit = top >= self.outlier_threshold
         is_outlier = jnp.zeros(col_max.shape, bool).at[cols].set(hit)  # [in]
         regular = quantized_product(jnp.where(is_outlier, jnp.zeros_like(x2), x2), w_q, w_scale,
-                                    self.act, act_scale)
+                                    self.act, act_scale, self.native)
         # Only the gathered columns meet their (dequantised) kernel columns in float.
         x_out = jnp.where(hit, jnp.take(x2, cols, axis=1).astype(jnp.float32), 0.0)
         w_cols = jnp.take(w_q, cols, axis=1).astype(jnp.float32) * w_scale.reshape(-1, 1)
@@ -185,9 +204,10 @@ class QuantEmbed(nnx.Module):
     """
 
     def __init__(self, table_q: jax.Array, row_scale: jax.Array, *, axes: Axes,
-                 compute_dtype: str, act: str = "token"):
+                 compute_dtype: str, act: str = "token", native: bool = True):
         self.compute_dtype = compute_dtype
         self.act = act
+        self.native = native
         self.embedding_q = param(table_q, axes)
         self.row_scale = param(row_scale.reshape(-1), axes[:1])
 
@@ -205,7 +225,16 @@ class QuantEmbed(nnx.Module):
         if self.act == "none":
             y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), CONTRACT_IN) * row_scale
         else:
-            s_x = qz.token_scale(x2)
-            acc = int8_matmul_t(qz.quantize(x2, s_x), table_q)
-            y = acc.astype(jnp.float32) * (s_x * row_scale)
+            y = (token_product_fast if self.native else token_product)(x2, table_q, row_scale)
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))
+
+
+def use_native(model: nnx.Module, on: bool) -> nnx.Module:
+    """Route `model`'s few-row per-token int8 products through shardq's kernel (`on`) or XLA's
+    operations, in place; returns the model. The choice is part of the graph definition, so a
+    program traced after it keeps it. XLA cannot split a custom call over devices: a model whose
+    kernels are sharded runs XLA's products."""
+    for _, module in model.iter_modules():
+        if isinstance(module, QuantDense | QuantEmbed):
+            module.native = on
+    return model

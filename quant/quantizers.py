@@ -1,5 +1,6 @@
 """Symmetric absmax int8 quantizers (SmoothQuant's and LLM.int8()'s convention):
-s = absmax / 127, q = clip(round(x / s)), with x / s computed as x * (1 / s) (see `quantize`).
+s = absmax / 127 (computed as absmax * float32(1 / 127)), q = clip(round(x / s)), with x / s
+computed as x * (1 / s) (see `quantize`).
 
 Every function here is pure and jit-friendly. Scales keep the reduced axes (keepdims) so that
 dequantisation is a plain same-rank product: the project runs with rank promotion off.
@@ -13,13 +14,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 QMAX = 127  # symmetric: -127..127, so negating a quantised value never overflows
+INV_QMAX = np.float32(1.0 / QMAX)
 
 
 def scale_from_absmax(absmax: jax.Array) -> jax.Array:
     """float32 scale with the all-zero guard (NaN and inf pass through: see above)."""
-    scale = absmax.astype(jnp.float32) / QMAX
+    # A product with 1/127 rounded to float32, not a division: XLA rewrites a division by a
+    # constant into this product in some programs, and shardq's int8 kernel
+    # (quant/native_int8.py) computes the same product, so every program agrees to the bit.
+    scale = absmax.astype(jnp.float32) * INV_QMAX
     # A zero or subnormal scale becomes 1: such a channel (|x| < 1.5e-36) rounds to 0. Every
     # scale left is normal, so its reciprocal (`quantize` multiplies by it) is finite, whether
     # or not the backend flushes subnormals to zero (XLA:CPU does, and then they read as 0).

@@ -132,7 +132,7 @@ def test_compiled_program_has_an_s8_dot_with_s32_accumulator():
     _, qd = dense_pair("token")
     graphdef, state = nnx.split(qd)
     fn = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
-    x = jnp.ones((8, 64))
+    x = jnp.ones((16, 64))  # more rows than quant.native_int8.MAX_ROWS: XLA's own int8 GEMM
     assert int8_dots(fn.lower(state, x).compile().as_text())
     # ... and weight-only mode does not pretend to (its product is float).
     _, w8 = dense_pair("none")
@@ -219,7 +219,7 @@ def test_float_side_of_the_outlier_split_is_capacity_wide(float_model):
     assert plan["blocks/mlp/down"]["outlier_capacity"] == -(-CFG.d_ff // 16)
     _, split = dense_pair("token", outlier_threshold=6.0, outlier_capacity=4)
     g, state = nnx.split(split)
-    hlo = jax.jit(lambda st, x: nnx.merge(g, st)(x)).lower(state, jnp.ones((8, 64))).compile()
+    hlo = jax.jit(lambda st, x: nnx.merge(g, st)(x)).lower(state, jnp.ones((16, 64))).compile()
     assert float_dot_widths(hlo.as_text()) == [4] and int8_dots(hlo.as_text())
 
 

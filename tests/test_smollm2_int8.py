@@ -122,7 +122,7 @@ def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
                                                               rules=("blocks/*", "embed")))
     assert q.params["embed"]["embedding_q"].dtype == jnp.int8
     hlo = jax.jit(lambda p, t: nnx.merge(q.graphdef, p).logits(t)).lower(
-        q.params, jnp.zeros((1, 8, truncated.cfg.d_model))).compile().as_text()
+        q.params, jnp.zeros((1, 16, truncated.cfg.d_model))).compile().as_text()  # XLA's GEMM
     assert int8_dots(hlo)  # the head's product: an s8 x s8 -> s32 dot, not converted operands
     ids = FIXTURE["tokens"][1]
     ref = scoring.score_ids(truncated, [ids])[0]

@@ -1,0 +1,129 @@
+"""shardq's own int8 product for a few rows on the CPU (`native/int8_matvec.cc`), through XLA's FFI.
+
+Batch-1 decoding multiplies one row of activations by every kernel. XLA:CPU has no int8 kernel
+for one row (`quant.dense.MIN_INT8_ROWS`); this one quantises the row, multiplies it by the int8
+kernel with the CPU's byte dot products over XLA's own intra-op threads, and dequantises, in one
+call, with the same arithmetic as `quant.dense.quantized_product` (per-token scales): the same
+float32 result, bit for bit.
+
+The source is compiled for this CPU (`-march=native`) the first time a program needs it, into
+a cache folder keyed by the source, the compiler, the CPU's flags and jaxlib's version
+($SHARDQ_CACHE_DIR, else ~/.cache/shardq). Where there is no C++ compiler, or the build fails,
+`status()` says why and every product stays XLA's; `SHARDQ_INT8_KERNEL=off` turns it off.
+
+Precondition: kernel values lie in [-127, 127], as `quant.quantizers.quantize` writes them (the
+byte products move the activation's sign onto the weight, and -128 has no negation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("native") / "int8_matvec.cc"
+TARGET = "shardq_int8_matvec"
+# Up to this many rows a product runs here; more rows are a GEMM, which XLA's (YNNPACK's) is
+# built for.
+MAX_ROWS = 8
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+ENV_SWITCH = "SHARDQ_INT8_KERNEL"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or next(
+        (c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SHARDQ_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardq")
+    return Path(root) / "native"
+
+
+def _build(cxx: str) -> Path:
+    """The compiled library for this CPU, built once (a cached copy is reused)."""
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join(
+        [SOURCE.read_text(), cxx, " ".join(FLAGS), _cpu_flags(), jaxlib.__version__, include]
+    ).encode()).hexdigest()[:16]
+    out = cache_dir() / f"int8_matvec-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name, then renamed: a concurrent process sees all of it or none.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or [""]
+            raise RuntimeError(f"{cxx} failed: {lines[0].strip()[:200]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+@functools.cache
+def status() -> dict:
+    """{"available": bool, "isa": the instruction set built for, "library": path,
+    "reason": why not}; builds and registers the kernel on the first call."""
+    if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
+        return {"available": False, "reason": f"${ENV_SWITCH} is off"}
+    cxx = _compiler()
+    if cxx is None:
+        return {"available": False, "reason": "no C++ compiler (g++, c++, clang++ or $CXX)"}
+    try:
+        path = _build(cxx)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        lib.ShardqInt8MatvecIsa.restype = ctypes.c_char_p
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardqInt8Matvec),
+                                    platform="cpu")
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        return {"available": False, "reason": str(e).splitlines()[0] if str(e) else repr(e)}
+    _keep.append(lib)
+    return {"available": True, "isa": lib.ShardqInt8MatvecIsa().decode(), "library": str(path),
+            "compiler": cxx}
+
+
+_keep: list = []  # the loaded library lives as long as the process
+
+
+def usable(rows: int) -> bool:
+    """Whether a product of `rows` rows runs here (the kernel builds, and the rows are few)."""
+    return rows <= MAX_ROWS and status()["available"]
+
+
+def product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [rows, in] (float32) times the int8 kernel w_q [out, in] with per-token int8
+    activations -> float32 [rows, out]; w_scale holds out (or 1) float32 scales. CPU only: a
+    caller that may run elsewhere puts it in one branch of `jax.lax.platform_dependent`."""
+    if not status()["available"]:  # builds and registers it on first use
+        raise RuntimeError(f"the int8 kernel is not available: {status()['reason']}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w_q,
+                                         w_scale.reshape(-1).astype(jnp.float32))

@@ -1,0 +1,97 @@
+"""shardq's int8 kernel for few-row products (quant/native_int8.py, quant/native/int8_matvec.cc)
+against XLA's operations for the same per-token w8a8 product: the same float32 result, bit for
+bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output groups), the rows,
+the scales (per channel or per tensor) and the values (zero rows, NaN, the int8 extremes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quant import native_int8
+from quant.dense import QuantDense, token_product, token_product_fast, use_native
+
+
+def _built() -> bool:
+    status = native_int8.status()
+    if native_int8._compiler() is None:
+        # Without a compiler the kernel is unavailable and says why; products stay XLA's.
+        assert not status["available"] and "compiler" in status["reason"]
+        return False
+    assert status["available"], status  # a compiler is here: the kernel must build
+    return True
+
+
+def _operands(rng, rows, n, k, per_tensor=False):
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 30.0, (rows, 1))).astype(np.float32)
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    ws = rng.uniform(1e-4, 1e-2, (1, 1 if per_tensor else n)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(ws)
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return native_int8.TARGET in jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 576, 576), (1, 1536, 576), (1, 576, 1536),
+                                      (1, 49152, 64), (3, 4100, 96), (8, 5, 33), (2, 7, 1),
+                                      (1, 130, 1000)])
+def test_kernel_matches_xla_products_bit_for_bit(rows, n, k):
+    if not _built():
+        return
+    x, w, ws = _operands(np.random.default_rng(rows * n + k), rows, n, k)
+    assert _uses_kernel(token_product_fast, x, w, ws)
+    assert not _uses_kernel(token_product, x, w, ws)  # the control: XLA's own operations
+    got = np.asarray(jax.jit(token_product_fast)(x, w, ws))
+    want = np.asarray(jax.jit(token_product)(x, w, ws))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_matches_on_a_per_tensor_scale_and_extreme_values():
+    if not _built():
+        return
+    rng = np.random.default_rng(1)
+    x, w, ws = _operands(rng, 4, 64, 96, per_tensor=True)
+    w = w.at[:, :8].set(127).at[:, 8:16].set(-127)
+    x = x.at[1].set(0.0)  # an all-zero row: scale 1, every product 0
+    x = x.at[2, 5].set(jnp.nan)  # a NaN row stays NaN
+    x = x.at[3, 7].set(1e30)  # one huge value: the rest of its row rounds to 0
+    got = np.asarray(jax.jit(token_product_fast)(x, w, ws))
+    want = np.asarray(jax.jit(token_product)(x, w, ws))
+    np.testing.assert_array_equal(got, want)
+    assert (got[1] == 0).all() and np.isnan(got[2]).all()
+
+
+def test_many_rows_stay_with_xla_and_a_changed_product_is_caught():
+    if not _built():
+        return
+    x, w, ws = _operands(np.random.default_rng(2), native_int8.MAX_ROWS + 1, 64, 64)
+    assert not _uses_kernel(token_product_fast, x, w, ws)  # a GEMM: XLA's
+    x1 = x[:1]
+    got = np.asarray(jax.jit(token_product_fast)(x1, w, ws))
+    # One weight changed by one step moves the result: the comparison above can fail.
+    other = np.asarray(jax.jit(token_product)(x1, w.at[0, 0].add(1), ws))
+    assert not np.array_equal(got, other)
+
+
+def test_quant_dense_routes_by_its_switch_and_agrees():
+    if not _built():
+        return
+    rng = np.random.default_rng(3)
+    _, w, ws = _operands(rng, 1, 48, 40)
+    dense = QuantDense(w, ws, kernel_axes=(None, None), compute_dtype="float32")
+    x = jnp.asarray(rng.standard_normal((1, 1, 40)).astype(np.float32))
+    assert _uses_kernel(lambda v: dense(v), x)
+    on = np.asarray(dense(x))
+    use_native(dense, False)
+    assert not _uses_kernel(lambda v: dense(v), x)
+    np.testing.assert_array_equal(on, np.asarray(dense(x)))
+
+
+def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDQ_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        native_int8._build("false")  # a "compiler" that always fails
+    assert list(tmp_path.rglob("*.so")) == []  # nothing half-written is left
