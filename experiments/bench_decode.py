@@ -50,22 +50,27 @@ OUT = results_path("bench_decode.json")
 # name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer
 # for float weights, the layer scan for int8 ones; "probe": the faster of the two on this host,
 # by a short timed run when the model is loaded), tied head/embedding in int8 too, devices each
-# step is split over (parallel/decode_split.py))
+# step is split over (parallel/decode_split.py), few-row int8 products in shardq's kernel
+# (quant.native_int8; False: XLA's))
 VARIANTS = {
-    "float": ("none", False, None, False, 1),
-    "w8": ("w8", False, None, False, 1),
-    "w8a8": ("w8a8", False, None, False, 1),
-    "float+kv8": ("none", True, None, False, 1),
-    "w8+kv8": ("w8", True, None, False, 1),
-    "w8a8+head8": ("w8a8", False, None, True, 1),
-    "w8a8-rotated": ("w8a8-rotated", False, None, False, 1),
-    "float-scan": ("none", False, False, False, 1),
-    "w8-per-layer": ("w8", False, True, False, 1),
-    "w8a8-per-layer": ("w8a8", False, True, False, 1),
-    "w8a8-probed": ("w8a8", False, "probe", False, 1),
-    "float-split2": ("none", False, None, False, 2),
-    "w8a8-split2": ("w8a8", False, None, False, 2),
-    "w8a8+head8-split2": ("w8a8", False, None, True, 2),
+    "float": ("none", False, None, False, 1, True),
+    "w8": ("w8", False, None, False, 1, True),
+    "w8a8": ("w8a8", False, None, False, 1, True),
+    "float+kv8": ("none", True, None, False, 1, True),
+    "w8+kv8": ("w8", True, None, False, 1, True),
+    "w8a8+head8": ("w8a8", False, None, True, 1, True),
+    "w8a8-rotated": ("w8a8-rotated", False, None, False, 1, True),
+    "float-scan": ("none", False, False, False, 1, True),
+    "w8-per-layer": ("w8", False, True, False, 1, True),
+    "w8a8-per-layer": ("w8a8", False, True, False, 1, True),
+    "w8a8+head8-per-layer": ("w8a8", False, True, True, 1, True),
+    "w8a8-probed": ("w8a8", False, "probe", False, 1, True),
+    "float-split2": ("none", False, None, False, 2, True),
+    "w8a8-xla": ("w8a8", False, None, False, 1, False),
+    "w8a8-per-layer-xla": ("w8a8", False, True, False, 1, False),
+    "w8a8+head8-xla": ("w8a8", False, None, True, 1, False),
+    "w8a8-split2": ("w8a8", False, None, False, 2, True),
+    "w8a8+head8-split2": ("w8a8", False, None, True, 2, True),
 }
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
@@ -80,6 +85,13 @@ CHANGES = (
     ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
     ("each step split over 2 devices by output features (w8a8+head8)", "w8a8+head8",
      "w8a8+head8-split2"),
+    ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla", "w8a8"),
+    ("shardq's int8 kernel instead of XLA's products (w8a8, per-layer weights)",
+     "w8a8-per-layer-xla", "w8a8-per-layer"),
+    ("shardq's int8 kernel instead of XLA's products (w8a8+head8)", "w8a8+head8-xla",
+     "w8a8+head8"),
+    ("per-layer weights instead of the stacked layer scan (w8a8+head8)", "w8a8+head8",
+     "w8a8+head8-per-layer"),
     ("int8 weights (w8) against float", "float", "w8"),
     ("int8 weights and activations (w8a8) against float", "float", "w8a8"),
     ("int8 KV cache (float weights)", "float", "float+kv8"),
@@ -166,13 +178,13 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
     """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
     probes, variants = {}, []
     for n in names:
-        mode, kv8, layout, head, devices = VARIANTS[n]
+        mode, kv8, layout, head, devices, kernel = VARIANTS[n]
         model = models[mode, head]
         if layout == "probe":
             if (mode, head) not in probes:
                 probes[mode, head] = decoding.probe_layout(model, prompt)
             layout = probes[mode, head]["per_layer"]
-        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices))
+        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel))
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
 
@@ -208,7 +220,9 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     variants, probes = build_variants(decoding, names, models, prompt)
     head = {"model": float_model.name, "layers": float_model.cfg.n_layers,
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "rounds": args.rounds}
+            "repeats": args.repeats, "rounds": args.rounds,
+            # which build of shardq's kernel the int8 variants ran (or why XLA's products)
+            "int8_kernel": {k: v for k, v in decoding.int8_kernel().items() if k != "library"}}
     if args.decode_only:
         return {**head, "variants": decoding.decode_benchmark(
             variants, prompt, args.new_tokens, args.repeats, args.rounds)}

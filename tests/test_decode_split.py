@@ -118,3 +118,19 @@ def test_layout_probe_is_remembered_per_host_and_model(tmp_path):
     cache.write_text("{not json")
     assert not decoding.remembered_layout(pre, cache, "host A")["remembered"]
     assert decoding.remembered_layout(pre, cache, "host A")["remembered"]
+
+
+def test_int8_kernel_decodes_the_same_tokens_as_xla_products():
+    # The kernel's products equal XLA's bit for bit, so greedy decoding writes the same tokens;
+    # the compiled steps show which products each variant runs.
+    from quant import native_int8
+
+    pre = models()["w8a8"]
+    variants = [decoding.DecodeVariant("kernel", pre),
+                decoding.DecodeVariant("xla", pre, int8_kernel=False)]
+    rows = decoding.decode_benchmark(variants, PROMPT, NEW, repeats=1)
+    assert rows[0]["tokens"] == rows[1]["tokens"]
+    texts = [fn.lower(*args).as_text()
+             for fn, args in (decoding.decode_programs(v, PROMPT, NEW) for v in variants)]
+    assert native_int8.TARGET not in texts[1]
+    assert (native_int8.TARGET in texts[0]) == native_int8.status()["available"]

@@ -23,6 +23,8 @@ from experiments.pretrained.loading import Pretrained
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token
 from parallel.decode_split import split_params
+from quant import native_int8
+from quant.dense import use_native
 from quant.kv_cache import init_int8_cache
 
 
@@ -34,6 +36,12 @@ class DecodeVariant:
     kv_int8: bool = False
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
     devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
+    int8_kernel: bool = True  # False: XLA's int8 products instead of shardq's (quant.native_int8)
+
+
+def int8_kernel() -> dict:
+    """Which build of shardq's int8 kernel the int8 variants run (`quant.native_int8.status`)."""
+    return native_int8.status()
 
 
 def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
@@ -42,20 +50,23 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     every time (nothing is donated), so repeated calls do identical work."""
     pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
-    per_layer = (default_per_layer(nnx.merge(pre.graphdef, pre.params)) if v.per_layer is None
-                 else v.per_layer)
-    params = split_params(pre.graphdef, pre.params, v.devices) if v.devices > 1 else pre.params
+    model = nnx.merge(pre.graphdef, pre.params)
+    per_layer = default_per_layer(model) if v.per_layer is None else v.per_layer
+    # A split step's kernels are sharded, which XLA's products handle and a custom call does not.
+    graphdef = (nnx.split(use_native(model, False))[0] if v.devices > 1 or not v.int8_kernel
+                else pre.graphdef)
+    params = split_params(graphdef, pre.params, v.devices) if v.devices > 1 else pre.params
 
     @jax.jit
     def run_prompt(params, ids):
-        model = nnx.merge(pre.graphdef, params)
+        model = nnx.merge(graphdef, params)
         logits, cache, layers = prefill(model, ids, new_tokens, make_cache=make_cache,
                                         per_layer=per_layer)
         return sample_token(logits, None, 0.0, 0), cache, layers
 
     @jax.jit
     def steps(params, first, cache, layers):
-        return decode_steps(nnx.merge(pre.graphdef, params), first, cache, layers, len(prompt),
+        return decode_steps(nnx.merge(graphdef, params), first, cache, layers, len(prompt),
                             new_tokens, jax.random.key(0))
 
     first, cache, layers = run_prompt(params, ids)
@@ -148,9 +159,12 @@ def probe_layout(pre: Pretrained, prompt: list[int], new_tokens: int = 16,
 
 def remembered_layout(pre: Pretrained, cache_file: Path, host: str) -> dict:
     """`probe_layout`'s choice for this model on this host, probed once and remembered in
-    `cache_file` (keyed by the host, the model, its depth and int8 mode, and the JAX version):
+    `cache_file` (keyed by the host, the model, its depth and int8 mode, the JAX version and
+    which int8 kernel runs the products):
     {"per_layer", "tokens_per_s", ..., "remembered": whether it came from the file}."""
-    key = f"{host}|{pre.name}|{pre.cfg.n_layers}|{pre.quant}|jax {jax.__version__}"
+    kernel = native_int8.status().get("isa", "xla") if pre.quant != "none" else "-"
+    key = (f"{host}|{pre.name}|{pre.cfg.n_layers}|{pre.quant}|jax {jax.__version__}"
+           f"|int8 {kernel}")
     try:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):

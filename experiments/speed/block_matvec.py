@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quant import native_int8
 from quant.dense import CONTRACT_IN, MIN_INT8_ROWS, int8_matmul, int8_matmul_t
 
 
@@ -20,7 +21,9 @@ def matvec_check(cfg, repeats: int) -> dict:
     `MIN_INT8_ROWS` (what `quant.dense.int8_matmul_t` does), and padded against the kernel in
     the float layout [in, out]; and two weight-only forms, a float row times the int8 kernel
     converted first (what `w8` runs) or as a multiply-and-sum (which XLA fuses with the
-    conversion). Median ms of `repeats` calls each."""
+    conversion); and shardq's own kernel (quant.native_int8: a float row in, quantised,
+    multiplied and dequantised in one call) where it builds. Median ms of `repeats` calls
+    each."""
     d, f, kv = cfg.d_model, cfg.d_ff, cfg.kv_heads * cfg.head_dim
     shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] * cfg.n_layers
     keys = jax.random.split(jax.random.key(0), len(shapes))
@@ -52,6 +55,9 @@ def matvec_check(cfg, repeats: int) -> dict:
                  a, w.astype(jnp.float32), CONTRACT_IN), True), w_t, x_f),
              "w8_multiply_sum": (chain(lambda a, w: jnp.sum(
                  a.reshape(-1, 1) * w.astype(jnp.float32), axis=0, keepdims=True)), w_q, x_f)}
+    if native_int8.status()["available"]:
+        cases["shardq_int8_kernel"] = (chain(lambda a, w: native_int8.product(
+            a, w, jnp.ones((w.shape[0],), jnp.float32)), True), w_t, x_f)
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn, ws, x in cases.values():
         jax.block_until_ready(fn(ws, x))

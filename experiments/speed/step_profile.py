@@ -45,7 +45,8 @@ EXECUTE_EVENT = "ThunkExecutor::Execute"
 
 
 def parse_hlo(text: str) -> dict[str, dict]:
-    """{instruction name: {opcode, shape, op_name, has_dot}} of a compiled program's text."""
+    """{instruction name: {opcode, shape, op_name, has_dot, target}} of a compiled program's
+    text (`target`: a custom call's target name, else "")."""
     bodies: dict[str, str] = {}
     current, lines = None, []
     for line in text.splitlines():
@@ -66,8 +67,10 @@ def parse_hlo(text: str) -> dict[str, dict]:
             called = re.search(r"calls=%([\w.-]+)", rest)
             inner = bodies.get(called.group(1), "") if called else ""
             op_name = re.search(r'op_name="([^"]*)"', rest)
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
             out[name] = {"opcode": opcode, "shape": shape,
                          "op_name": op_name.group(1) if op_name else "",
+                         "target": target.group(1) if target else "",
                          "has_dot": opcode in ("dot", "convolution")
                          or bool(re.search(r" (dot|convolution)\(", inner))}
     return out

@@ -190,16 +190,28 @@ def bench_decode(d: dict) -> str:
     w8 = (f"; weight-only (float row × int8 kernel): converted then dot "
           f"{ms['w8_convert_then_dot']:.1f} ms, multiply-and-sum {ms['w8_multiply_sum']:.1f} ms"
           if "w8_multiply_sum" in ms else "")
+    # Files written before shardq's kernel (or on a host where it does not build) have no row.
+    kernel = (f"; shardq's int8 kernel (float row in, quantised in the call) "
+              f"{ms['shardq_int8_kernel']:.1f} ms" if "shardq_int8_kernel" in ms else "")
     rows += _bench_decode_prefill(d) + _bench_decode_peer(d)
     rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
              f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
              f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms"
-             f"{in_out}{w8}.", "",
+             f"{in_out}{w8}{kernel}.", "",
              f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
              f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
-             f"1-minute load average {m['load_1min_before']:.1f} before and "
+             f"{_int8_kernel(d)}1-minute load average {m['load_1min_before']:.1f} before and "
              f"{m['load_1min_after']:.1f} after."]
     return "\n".join(rows)
+
+
+def _int8_kernel(d: dict) -> str:
+    """Which build of shardq's int8 kernel ran (files written before it: nothing)."""
+    k = d.get("int8_kernel")
+    if not k:
+        return ""
+    return (f"shardq's int8 kernel built for {k['isa']}, " if k["available"]
+            else f"no shardq int8 kernel ({k['reason']}), ")
 
 
 def _bench_decode_levers(d: dict) -> list[str]:
