@@ -93,18 +93,34 @@ def token_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.
                                       default=token_product)
 
 
+def weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [tokens, in] (float) times the dequantised int8 kernel w_q [out, in], in XLA's
+    operations; float32 [tokens, out]."""
+    return jax.lax.dot_general(x.astype(jnp.float32), w_q.astype(jnp.float32),
+                               CONTRACT_IN) * w_scale
+
+
+def weight_only_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """`weight_only_product` through shardq's kernel where it runs (a CPU, a few rows): the same
+    products, summed in another order (equal to float32 rounding)."""
+    if not native_int8.usable(x.shape[0]):
+        return weight_only_product(x, w_q, w_scale)
+    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native_int8.product_weight_only,
+                                      default=weight_only_product)
+
+
 def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,
                       act_scale: jax.Array | None = None, native: bool = False) -> jax.Array:
     """x [tokens, in] (float) times the int8 kernel w_q [out, in]; float32 result [tokens, out].
 
-    w_scale is [1, out] (or [1, 1] per tensor). `native`: per-token products of a few rows run
-    in shardq's own int8 kernel on a CPU (`token_product_fast`).
+    w_scale is [1, out] (or [1, 1] per tensor). `native`: per-token and weight-only products of
+    a few rows run in shardq's own int8 kernel on a CPU (`token_product_fast`,
+    `weight_only_product_fast`).
     """
     if act == "token":
         return (token_product_fast if native else token_product)(x, w_q, w_scale)
     if act == "none":
-        return jax.lax.dot_general(x.astype(jnp.float32), w_q.astype(jnp.float32),
-                                   CONTRACT_IN) * w_scale
+        return (weight_only_product_fast if native else weight_only_product)(x, w_q, w_scale)
     if act == "tensor":
         s_x = qz.tensor_scale(x).reshape(1, 1)
     elif act == "static":
@@ -222,10 +238,7 @@ class QuantEmbed(nnx.Module):
         x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
         table_q, row_scale = self.embedding_q[...], self.row_scale[...][None, :]
         # The table [vocab, embed] is the head's kernel already stored [out, in].
-        if self.act == "none":
-            y = jax.lax.dot_general(x2, table_q.astype(jnp.float32), CONTRACT_IN) * row_scale
-        else:
-            y = (token_product_fast if self.native else token_product)(x2, table_q, row_scale)
+        y = quantized_product(x2, table_q, row_scale, self.act, native=self.native)
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))
 
 

@@ -3,8 +3,9 @@
 Batch-1 decoding multiplies one row of activations by every kernel. XLA:CPU has no int8 kernel
 for one row (`quant.dense.MIN_INT8_ROWS`); this one quantises the row, multiplies it by the int8
 kernel with the CPU's byte dot products over XLA's own intra-op threads, and dequantises, in one
-call, with the same arithmetic as `quant.dense.quantized_product` (per-token scales): the same
-float32 result, bit for bit.
+call, with the same arithmetic as `quant.dense.token_product` (per-token scales): the same
+float32 result, bit for bit. A second entry serves weight-only products (w8): float rows times
+the int8 kernel converted in registers, equal to XLA's to float32 rounding.
 
 The source is compiled for this CPU (`-march=native`) the first time a program needs it, into
 a cache folder keyed by the source, the compiler, the CPU's flags and jaxlib's version
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 SOURCE = Path(__file__).with_name("native") / "int8_matvec.cc"
-TARGET = "shardq_int8_matvec"
+TARGET = "shardq_int8_matvec"  # per-token int8 activations (w8a8)
+TARGET_W8 = "shardq_w8_matvec"  # float activations (weight-only w8)
 # Up to this many rows a product runs here; more rows are a GEMM, which XLA's (YNNPACK's) is
 # built for.
 MAX_ROWS = 8
@@ -103,6 +105,8 @@ def status() -> dict:
         lib.ShardqInt8MatvecIsa.restype = ctypes.c_char_p
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardqInt8Matvec),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_W8, jax.ffi.pycapsule(lib.ShardqWeightInt8Matvec),
+                                    platform="cpu")
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         return {"available": False, "reason": str(e).splitlines()[0] if str(e) else repr(e)}
     _keep.append(lib)
@@ -118,12 +122,23 @@ def usable(rows: int) -> bool:
     return rows <= MAX_ROWS and status()["available"]
 
 
+def _call(target: str, x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    if not status()["available"]:  # builds and registers the kernels on first use
+        raise RuntimeError(f"the int8 kernel is not available: {status()['reason']}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w_q,
+                                         w_scale.reshape(-1).astype(jnp.float32))
+
+
 def product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
     """x [rows, in] (float32) times the int8 kernel w_q [out, in] with per-token int8
     activations -> float32 [rows, out]; w_scale holds out (or 1) float32 scales. CPU only: a
     caller that may run elsewhere puts it in one branch of `jax.lax.platform_dependent`."""
-    if not status()["available"]:  # builds and registers it on first use
-        raise RuntimeError(f"the int8 kernel is not available: {status()['reason']}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), w_q,
-                                         w_scale.reshape(-1).astype(jnp.float32))
+    return _call(TARGET, x, w_q, w_scale)
+
+
+def product_weight_only(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [rows, in] (float32) times the int8 kernel w_q [out, in], each weight converted to
+    float32 in the call (weight-only w8) -> float32 [rows, out], scaled by w_scale. Equal to
+    XLA's product to float32 rounding (its sums run in another order). CPU only."""
+    return _call(TARGET_W8, x, w_q, w_scale)

@@ -1,7 +1,8 @@
-"""shardq's int8 kernel for few-row products (quant/native_int8.py, quant/native/int8_matvec.cc)
-against XLA's operations for the same per-token w8a8 product: the same float32 result, bit for
-bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output groups), the rows,
-the scales (per channel or per tensor) and the values (zero rows, NaN, the int8 extremes)."""
+"""shardq's int8 kernels for few-row products (quant/native_int8.py, quant/native/int8_matvec.cc)
+against XLA's operations for the same products. The per-token w8a8 product: the same float32
+result, bit for bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output
+groups), the rows, the scales (per channel or per tensor) and the values (zero rows, NaN, the
+int8 extremes). The weight-only product: equal to float32 rounding."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 
 from quant import native_int8
-from quant.dense import QuantDense, token_product, token_product_fast, use_native
+from quant.dense import (
+    QuantDense,
+    token_product,
+    token_product_fast,
+    use_native,
+    weight_only_product,
+    weight_only_product_fast,
+)
 
 
 def _built() -> bool:
@@ -31,8 +39,8 @@ def _operands(rng, rows, n, k, per_tensor=False):
     return jnp.asarray(x), jnp.asarray(w), jnp.asarray(ws)
 
 
-def _uses_kernel(fn, *args) -> bool:
-    return native_int8.TARGET in jax.jit(fn).lower(*args).as_text()
+def _uses_kernel(fn, *args, target=native_int8.TARGET) -> bool:
+    return target in jax.jit(fn).lower(*args).as_text()
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 576, 576), (1, 1536, 576), (1, 576, 1536),
@@ -95,3 +103,19 @@ def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed"):
         native_int8._build("false")  # a "compiler" that always fails
     assert list(tmp_path.rglob("*.so")) == []  # nothing half-written is left
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 1536, 576), (3, 4100, 96), (8, 5, 33)])
+def test_weight_only_kernel_matches_xla_to_float_rounding(rows, n, k):
+    if not _built():
+        return
+    x, w, ws = _operands(np.random.default_rng(rows + n + k), rows, n, k)
+    w8 = native_int8.TARGET_W8
+    assert _uses_kernel(weight_only_product_fast, x, w, ws, target=w8)
+    assert not _uses_kernel(weight_only_product, x, w, ws, target=w8)
+    got = np.asarray(jax.jit(weight_only_product_fast)(x, w, ws))
+    want = np.asarray(jax.jit(weight_only_product)(x, w, ws))
+    # the same products summed in another order: float32 rounding of the largest sums
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    other = np.asarray(jax.jit(weight_only_product)(x, w.at[0, 0].add(1), ws))
+    assert np.abs(other - want).max() > 1e-6 * np.abs(want).max()  # the tolerance can fail

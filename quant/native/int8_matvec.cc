@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -158,14 +159,58 @@ void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, 
   }
 }
 
+// Weight-only (w8): float rows times the int8 kernel, each weight converted to float32 in
+// registers (exactly: every int8 is a float32) and multiplied-and-added in float32. The sums
+// run in another order than XLA's dot, so the result matches it to float32 rounding, not bit
+// for bit. out[m * n_total + n] = sum_k x[m, k] * w[n, k], before the channel scale.
+void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, int64_t n0,
+                int64_t n1, int64_t n_total, float* out) {
+  int64_t n = n0;
+#if defined(__AVX512F__)
+  const int64_t kv = k - k % 16;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t* w0 = w + n * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* xm = x + m * k;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < kv; i += 16) {
+        if (m == 0) {  // one line ahead per step: the quad's 4 * k bytes over k / 16 steps
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i), _MM_HINT_T0);
+        }
+        const __m512 xv = _mm512_loadu_ps(xm + i);
+        auto wf = [&](const int8_t* r) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+        };
+        a0 = _mm512_fmadd_ps(xv, wf(w0), a0);
+        a1 = _mm512_fmadd_ps(xv, wf(w0 + k), a1);
+        a2 = _mm512_fmadd_ps(xv, wf(w0 + 2 * k), a2);
+        a3 = _mm512_fmadd_ps(xv, wf(w0 + 3 * k), a3);
+      }
+      float sums[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                       _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+      for (int r = 0; r < 4; ++r) {
+        for (int64_t i = kv; i < k; ++i) sums[r] += xm[i] * float(w0[r * k + i]);
+        out[m * n_total + n + r] = sums[r];
+      }
+    }
+  }
+#endif
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < rows; ++m) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * float(w[n * k + i]);
+      out[m * n_total + n] = sum;
+    }
+  }
+}
+
 // A product split into chunks of outputs, claimed one at a time by whichever thread comes: the
 // calling one and the helpers it schedules. Held by a shared_ptr, since a helper that starts
-// after the work is done still reads it.
+// after the work is done still reads it (it then finds no chunk left, and never calls `rows`).
 struct Job {
-  const QuantRows* xr;
-  const int8_t* w;
+  std::function<void(int64_t, int64_t)> rows;  // computes outputs [n0, n1)
   int64_t n, chunk_rows, chunks;
-  int32_t* acc;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -173,52 +218,72 @@ struct Job {
     int64_t c;
     while ((c = next.fetch_add(1, std::memory_order_relaxed)) < chunks) {
       const int64_t n0 = c * chunk_rows;
-      product_rows(*xr, w, n0, std::min(n, n0 + chunk_rows), n, acc);
+      rows(n0, std::min(n, n0 + chunk_rows));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+// rows(n0, n1) over all n outputs of a kernel of n x bytes_per_row bytes, on XLA's intra-op
+// threads when the kernel is large enough to pay for waking them.
+void for_outputs(ffi::ThreadPool& pool, int64_t n, int64_t bytes_per_row,
+                 std::function<void(int64_t, int64_t)> rows) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t bytes = n * bytes_per_row;
+  if (threads == 1 || bytes < kParallelBytes) {
+    rows(0, n);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->rows = std::move(rows);
+  job->n = n;
+  // Whole chunks for every thread (a multiple of the thread count), each a multiple of 4 rows.
+  int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
+  want = (want + threads - 1) / threads * threads;
+  const int64_t rows_each = (n + want - 1) / want;
+  job->chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
+  job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
+  const int64_t helpers = std::min(threads - 1, job->chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->work(); });
+  job->work();
+  // Every chunk is claimed by now; wait for those other threads are still computing.
+  while (job->done.load(std::memory_order_acquire) < job->chunks) {
+#if defined(__AVX2__)
+    _mm_pause();
+#endif
+  }
+}
+
+// The operands' sizes: x [rows, k], w [n, k], w_scale [n] or [1].
+struct Shapes {
+  int64_t rows, k, n, n_scales;
+};
+
+ffi::Error shapes_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
+                     const ffi::Buffer<ffi::F32>& w_scale, Shapes& d) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("shardq_int8_matvec: x [M, K] and w [N, K] expected");
+    return ffi::Error::InvalidArgument("shardq int8 kernel: x [M, K] and w [N, K] expected");
   }
-  const int64_t rows = xd[0], k = xd[1], n = wd[0];
-  const int64_t n_scales = w_scale.element_count();
-  if (n_scales != n && n_scales != 1) {
-    return ffi::Error::InvalidArgument("shardq_int8_matvec: w_scale must hold N or 1 values");
+  d = {xd[0], xd[1], wd[0], static_cast<int64_t>(w_scale.element_count())};
+  if (d.n_scales != d.n && d.n_scales != 1) {
+    return ffi::Error::InvalidArgument("shardq int8 kernel: w_scale must hold N or 1 values");
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  Shapes d;
+  if (ffi::Error e = shapes_of(x, w, w_scale, d); e.failure()) return e;
+  const int64_t rows = d.rows, k = d.k, n = d.n, n_scales = d.n_scales;
   QuantRows xr;
   quantize_rows(x.typed_data(), rows, k, xr);
   std::vector<int32_t> acc(rows * n);
 
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (threads == 1 || n * k < kParallelBytes) {
-    product_rows(xr, w.typed_data(), 0, n, n, acc.data());
-  } else {
-    auto job = std::make_shared<Job>();
-    job->xr = &xr;
-    job->w = w.typed_data();
-    job->n = n;
-    // Whole chunks for every thread (a multiple of the thread count), each a multiple of 4 rows.
-    int64_t want = (n * k + kChunkBytes - 1) / kChunkBytes;
-    want = (want + threads - 1) / threads * threads;
-    const int64_t rows_each = (n + want - 1) / want;
-    job->chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
-    job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
-    job->acc = acc.data();
-    const int64_t helpers = std::min(threads - 1, job->chunks - 1);
-    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->work(); });
-    job->work();
-    // Every chunk is claimed by now; wait for those other threads are still computing.
-    while (job->done.load(std::memory_order_acquire) < job->chunks) {
-#if defined(__AVX2__)
-      _mm_pause();
-#endif
-    }
-  }
+  const int8_t* wp = w.typed_data();
+  int32_t* ap = acc.data();
+  for_outputs(pool, n, k, [&](int64_t n0, int64_t n1) { product_rows(xr, wp, n0, n1, n, ap); });
 
   const float* ws = w_scale.typed_data();
   float* out = y->typed_data();
@@ -232,9 +297,35 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  Shapes d;
+  if (ffi::Error e = shapes_of(x, w, w_scale, d); e.failure()) return e;
+  const int64_t rows = d.rows, k = d.k, n = d.n, n_scales = d.n_scales;
+  const float* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  float* out = y->typed_data();
+  for_outputs(pool, n, k,
+              [&](int64_t n0, int64_t n1) { float_rows(xp, rows, k, wp, n0, n1, n, out); });
+  const float* ws = w_scale.typed_data();
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < n; ++j) out[m * n + j] *= ws[n_scales == 1 ? 0 : j];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqInt8Matvec, Int8Matvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqWeightInt8Matvec, WeightInt8Matvec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
