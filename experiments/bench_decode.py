@@ -47,11 +47,11 @@ from quant.modes import QuantConfig, QuantError
 
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
-# name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer
-# for float weights, the layer scan for int8 ones; "probe": the faster of the two on this host,
-# by a short timed run when the model is loaded), tied head/embedding in int8 too, devices each
-# step is split over (parallel/decode_split.py), few-row int8 products in shardq's kernel
-# (quant.native_int8; False: XLA's))
+# name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer,
+# except the layer scan for int8 kernels whose products XLA runs; "probe": the faster of the two
+# on this host, by a short timed run when the model is loaded), tied head/embedding in int8 too,
+# devices each step is split over (parallel/decode_split.py), few-row int8 products in shardq's
+# kernel (quant.native_int8; False: XLA's))
 VARIANTS = {
     "float": ("none", False, None, False, 1, True),
     "w8": ("w8", False, None, False, 1, True),
@@ -61,9 +61,9 @@ VARIANTS = {
     "w8a8+head8": ("w8a8", False, None, True, 1, True),
     "w8a8-rotated": ("w8a8-rotated", False, None, False, 1, True),
     "float-scan": ("none", False, False, False, 1, True),
-    "w8-per-layer": ("w8", False, True, False, 1, True),
-    "w8a8-per-layer": ("w8a8", False, True, False, 1, True),
-    "w8a8+head8-per-layer": ("w8a8", False, True, True, 1, True),
+    "w8-scan": ("w8", False, False, False, 1, True),
+    "w8a8-scan": ("w8a8", False, False, False, 1, True),
+    "w8a8+head8-scan": ("w8a8", False, False, True, 1, True),
     "w8a8-probed": ("w8a8", False, "probe", False, 1, True),
     "float-split2": ("none", False, None, False, 2, True),
     "w8-xla": ("w8", False, None, False, 1, False),
@@ -79,21 +79,24 @@ FLAGS_VARIANT = "w8a8"
 # (what changed, variant before, variant after): ratios the results file records
 CHANGES = (
     ("per-layer weights instead of the stacked layer scan (float)", "float-scan", "float"),
-    ("per-layer weights instead of the stacked layer scan (w8)", "w8", "w8-per-layer"),
-    ("per-layer weights instead of the stacked layer scan (w8a8)", "w8a8", "w8a8-per-layer"),
+    ("per-layer weights instead of the stacked layer scan (w8)", "w8-scan", "w8"),
+    ("per-layer weights instead of the stacked layer scan (w8a8)", "w8a8-scan", "w8a8"),
+    ("per-layer weights instead of the stacked layer scan (w8a8+head8)", "w8a8+head8-scan",
+     "w8a8+head8"),
     ("layer layout by a timed probe instead of the fixed rule (w8a8)", "w8a8", "w8a8-probed"),
     ("each step split over 2 devices by output features (float)", "float", "float-split2"),
     ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
     ("each step split over 2 devices by output features (w8a8+head8)", "w8a8+head8",
      "w8a8+head8-split2"),
-    ("shardq's int8 kernel instead of XLA's products (w8, layer scan)", "w8-xla", "w8"),
-    ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla", "w8a8"),
+    ("shardq's int8 kernel instead of XLA's products (w8, layer scan)", "w8-xla", "w8-scan"),
+    ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla",
+     "w8a8-scan"),
     ("shardq's int8 kernel instead of XLA's products (w8a8, per-layer weights)",
-     "w8a8-per-layer-xla", "w8a8-per-layer"),
-    ("shardq's int8 kernel instead of XLA's products (w8a8+head8)", "w8a8+head8-xla",
-     "w8a8+head8"),
-    ("per-layer weights instead of the stacked layer scan (w8a8+head8)", "w8a8+head8",
-     "w8a8+head8-per-layer"),
+     "w8a8-per-layer-xla", "w8a8"),
+    ("shardq's int8 kernel instead of XLA's products (w8a8+head8, layer scan)",
+     "w8a8+head8-xla", "w8a8+head8-scan"),
+    ("the default int8 path (the kernel, per-layer weights) instead of XLA's (its products, "
+     "the layer scan) (w8a8)", "w8a8-xla", "w8a8"),
     ("int8 weights (w8) against float", "float", "w8"),
     ("int8 weights and activations (w8a8) against float", "float", "w8a8"),
     ("int8 KV cache (float weights)", "float", "float+kv8"),

@@ -21,12 +21,14 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
 
 
 def default_per_layer(model) -> bool:
-    """Whether decoding should split the blocks into per-layer arrays: yes for float kernels,
-    whose per-step slice copies out of the stack are the large cost (see `DecoderLM.decode`).
-    A model with int8 kernels keeps the layer scan: their copies are a quarter the size, and
-    with per-layer arrays XLA hoists a weight-only kernel's int8 -> float conversion out of the
-    token loop, holding a float32 copy of every such kernel while it generates."""
-    return not any(x.dtype == jnp.int8 for x in jax.tree.leaves(nnx.state(model.blocks)))
+    """Whether decoding should split the blocks into per-layer arrays: yes, unless a block's
+    module asks for the stacked layer scan (a `prefers_layer_scan()` method returning True). In
+    the scan every step copies each layer's weights out of the stack before its products;
+    per-layer arrays are read where they lie. An int8 Dense whose products XLA runs asks for
+    the scan: there a weight-only kernel's int8 -> float conversion would be hoisted out of the
+    token loop, holding a float32 copy of every kernel while it generates (quant/dense.py)."""
+    return not any(getattr(m, "prefers_layer_scan", lambda: False)()
+                   for _, m in model.blocks.iter_modules())
 
 
 def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,

@@ -173,6 +173,15 @@ class QuantDense(nnx.Module):
         self.keep_float = param(keep_float, lead) if self.has_float else None
         self.bias = param(bias, lead + tuple(kernel_axes[-1:])) if bias is not None else None
 
+    def prefers_layer_scan(self) -> bool:
+        """Decoding keeps the stacked layer scan for this module (`model.generate.
+        default_per_layer` asks) where XLA's own products run it: on another backend, without
+        a built kernel, or with the kernel switched off. XLA hoists a weight-only kernel's
+        int8 -> float conversion out of a per-layer token loop (a float32 copy of every
+        kernel), and its one-row int8 products gain nothing from per-layer arrays."""
+        return not (self.native and jax.default_backend() == "cpu"
+                    and native_int8.status()["available"])
+
     def _int_path(self, x2: jax.Array) -> jax.Array:
         if self.rotate:
             x2 = rotation.rotate(x2.astype(jnp.float32), self.rotation_seed)

@@ -21,9 +21,11 @@ from model.flops import param_bytes
 from model.generate import default_per_layer, generate
 from parallel.mesh import make_mesh
 from quant import checkpoint as qckpt
+from quant import native_int8
 from quant import quantizers as qz
 from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, apply_plan, make_plan
+from quant.dense import use_native
 from quant.kv_cache import init_int8_cache
 from quant.pipeline import quantize
 from quant.rotation import rotate_kernel
@@ -197,11 +199,14 @@ def test_generation_with_a_quantized_model(trained_model, batches):
     # there is 0.008). 0.85 leaves room for one row that diverges early on another host's
     # rounding, not for a broken int8 path.
     assert agree >= 0.85
-    # int8 kernels keep the layer scan by default; both layouts write the same tokens.
+    # int8 kernels go per layer where shardq's kernel runs their products, and keep the layer
+    # scan where XLA's do; both layouts write the same tokens.
     assert default_per_layer(nnx.merge(graphdef, params))
-    assert not default_per_layer(nnx.merge(g, q))
-    per_layer = jax.jit(functools.partial(generate, per_layer=True), static_argnums=(0, 3))
-    np.testing.assert_array_equal(per_layer(g, q, prompt, 16, jax.random.key(0)), out)
+    assert default_per_layer(nnx.merge(g, q)) == native_int8.status()["available"]
+    assert not default_per_layer(use_native(nnx.merge(g, q), False))
+    other = not default_per_layer(nnx.merge(g, q))
+    layout = jax.jit(functools.partial(generate, per_layer=other), static_argnums=(0, 3))
+    np.testing.assert_array_equal(layout(g, q, prompt, 16, jax.random.key(0)), out)
 
 
 # --- bad input -------------------------------------------------------------------------------

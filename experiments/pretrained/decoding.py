@@ -51,10 +51,12 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
     model = nnx.merge(pre.graphdef, pre.params)
+    graphdef = pre.graphdef
+    if v.devices > 1 or not v.int8_kernel:
+        # A split step's kernels are sharded: XLA's products split with them, a custom call
+        # would gather them whole.
+        graphdef = nnx.split(use_native(model, False))[0]
     per_layer = default_per_layer(model) if v.per_layer is None else v.per_layer
-    # A split step's kernels are sharded, which XLA's products handle and a custom call does not.
-    graphdef = (nnx.split(use_native(model, False))[0] if v.devices > 1 or not v.int8_kernel
-                else pre.graphdef)
     params = split_params(graphdef, pre.params, v.devices) if v.devices > 1 else pre.params
 
     @jax.jit
