@@ -4,8 +4,10 @@ Batch-1 decoding multiplies one row of activations by every kernel. XLA:CPU has 
 for one row (`quant.dense.MIN_INT8_ROWS`); this one quantises the row, multiplies it by the int8
 kernel with the CPU's byte dot products over XLA's own intra-op threads, and dequantises, in one
 call, with the same arithmetic as `quant.dense.token_product` (per-token scales): the same
-float32 result, bit for bit. A second entry serves weight-only products (w8): float rows times
-the int8 kernel converted in registers, equal to XLA's to float32 rounding.
+float32 product, bit for bit. (Inside a model XLA's own program may fuse the dequantisation
+with the add that follows into one rounding, which a separate call cannot: the two programs'
+activations then differ in the last bit.) A second entry serves weight-only products (w8):
+float rows times the int8 kernel converted in registers, equal to XLA's to float32 rounding.
 
 The source is compiled for this CPU (`-march=native`) the first time a program needs it, into
 a cache folder keyed by the source, the compiler, the CPU's flags and jaxlib's version

@@ -124,8 +124,9 @@ def test_layout_probe_is_remembered_per_host_and_model(tmp_path):
 
 
 def test_int8_kernel_decodes_the_same_tokens_as_xla_products():
-    # The kernel's products equal XLA's bit for bit, so greedy decoding writes the same tokens;
-    # the compiled steps show which products each variant runs.
+    # The kernel's products equal XLA's (bit for bit for w8a8; XLA's program then fuses the
+    # dequantisation into the following add, a last-bit difference): on the tiny model greedy
+    # decoding writes the same tokens. The compiled steps show which products each runs.
     # (The weight-only kernel sums in another order: equal to rounding, the same tokens here.)
     from quant import native_int8
 

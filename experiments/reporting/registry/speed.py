@@ -17,11 +17,17 @@ def _rounds_agree(d: dict) -> bool:
 
 def split_int8_agrees(d: dict) -> bool:
     """An int8 variant split over devices writes its one-device twin's tokens: its int8
-    products sum exactly in int32 however they are split."""
+    products sum exactly in int32 however they are split. A split step runs XLA's products, so
+    its twin is the one-device variant with XLA's products (`-xla`) where the file has one."""
     by = {r["variant"]: r for r in d["variants"]}
-    return all(r["tokens"] == by[r["variant"].rsplit("-split", 1)[0]]["tokens"]
+
+    def twin(name: str) -> str:
+        base = name.rsplit("-split", 1)[0]
+        return base + "-xla" if base + "-xla" in by else base
+
+    return all(r["tokens"] == by[twin(r["variant"])]["tokens"]
                for r in d["variants"] if r.get("devices", 1) > 1 and r["quant"] != "none"
-               and r["variant"].rsplit("-split", 1)[0] in by)
+               and twin(r["variant"]) in by)
 
 
 def _peer_ratios_hold(d: dict) -> bool:
