@@ -9,8 +9,9 @@ the validation topics): one jitted `lax.scan` over the tokens, the prefill exclu
 latency and the bytes of weights every token reads. Besides the main variants
 (float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
 input rotations at every step, each in the layer layout
-`model.generate` picks by default) the other layout of float, w8 and w8a8 is timed too, so the
-file records what the per-layer layout changes, measured in the same run. Prefill is timed too:
+`model.generate` picks by default) the layer scan of float, w8, w8a8 and w8a8+head8 is timed
+too, and each int8 path with XLA's products instead of shardq's kernel (`-xla`), so the file
+records what the layout and the kernel change, measured in the same run. Prefill is timed too:
 one forward over a `--prefill-tokens` window per model, as scoring runs it. The machine and
 its load average are recorded beside.
 
