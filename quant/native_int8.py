@@ -13,9 +13,6 @@ The source is compiled for this CPU (`-march=native`) the first time a program n
 a cache folder keyed by the source, the compiler, the CPU's flags and jaxlib's version
 ($SHARDQ_CACHE_DIR, else ~/.cache/shardq). Where there is no C++ compiler, or the build fails,
 `status()` says why and every product stays XLA's; `SHARDQ_INT8_KERNEL=off` turns it off.
-
-Precondition: kernel values lie in [-127, 127], as `quant.quantizers.quantize` writes them (the
-byte products move the activation's sign onto the weight, and -128 has no negation).
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -39,13 +37,20 @@ TARGET_W8 = "shardq_w8_matvec"  # float activations (weight-only w8)
 # Up to this many rows a product runs here; more rows are a GEMM, which XLA's (YNNPACK's) is
 # built for.
 MAX_ROWS = 8
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# -ffp-contract=off: no multiply-add contracted into one rounding, which would part the
+# kernel's arithmetic from the reference's.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+         "-ffp-contract=off")
 ENV_SWITCH = "SHARDQ_INT8_KERNEL"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or next(
-        (c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+def _compiler() -> list[str] | None:
+    """The C++ compiler's command ($CXX, which may hold arguments: "ccache g++"), else the first
+    of g++, c++ and clang++ found."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    return [found] if found else None
 
 
 def _cpu_flags() -> str:
@@ -64,13 +69,14 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: list[str]) -> Path:
     """The compiled library for this CPU, built once (a cached copy is reused)."""
     import jaxlib
 
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), cxx, " ".join(FLAGS), _cpu_flags(), jaxlib.__version__, include]
+        [SOURCE.read_text(), " ".join(cxx), " ".join(FLAGS), _cpu_flags(), jaxlib.__version__,
+         include]
     ).encode()).hexdigest()[:16]
     out = cache_dir() / f"int8_matvec-{key}.so"
     if out.exists():
@@ -80,11 +86,12 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+        done = subprocess.run([*cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or [""]
-            raise RuntimeError(f"{cxx} failed: {lines[0].strip()[:200]}")
+            raise RuntimeError(f"{' '.join(cxx)} failed: {lines[0].strip()[:200]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would shut out other users of a shared cache
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -113,7 +120,7 @@ def status() -> dict:
         return {"available": False, "reason": str(e).splitlines()[0] if str(e) else repr(e)}
     _keep.append(lib)
     return {"available": True, "isa": lib.ShardqInt8MatvecIsa().decode(), "library": str(path),
-            "compiler": cxx}
+            "compiler": " ".join(cxx)}
 
 
 _keep: list = []  # the loaded library lives as long as the process
@@ -128,8 +135,9 @@ def _call(target: str, x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.
     if not status()["available"]:  # builds and registers the kernels on first use
         raise RuntimeError(f"the int8 kernel is not available: {status()['reason']}")
     out = jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w_q,
-                                         w_scale.reshape(-1).astype(jnp.float32))
+    # vmapped, the call runs once per batch element (the kernel takes one [rows, in] input)
+    call = jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    return call(x.astype(jnp.float32), w_q, w_scale.reshape(-1).astype(jnp.float32))
 
 
 def product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:

@@ -2,7 +2,7 @@
 against XLA's operations for the same products. The per-token w8a8 product: the same float32
 result, bit for bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output
 groups), the rows, the scales (per channel or per tensor) and the values (zero rows, NaN, the
-int8 extremes). The weight-only product: equal to float32 rounding."""
+int8 extremes, -128 included). The weight-only product: equal to float32 rounding."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_kernel_matches_on_a_per_tensor_scale_and_extreme_values():
         return
     rng = np.random.default_rng(1)
     x, w, ws = _operands(rng, 4, 64, 96, per_tensor=True)
-    w = w.at[:, :8].set(127).at[:, 8:16].set(-127)
+    # -128 too: the kernel takes any int8 weight (the activations' values lie in -127..127)
+    w = w.at[:, :8].set(127).at[:, 8:16].set(-127).at[:, 16:48].set(-128)
     x = x.at[1].set(0.0)  # an all-zero row: scale 1, every product 0
     x = x.at[2, 5].set(jnp.nan)  # a NaN row stays NaN
     x = x.at[3, 7].set(1e30)  # one huge value: the rest of its row rounds to 0
@@ -101,7 +102,7 @@ def test_quant_dense_routes_by_its_switch_and_agrees():
 def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDQ_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
-        native_int8._build("false")  # a "compiler" that always fails
+        native_int8._build(["false"])  # a "compiler" that always fails
     assert list(tmp_path.rglob("*.so")) == []  # nothing half-written is left
 
 

@@ -46,12 +46,10 @@ constexpr int64_t kParallelBytes = 192 * 1024;
 // prefetcher alone leaves the memory bus well below what it delivers to a steady stream.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// One row of activations, quantised: its int8 values, their magnitudes (the unsigned operand of
-// the byte dot products) and its scale.
+// Rows of activations, quantised: their int8 values and their scales.
 struct QuantRows {
   int64_t rows = 0, k = 0;
   std::vector<int8_t> q;
-  std::vector<uint8_t> mag;
   std::vector<float> scale;
 };
 
@@ -59,7 +57,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   out.rows = rows;
   out.k = k;
   out.q.resize(rows * k);
-  out.mag.resize(rows * k);
   out.scale.resize(rows);
   for (int64_t m = 0; m < rows; ++m) {
     const float* xm = x + m * k;
@@ -74,12 +71,10 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
     if (s < FLT_MIN) s = 1.0f;  // false for NaN: a NaN row keeps its NaN scale
     const float inv = 1.0f / s;
     int8_t* qm = out.q.data() + m * k;
-    uint8_t* am = out.mag.data() + m * k;
     for (int64_t i = 0; i < k; ++i) {
       float v = std::nearbyint(xm[i] * inv);  // round half to even, as jnp.round
       v = std::isnan(v) ? 0.0f : std::min(std::max(v, -kQMax), kQMax);
       qm[i] = static_cast<int8_t>(v);
-      am[i] = static_cast<uint8_t>(v < 0 ? -v : v);
     }
     out.scale[m] = s;
   }
@@ -93,16 +88,18 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// acc += sum over 32 lanes of mag * (w with x's sign): the sign moves onto w so that the
-// unsigned-by-signed byte product applies (|x| <= 127 and |w| <= 127, so nothing saturates).
-inline __m256i dot32(__m256i acc, __m256i mag, __m256i xq, __m256i w) {
-  const __m256i sw = _mm256_sign_epi8(w, xq);
+// acc += sum over 32 lanes of x * w, as the unsigned-by-signed byte product: |w| (any int8,
+// -128 included, fits a u8) times x with w's sign (x lies in [-127, 127], so its negation does
+// too). Nothing saturates: a pair of products is at most 2 * 128 * 127 < 2^15.
+inline __m256i dot32(__m256i acc, __m256i xq, __m256i w) {
+  const __m256i mag = _mm256_abs_epi8(w);
+  const __m256i sx = _mm256_sign_epi8(xq, w);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, mag, sw);
+  return _mm256_dpbusd_epi32(acc, mag, sx);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, mag, sw);
+  return _mm256_dpbusd_avx_epi32(acc, mag, sx);
 #else
-  const __m256i pairs = _mm256_maddubs_epi16(mag, sw);  // |sum of 2| <= 2 * 127 * 127 < 2^15
+  const __m256i pairs = _mm256_maddubs_epi16(mag, sx);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
@@ -127,7 +124,6 @@ void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, 
     const int8_t* w0 = w + n * k;
     for (int64_t m = 0; m < xr.rows; ++m) {
       const int8_t* xq = xr.q.data() + m * k;
-      const uint8_t* mg = xr.mag.data() + m * k;
       __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t i = 0; i < kv; i += 32) {
         if (m == 0) {  // two lines ahead per step: the quad's 4 * k bytes over k / 32 steps
@@ -136,13 +132,10 @@ void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, 
                        _MM_HINT_T0);
         }
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i));
-        const __m256i g = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + i));
-        a0 = dot32(a0, g, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i)));
-        a1 = dot32(a1, g, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k + i)));
-        a2 = dot32(a2, g, x,
-                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 2 * k + i)));
-        a3 = dot32(a3, g, x,
-                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 3 * k + i)));
+        a0 = dot32(a0, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i)));
+        a1 = dot32(a1, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k + i)));
+        a2 = dot32(a2, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 2 * k + i)));
+        a3 = dot32(a3, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 3 * k + i)));
       }
       int32_t* out = acc + m * n_total + n;
       out[0] = hsum(a0) + dot_tail(xq, w0, kv, k);
