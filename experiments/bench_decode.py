@@ -282,13 +282,19 @@ def peer_section(files: dict, runs: dict, rows: list[dict], prefill_rows: list[d
     def speeds(test: str) -> dict[str, float]:
         return {r["format"]: r["tokens_per_s"] for r in peer if r["test"] == test}
 
-    def ratios(ours: list[dict], test: str) -> list[dict]:
+    def ratios(ours: list[dict], test: str, floats: str = "float") -> list[dict]:
         int8 = [r["variant"] for r in ours if r["quant"] != "none"]
         return llama_cpp.ratios({r["variant"]: r["tokens_per_s"] for r in ours}, int8,
-                                speeds(test))
+                                speeds(test), floats)
+
+    # Prefill twice: as scoring runs it (every position's logits) and as generation does (the
+    # last position's, as llama-bench's pp): each set with its own float and best int8.
+    last = [r for r in prefill_rows if r.get("logits") == "last"]
+    scored = [r for r in prefill_rows if r.get("logits") != "last"]
     return {"tool": "llama.cpp", "build_commit": first["build_commit"],
             "build_number": first["build_number"], "threads": threads, "rows": peer,
-            "decode_ratios": ratios(rows, "tg"), "prefill_ratios": ratios(prefill_rows, "pp")}
+            "decode_ratios": ratios(rows, "tg"),
+            "prefill_ratios": ratios(scored, "pp") + ratios(last, "pp", "float-last")}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -51,7 +51,7 @@ def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
     layers = model.unstack_layers() if per_layer else None
     if per_layer:
         cache = model.unstack_cache(cache)
-    logits, cache = model.decode(prompt_BxT, cache, 0, layers)
+    logits, cache = model.decode(prompt_BxT, cache, 0, layers, last_only=True)
     return logits[:, -1], cache, layers
 
 
@@ -101,7 +101,8 @@ def _stream_step(graphdef, temperature: float, top_k: int):
 
     @jax.jit
     def step(params, layers, tokens, cache, index, key):
-        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers)
+        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers,
+                                                           last_only=True)
         return sample_token(logits[:, -1], key, temperature, top_k), cache
 
     return step

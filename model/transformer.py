@@ -239,8 +239,11 @@ class DecoderLM(nnx.Module):
 
     def decode(self, tokens_BxT: jax.Array, cache: KVCache | list,
                cache_index: jax.Array | int,
-               layers: list | None = None) -> tuple[jax.Array, KVCache | list]:
-        """(logits [B, T, vocab] fp32, updated cache) for tokens at positions cache_index + t.
+               layers: list | None = None,
+               last_only: bool = False) -> tuple[jax.Array, KVCache | list]:
+        """(logits [B, T, vocab] fp32, updated cache) for tokens at positions cache_index + t;
+        with `last_only`, the last position's logits only ([B, 1, vocab]: generation reads no
+        other, and the head's product over every position of a long prompt is its largest).
 
         Writes this chunk's keys and values into the cache and attends over everything written
         so far: a prompt (prefill) or one new token at a time (generation).
@@ -264,7 +267,7 @@ class DecoderLM(nnx.Module):
                 x, c = nnx.merge(block_def, layer_params)(x, positions_BxT, layer_cache,
                                                           cache_index, per)
                 new_cache.append(c)
-            return self.logits(x), new_cache
+            return self.logits(x[:, -1:] if last_only else x), new_cache
 
         def layer(x, xs):
             layer_params, layer_cache, per = xs
@@ -273,7 +276,7 @@ class DecoderLM(nnx.Module):
 
         per_layer = None if tables is None else tuple(jnp.asarray(t) for t in tables)
         x, cache = jax.lax.scan(layer, x, (stacked, cache, per_layer))
-        return self.logits(x), cache
+        return self.logits(x[:, -1:] if last_only else x), cache
 
     def unstack_layers(self) -> list:
         """The stacked blocks' state split into one state per layer (for `decode(layers=...)`).

@@ -258,9 +258,17 @@ def test_prefill_rounds(tmp_path):
     bench = prefill_speed.PrefillBench({"float": model}, prefill_speed.window_of([5, 6, 7], 8))
     bench.time_round(2)
     bench.time_round(1)
-    (row,) = bench.rows()
-    runs = [x for r in bench.times["float"] for x in r]  # as timed (the row rounds them)
-    assert [len(r) for r in row["runs_s"]] == [2, 1] and len(row["rounds_tokens_per_s"]) == 2
-    assert row["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-9)
+    row, last = bench.rows()  # as scoring runs it, and as generation's prefill does
+    assert (row["variant"], last["variant"]) == ("float", "float-last")
+    assert (row["logits"], last["logits"]) == ("every position", "last")
+    for r in (row, last):
+        runs = [x for rr in bench.times[r["variant"]] for x in rr]  # as timed (rows round them)
+        assert [len(x) for x in r["runs_s"]] == [2, 1] and len(r["rounds_tokens_per_s"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(8 / statistics.median(runs), rel=1e-9)
+    # The generation program writes the greedy token the scoring program's last logits pick.
+    fn, params = bench.programs["float-last"]
+    score_fn, _ = bench.programs["float"]
+    _, argmax = score_fn(params, bench.tokens)
+    assert int(fn(params, bench.tokens)[0]) == int(argmax[-1])
     with pytest.raises(ConfigError, match="prefill_tokens=9999"):
         prefill_speed.PrefillBench({"float": model}, [1] * 9999)

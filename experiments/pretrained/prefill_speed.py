@@ -1,6 +1,8 @@
 """How fast a pretrained LM reads a prompt: batch-1 tokens per second of one forward over a
 window, as scoring runs it (`scoring.make_score_fn`: the logits of every position, their
-log-softmax, the picked log-probabilities and the argmax).
+log-softmax, the picked log-probabilities and the argmax), and as generation's prefill runs it
+(`model.generate.prefill` through the layer scan: the window written into a fresh KV cache, the
+last position's logits and its greedy token; rows named `NAME-last`).
 
 Each model's program is compiled once; `time_round` times every model in turn (A, B, C, A, B,
 C, ...), so a caller can interleave rounds with other measurements (the llama.cpp peer of
@@ -14,11 +16,29 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained
 from experiments.pretrained.scoring import make_score_fn
+from model.generate import prefill, sample_token
 from parallel.inference import mesh_of
+
+LAST = "-last"  # the suffix of a row timed as generation's prefill
+
+
+def generation_prefill_fn(graphdef):
+    """A jitted (params, tokens [1, T]) -> the first generated token (greedy), as
+    `model.generate.generate` computes it: the prompt into a fresh cache, the last logits. The
+    layer scan reads the prompt (splitting the weights per layer, which `generate` does once
+    for a whole reply, would be timed here with every call)."""
+
+    @jax.jit
+    def fn(params, tokens):
+        logits, _, _ = prefill(nnx.merge(graphdef, params), tokens, 1, per_layer=False)
+        return sample_token(logits, None, 0.0, 0)
+
+    return fn
 
 
 def window_of(ids: list[int], n: int) -> list[int]:
@@ -38,13 +58,15 @@ class PrefillBench:
                               f"model's context)")
         tokens = np.asarray([window], np.int32)
         self.window = len(window)
-        self.models = models
+        self.models = {**models, **{name + LAST: m for name, m in models.items()}}
         self.programs = {name: (make_score_fn(m.graphdef, mesh_of(m.params)), m.params)
                          for name, m in models.items()}
+        self.programs |= {name + LAST: (generation_prefill_fn(m.graphdef), m.params)
+                          for name, m in models.items()}
         for fn, params in self.programs.values():  # compile and warm up, untimed
             jax.block_until_ready(fn(params, tokens))
         self.tokens = tokens
-        self.times: dict[str, list[list[float]]] = {name: [] for name in models}
+        self.times: dict[str, list[list[float]]] = {name: [] for name in self.programs}
 
     def time_round(self, repeats: int) -> None:
         """`repeats` timed forwards of every model, interleaved."""
@@ -63,6 +85,7 @@ class PrefillBench:
         for name, rounds in self.times.items():
             sec = statistics.median(x for r in rounds for x in r)
             rows.append({"variant": name, "quant": self.models[name].quant,
+                         "logits": "last" if name.endswith(LAST) else "every position",
                          "window_tokens": self.window, "tokens_per_s": self.window / sec,
                          "ms_per_window": 1e3 * sec,
                          "rounds_tokens_per_s": [self.window / statistics.median(r)

@@ -256,9 +256,17 @@ def _bench_decode_prefill(d: dict) -> list[str]:
     pre = d.get("prefill")
     if not pre:
         return []
-    speeds = ", ".join(f"{r['variant']} {r['tokens_per_s']:.0f}" for r in pre["rows"])
-    return ["", f"Prefill, one forward over a {pre['window_tokens']}-token window as scoring "
-            f"runs it (logits of every position), tokens/s: {speeds}."]
+    def speeds(last: bool) -> str:
+        return ", ".join(f"{r['variant']} {r['tokens_per_s']:.0f}" for r in pre["rows"]
+                         if (r.get("logits") == "last") == last)
+
+    rows = ["", f"Prefill, one forward over a {pre['window_tokens']}-token window as scoring "
+            f"runs it (logits of every position), tokens/s: {speeds(False)}."]
+    # Files written before the generation rows have none.
+    if any(r.get("logits") == "last" for r in pre["rows"]):
+        rows[-1] += (f" As generation's prefill runs it (into a fresh KV cache, the last "
+                     f"position's logits, as llama-bench's pp): {speeds(True)}.")
+    return rows
 
 
 def _bench_decode_peer(d: dict) -> list[str]:
