@@ -84,13 +84,19 @@ def token_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array
     return acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
 
 
-def token_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
-    """`token_product`, through shardq's own kernel (`quant.native_int8`) where it runs: on a
-    CPU, for a few rows, once it has been built. The same float32 result, bit for bit."""
+def _native_where_it_runs(native, xla, x: jax.Array, w_q: jax.Array, w_scale: jax.Array
+                          ) -> jax.Array:
+    """`native(x, w_q, w_scale)` (a `quant.native_int8` entry) where it runs: on a CPU, for a
+    few rows, once the kernel has been built; `xla(...)` everywhere else."""
     if not native_int8.usable(x.shape[0]):
-        return token_product(x, w_q, w_scale)
-    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native_int8.product,
-                                      default=token_product)
+        return xla(x, w_q, w_scale)
+    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native, default=xla)
+
+
+def token_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """`token_product`, through shardq's own kernel (`quant.native_int8`) where it runs. The
+    same float32 result, bit for bit."""
+    return _native_where_it_runs(native_int8.product, token_product, x, w_q, w_scale)
 
 
 def weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
@@ -101,12 +107,10 @@ def weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax
 
 
 def weight_only_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
-    """`weight_only_product` through shardq's kernel where it runs (a CPU, a few rows): the same
-    products, summed in another order (equal to float32 rounding)."""
-    if not native_int8.usable(x.shape[0]):
-        return weight_only_product(x, w_q, w_scale)
-    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native_int8.product_weight_only,
-                                      default=weight_only_product)
+    """`weight_only_product` through shardq's kernel where it runs: the same products, summed
+    in another order (equal to float32 rounding)."""
+    return _native_where_it_runs(native_int8.product_weight_only, weight_only_product, x, w_q,
+                                 w_scale)
 
 
 def quantized_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, act: str,

@@ -308,23 +308,20 @@ ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Both entries' signature: (thread pool; x f32 [M, K], w s8 [N, K], w_scale f32) -> y f32.
+auto matvec_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqInt8Matvec, Int8Matvec,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqWeightInt8Matvec, WeightInt8Matvec,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqInt8Matvec, Int8Matvec, matvec_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqWeightInt8Matvec, WeightInt8Matvec, matvec_binding());
 
 // Which instruction set the build uses, for the benchmark's record.
 extern "C" const char* ShardqInt8MatvecIsa() {
