@@ -206,11 +206,12 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     modules = ("experiments.pretrained.loading", "experiments.pretrained.decoding",
                "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
                "experiments.speed.block_matvec", "experiments.speed.machine",
-               "experiments.speed.decode_profile", "experiments.speed.xla_flag_runs")
+               "experiments.speed.decode_profile", "experiments.speed.xla_flag_runs",
+               "quant.native_int8")
     split = max(VARIANTS[n][4] for n in names)
     (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine, decode_profile,
-     xla_flag_runs) = (startup.begin(*modules, devices=split) if split > 1
-                       else startup.load(*modules))
+     xla_flag_runs, native_int8) = (startup.begin(*modules, devices=split) if split > 1
+                                    else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
     files = peer_files(args, tools, float_model) if tools is not None else {}
@@ -228,7 +229,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "rounds": args.rounds,
             # which build of shardq's kernel the int8 variants ran (or why XLA's products)
-            "int8_kernel": {k: v for k, v in decoding.int8_kernel().items() if k != "library"}}
+            "int8_kernel": {k: v for k, v in native_int8.status().items() if k != "library"}}
     if args.decode_only:
         return {**head, "variants": decoding.decode_benchmark(
             variants, prompt, args.new_tokens, args.repeats, args.rounds)}

@@ -39,11 +39,6 @@ class DecodeVariant:
     int8_kernel: bool = True  # False: XLA's int8 products instead of shardq's (quant.native_int8)
 
 
-def int8_kernel() -> dict:
-    """Which build of shardq's int8 kernel the int8 variants run (`quant.native_int8.status`)."""
-    return native_int8.status()
-
-
 def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     """(timed, args): a jitted call that decodes `new_tokens` greedy tokens after the prompt's
     prefill (run here, once, untimed), and its arguments. The call starts from the same cache

@@ -42,13 +42,18 @@ def check_source(model: str | None, layers: int | None, step: int | None = None,
         _check_hf(Path(model), layers, fmt)
 
 
+def check_layers(layers: int | None, available: int) -> None:
+    """`layers` (None: all) against the model's own count."""
+    if layers is not None and not 1 <= layers <= available:
+        raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
+
+
 def _check_hf(folder: Path, layers: int | None, fmt: str) -> None:
     where = repr(str(folder / "config.json"))
     try:
         hf = read_config(folder)
         available = config_from_hf(hf, where).n_layers
-        if layers is not None and layers > available:
-            raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
+        check_layers(layers, available)
         if fmt == "gguf":
             cfg = config_from_hf(hf, where, layers)
             check_gguf(cfg)

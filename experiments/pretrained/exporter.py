@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import model_ref, registered
-from experiments.pretrained.export_checks import check_out, check_quant
+from experiments.pretrained.export_checks import check_layers, check_out, check_quant
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, lineage
 from experiments.training.config import load_config
@@ -95,11 +95,6 @@ def _lookup(tree: dict, path: str):
     return tree
 
 
-def _check_layers(layers: int | None, available: int) -> None:
-    if layers is not None and not 1 <= layers <= available:
-        raise ConfigError(f"layers={layers}: must be in 1..{available} (the model's layers)")
-
-
 def hf_reader(folder: Path, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
     """`read(path)` over a Hugging Face folder's safetensors: `iter_params` walks the leaves
     in `expected_shapes` order, the order the writers ask for them, so each leaf is read once
@@ -128,7 +123,7 @@ def hf_source(folder: str | Path, layers: int | None = None) -> Source:
     where = repr(str(folder / "config.json"))
     try:
         hf = read_config(folder)
-        _check_layers(layers, config_from_hf(hf, where).n_layers)
+        check_layers(layers, config_from_hf(hf, where).n_layers)
         cfg = config_from_hf(hf, where, layers)
     except HFError as e:
         raise ConfigError(str(e)) from None
@@ -150,7 +145,7 @@ def pretrained_source(name: str, layers: int | None = None,
     if ref.kind == "hf":
         return hf_source(ref.ref, layers)
     path = Path(ref.ref) if ref.kind == "gguf" else registered.gguf_path(name)
-    _check_layers(layers, config_from_gguf(GGUFFile(path)).n_layers)
+    check_layers(layers, config_from_gguf(GGUFFile(path)).n_layers)
     cfg, params, g = load_gguf(path, n_layers=layers)
     label = f"{name} ({path.name})" if ref.kind == "name" else ref.ref
     return Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32), g,
@@ -197,7 +192,7 @@ def run_source(workdir: str | Path, layers: int | None = None,
         family(run.model)
     except ExportError as e:
         raise ConfigError(str(e)) from None
-    _check_layers(layers, run.model.n_layers)
+    check_layers(layers, run.model.n_layers)
     # set by runs that fine-tune a pretrained model, or a run that did (followed to its root)
     origin = _origin(getattr(run.train, "init", None))
     mngr = ckpt.manager(workdir, read_only=True)
