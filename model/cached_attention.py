@@ -83,7 +83,14 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
 
     stats = jnp.full((B, K, N // K, T), -jnp.inf, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros((B, K, N // K, T, H), jnp.float32))
-    n_blocks = jnp.minimum(last_position // CACHE_BLOCK + 1, S // CACHE_BLOCK)
-    _, denom, acc = jax.lax.fori_loop(0, n_blocks, visit, init)
+    # The first block is always read, outside the loop: a one-block cache (a chat turn, a
+    # decoding benchmark) then runs no loop, whose every step XLA:CPU would run as separate
+    # small operations. Its carry starts from zeros (0 * rescale + x is x, with or without a
+    # fused multiply-add), so the arithmetic stays the same for every cache size.
+    carry = visit(0, init)
+    if S > CACHE_BLOCK:
+        n_blocks = jnp.minimum(last_position // CACHE_BLOCK + 1, S // CACHE_BLOCK)
+        carry = jax.lax.fori_loop(1, n_blocks, visit, carry)
+    _, denom, acc = carry
     out = (acc / denom[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return out.astype(q_BxTxNxH.dtype)

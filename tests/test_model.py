@@ -186,16 +186,20 @@ def test_decoding_does_not_depend_on_the_cache_length():
     n, start = CACHE_BLOCK + 6, CACHE_BLOCK - 6
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, n)), jnp.int32)
     step = jax.jit(lambda t, c, i: m.decode(t, c, i))
-    runs = []
-    for length in (n, 4 * CACHE_BLOCK):  # 2 and 4 blocks
+
+    def decoded(length, start, n):
         logits, cache = step(tokens[:, :start], m.init_cache(2, length), 0)
         out = [logits]
         for i in range(start, n):
             logits, cache = step(tokens[:, i:i + 1], cache, i)
             out.append(logits)
-        runs.append(np.asarray(jnp.concatenate(out, axis=1)))
+        return np.asarray(jnp.concatenate(out, axis=1))
+
+    runs = [decoded(length, start, n) for length in (n, 4 * CACHE_BLOCK)]  # 2 and 4 blocks
     np.testing.assert_allclose(runs[0], m(tokens), atol=1e-5)
     np.testing.assert_array_equal(runs[1], runs[0])
+    # A one-block cache runs no block loop; a two-block one does, for the same positions.
+    np.testing.assert_array_equal(decoded(CACHE_BLOCK, 30, 40), decoded(2 * CACHE_BLOCK, 30, 40))
     graphdef, params = nnx.split(m)
     prompt = tokens[:1, :CACHE_BLOCK - 8]
     short = generate(graphdef, params, prompt, 12, jax.random.key(0))
