@@ -34,8 +34,10 @@ def layer_rows(plan: dict, stats: dict) -> list[dict]:
     rows = []
     for path, entry in plan.items():
         if entry["kind"] != "dense":
+            block = entry.get("block")
             rows.append({"module": path, "layer": None, "precision": "int8",
-                         "note": "embedding rows, per-row scales"})
+                         "note": f"embedding rows, one scale per {block} values" if block
+                         else "embedding rows, per-row scales"})
             continue
         err = np.atleast_1d(stats.get("rel_err", {}).get(path, np.nan))
         amax = np.asarray(stats["absmax"][path])

@@ -62,7 +62,11 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
     plan = {}
     for path in selected:
         if isinstance(candidates[path], Embed):
-            plan[path] = {"kind": "embed", "act": qcfg.act}
+            width = candidates[path].embedding.shape[-1]
+            # Block scales where the width holds whole blocks; else one scale per row.
+            block = qcfg.embed_block if qcfg.embed_block and width % qcfg.embed_block == 0 \
+                else None
+            plan[path] = {"kind": "embed", "act": qcfg.act, "block": block}
             continue
         in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
@@ -129,15 +133,22 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                       keep_float=keep_float, bias=bias, rotate=rotate, rotation_seed=seed)
 
 
-def quantize_embed(embed: Embed, act: str = "token") -> QuantEmbed:
-    """`act` matters only for a tied head (`QuantEmbed.attend`): per-token int8 activations,
-    or "none" (weight-only); a static scale is not calibrated for the head, so it is per token."""
+def quantize_embed(embed: Embed, act: str = "token", block: int | None = None) -> QuantEmbed:
+    """The int8 table with one scale per `block` values of a row (None: per row, per token id).
+    `act` matters only for a per-row table's tied head (`QuantEmbed.attend`): per-token int8
+    activations, or "none" (weight-only); a static scale is not calibrated for the head, so it
+    is per token. A block-scaled table's head is weight-only."""
     table = embed.embedding[...]
-    scale = qz.scale_from_absmax(qz.absmax(table, axis=-1))  # one scale per token id
-    return QuantEmbed(qz.quantize(table, scale), scale,
-                      axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
+    if block is None:
+        scale = qz.scale_from_absmax(qz.absmax(table, axis=-1))  # [vocab, 1]
+        table_q = qz.quantize(table, scale)
+    else:
+        scale = qz.block_scale(table, block)  # [vocab, blocks]
+        rows, s = qz.blocked(table, scale)
+        table_q = qz.quantize(rows, s).reshape(table.shape)
+    return QuantEmbed(table_q, scale, axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
                       compute_dtype=embed.compute_dtype,
-                      act="none" if act == "none" else "token")
+                      act="none" if act == "none" else "token", block=block)
 
 
 def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
@@ -147,7 +158,9 @@ def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
     for path, entry in plan.items():
         module = get_module(model, path)
         if entry["kind"] == "embed":
-            set_module(model, path, quantize_embed(module, entry.get("act", "token")))
+            # Plans written before block scales have no "block": one scale per row.
+            set_module(model, path, quantize_embed(module, entry.get("act", "token"),
+                                                   entry.get("block")))
         else:
             set_module(model, path, quantize_dense(module, entry, qcfg, act_absmax.get(path)))
     return model

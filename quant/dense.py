@@ -224,34 +224,75 @@ class QuantDense(nnx.Module):
         return y
 
 
-class QuantEmbed(nnx.Module):
-    """int8 embedding table with one float32 scale per row (per token id): gather, then scale.
+def blocked_weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [tokens, in] (float) times the int8 kernel w_q [out, in] whose scales w_scale [out, B]
+    hold one per block of in / B weights of a row, in XLA's operations (the kernel dequantised,
+    then a float product); float32 [tokens, out]."""
+    q, s = qz.blocked(w_q.astype(jnp.float32), w_scale)
+    return jax.lax.dot_general(x.astype(jnp.float32), (q * s).reshape(w_q.shape), CONTRACT_IN)
 
-    A model whose output head is tied to this table calls `attend`: then the per-row scales are
-    the head's per-output-channel scales, and the product runs in integers like a QuantDense
-    (`act` "token", per-token int8 activations; "none" for weight-only modes).
+
+def blocked_weight_only_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array
+                                     ) -> jax.Array:
+    """`blocked_weight_only_product` through shardq's kernel where it runs: each block's sum
+    scaled in registers, equal to XLA's product to float32 rounding."""
+    return _native_where_it_runs(native_int8.product_weight_only, blocked_weight_only_product,
+                                 x, w_q, w_scale)
+
+
+class QuantEmbed(nnx.Module):
+    """int8 embedding table: gather, then scale. The scales are float32, one per block of
+    `block` consecutive values of a row (`block_scale` [vocab, embed / block], GGUF Q8_0's
+    layout), or one per row (`row_scale` [vocab], with `block` None).
+
+    A model whose output head is tied to this table calls `attend`. With one scale per row those
+    are the head's per-output-channel scales, and the product runs in integers like a QuantDense
+    (`act` "token": per-token int8 activations; "none": weight-only). With block scales the
+    head is weight-only: float activations times the table, each block's sum scaled, in shardq's
+    kernel where it runs (the scales cannot leave an integer product whole).
     """
 
-    def __init__(self, table_q: jax.Array, row_scale: jax.Array, *, axes: Axes,
-                 compute_dtype: str, act: str = "token", native: bool = True):
+    def __init__(self, table_q: jax.Array, scale: jax.Array, *, axes: Axes,
+                 compute_dtype: str, act: str = "token", native: bool = True,
+                 block: int | None = None):
+        vocab, dim = table_q.shape
+        if block is not None and (block < 1 or dim % block):
+            raise ValueError(f"block={block}: must divide the embedding width {dim}")
         self.compute_dtype = compute_dtype
-        self.act = act
+        self.act = "none" if block is not None else act
         self.native = native
+        self.block = block
         self.embedding_q = param(table_q, axes)
-        self.row_scale = param(row_scale.reshape(-1), axes[:1])
+        if block is None:
+            self.row_scale = param(scale.reshape(-1), axes[:1])
+        else:
+            self.block_scale = param(scale.reshape(vocab, dim // block), (axes[0], None))
+
+    def _scale(self) -> jax.Array:
+        return self.row_scale[...] if self.block is None else self.block_scale[...]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         rows = jnp.take(self.embedding_q[...], tokens, axis=0).astype(jnp.float32)
-        scale = jnp.take(self.row_scale[...], tokens, axis=0)[..., None]
-        return (rows * scale).astype(dtype_of(self.compute_dtype))
+        scale = jnp.take(self._scale(), tokens, axis=0)
+        if self.block is None:
+            out = rows * scale[..., None]
+        else:
+            q, s = qz.blocked(rows, scale)
+            out = (q * s).reshape(rows.shape)
+        return out.astype(dtype_of(self.compute_dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x @ table^T with the int8 table: [..., embed] -> [..., vocab]."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        table_q, row_scale = self.embedding_q[...], self.row_scale[...][None, :]
-        # The table [vocab, embed] is the head's kernel already stored [out, in].
-        y = quantized_product(x2, table_q, row_scale, self.act, native=self.native)
+        table_q = self.embedding_q[...]  # [vocab, embed]: the head's kernel stored [out, in]
+        if self.block is None:
+            y = quantized_product(x2, table_q, self.row_scale[...][None, :], self.act,
+                                  native=self.native)
+        else:
+            product = (blocked_weight_only_product_fast if self.native
+                       else blocked_weight_only_product)
+            y = product(x2, table_q, self.block_scale[...])
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))
 
 

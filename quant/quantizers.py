@@ -91,6 +91,20 @@ def clipped_weight_scale(w: jax.Array, granularity: str = "channel",
     return base * best
 
 
+def block_scale(x: jax.Array, block: int) -> jax.Array:
+    """One scale per block of `block` consecutive values of the last axis (GGUF Q8_0's layout):
+    [..., cols] -> [..., cols // block]; `block` must divide cols."""
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    return scale_from_absmax(absmax(blocks, axis=-1))[..., 0]
+
+
+def blocked(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., cols] as [..., blocks, cols // blocks] and its block scales [..., blocks] as
+    [..., blocks, 1]: the shapes that quantise, and dequantise, block by block."""
+    b = scale.shape[-1]
+    return x.reshape(x.shape[:-1] + (b, x.shape[-1] // b)), scale[..., None]
+
+
 # --- activations [tokens, in] ------------------------------------------------------------------
 
 def token_scale(x: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ from model import DecoderLM
 from tests.helpers import TINY, synthetic_batches
 
 CFG = TINY.model
+BLOCKS = ("blocks/*",)  # the blocks' Dense layers alone (the default rules add the embedding)
 
 
 @functools.cache

@@ -206,6 +206,7 @@ EARLY_REFUSALS = [
     ("train", ["--workdir", "{fresh}", "--preset", "tiny", "--devices", "1000000000000"]),
     ("bench_decode", ["--out", "/tmp"]),  # a folder
     ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8", "--calib-batches", "1000000000000"]),
+    ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8", "--embed-block=-1"]),
     ("evaluate", ["--workdir", "{fresh}", "--eval-batches", "0"]),
     ("evaluate", ["--workdir", "{fresh}"]),  # no config.json there
     ("sample", ["--workdir", "{fresh}", "--quant", "w4"]),

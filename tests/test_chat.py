@@ -144,9 +144,15 @@ def test_greedy_replies_rows_compare_with_float(truncated):
     assert reply_stability.common_prefix([], [1]) == 0
 
 
-def test_spread_refuses_a_quantised_embedding_table(truncated):
-    params = {**truncated.params, "embed": {"embedding_q": np.zeros((2, 2), np.int8)}}
-    with pytest.raises(ConfigError, match="embedding table is int8"):
+def test_spread_perturbs_an_int8_tables_scales_and_refuses_a_model_without_one(truncated):
+    q = np.ones((2, 64), np.int8)
+    params = {**truncated.params, "embed": {"embedding_q": q,
+                                             "block_scale": np.ones((2, 2), np.float32)}}
+    out = reply_stability.perturbed(params, 0, 1e-3)["embed"]
+    assert out["embedding_q"] is q and not np.array_equal(out["block_scale"], np.ones((2, 2)))
+    assert np.abs(np.asarray(out["block_scale"]) - 1).max() < 1e-2
+    params = {**truncated.params, "embed": {"embedding_q": q}}
+    with pytest.raises(ConfigError, match="no embedding table with float values"):
         reply_stability.perturbed(params, 0, 1e-6)
 
 

@@ -65,6 +65,25 @@ def test_ggml_quantiser_gives_the_same_bytes_from_our_values():
     np.testing.assert_array_equal(gguf.quants.quantize(dequantized(rows), QT.Q8_0), raw)
 
 
+def test_block_scales_become_each_blocks_d():
+    """A block-scaled table (quant's int8 embedding) packs each block's own scale as its fp16
+    d, and ggml's quantiser, given our values, finds the same bytes; a per-row copy of the
+    same values (the control) packs other bytes."""
+    rng = np.random.default_rng(3)
+    q = rng.integers(-127, 128, size=(4, 96)).astype(np.int8)
+    q[:, ::32] = 127  # each block holds its absmax, as block quantisation gives it
+    scale = (10.0 ** rng.uniform(-4, 1, size=(4, 3))).astype(np.float32)
+    rows = Int8Rows(q, scale)
+    raw = pack(rows)
+    want = (q.reshape(4, 3, 32) * scale.astype(np.float16).astype(np.float32)[..., None])
+    np.testing.assert_array_equal(dequantized(rows), want.reshape(4, 96))
+    np.testing.assert_array_equal(gguf.quants.dequantize(raw, QT.Q8_0), want.reshape(4, 96))
+    np.testing.assert_array_equal(gguf.quants.quantize(dequantized(rows), QT.Q8_0), raw)
+    assert not np.array_equal(pack(Int8Rows(q, scale[:, 0])), raw)
+    with pytest.raises(Q8Error, match="do not fit scales"):
+        Int8Rows(q, scale[:, :2])
+
+
 def test_q8_0_refusals():
     rng = np.random.default_rng(2)
     with pytest.raises(Q8Error, match="rows of 48 values; Q8_0 needs a multiple of 32"):
@@ -152,8 +171,7 @@ def test_read_back_is_our_int8_model(tiny, mode):
         np.testing.assert_array_equal(got, want, err_msg=path_)
     pre = loading.Pretrained("back", cfg, loading.abstract_graphdef(cfg),
                              jax.tree.map(np.asarray, back), None)
-    again = loading.quantize(pre, "w8a8", QuantConfig(mode="w8a8",
-                                                      rules=DEFAULT_RULES + ("embed",)))
+    again = loading.quantize(pre, "w8a8", QuantConfig(mode="w8a8", rules=DEFAULT_RULES))
     params = jax.device_get(again.params)
     for module in q.quant_info["int8_modules"]:
         rows, leaf = export_q8.rows_of(params, module), q.read(
@@ -177,7 +195,7 @@ def test_read_back_scores_as_the_int8_model_with_fp16_scales(tiny):
     params = jax.device_get(int8.params)
     for module in q.quant_info["int8_modules"]:
         node = _lookup(params, module)
-        key = "row_scale" if module == "embed" else "kernel_scale"
+        key = "block_scale" if module == "embed" else "kernel_scale"
         node[key] = np.asarray(node[key]).astype(np.float16).astype(np.float32)
     int8 = dataclasses.replace(int8, params=params, tokenizer=tok)
     a, b = scoring.score_texts(read_back, TEXTS), scoring.score_texts(int8, TEXTS)

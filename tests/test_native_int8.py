@@ -2,7 +2,8 @@
 against XLA's operations for the same products. The per-token w8a8 product: the same float32
 result, bit for bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output
 groups), the rows, the scales (per channel or per tensor) and the values (zero rows, NaN, the
-int8 extremes, -128 included). The weight-only product: equal to float32 rounding."""
+int8 extremes, -128 included). The weight-only products (one scale per row, or per block of a
+row): equal to float32 rounding."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from quant import native_int8
 from quant.dense import (
     QuantDense,
+    blocked_weight_only_product,
+    blocked_weight_only_product_fast,
     token_product,
     token_product_fast,
     use_native,
@@ -120,3 +123,26 @@ def test_weight_only_kernel_matches_xla_to_float_rounding(rows, n, k):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     other = np.asarray(jax.jit(weight_only_product)(x, w.at[0, 0].add(1), ws))
     assert np.abs(other - want).max() > 1e-6 * np.abs(want).max()  # the tolerance can fail
+
+
+@pytest.mark.parametrize("rows,n,k,blocks", [(1, 4100, 576, 18), (3, 130, 640, 20),
+                                             (2, 9, 96, 3), (1, 7, 60, 5)])
+def test_block_scaled_weight_only_kernel_matches_xla(rows, n, k, blocks):
+    """One scale per block of k / blocks weights of a row (an int8 embedding table's, as the
+    tied head multiplies by it); blocks of 12 run the kernel's plain C++ path."""
+    if not _built():
+        return
+    rng = np.random.default_rng(rows + n + k)
+    x, w, _ = _operands(rng, rows, n, k)
+    ws = jnp.asarray(rng.uniform(1e-4, 1e-2, (n, blocks)).astype(np.float32))
+    w8 = native_int8.TARGET_W8
+    assert _uses_kernel(blocked_weight_only_product_fast, x, w, ws, target=w8)
+    got = np.asarray(jax.jit(blocked_weight_only_product_fast)(x, w, ws))
+    want = np.asarray(jax.jit(blocked_weight_only_product)(x, w, ws))
+    tol = 1e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    # Controls: the scales of one block of row 0 changed, and the blocks' scales of each row
+    # reversed, move the result beyond the tolerance.
+    for other_ws in (ws.at[0, blocks - 1].multiply(1.5), ws[:, ::-1]):
+        other = np.asarray(jax.jit(blocked_weight_only_product)(x, w, other_ws))
+        assert np.abs(other - want).max() > tol

@@ -235,3 +235,34 @@ def test_a_nonfinite_activation_stays_nonfinite(act, bad):
     others = np.isfinite(y[[0, 1, 3]])
     assert not np.any(others) if act == "tensor" else np.all(others)
 
+
+
+# --- the int8 embedding table ----------------------------------------------------------------
+
+def test_block_scaled_table_rounds_each_block_and_its_head_multiplies_by_it():
+    """A table whose rows mix a large-valued block with small ones: one scale per block of 32
+    keeps every value within half its block's step (per-row scales lose the small blocks);
+    the lookup is the dequantised rows and the tied head the product with the dequantised
+    table, in XLA's operations and in shardq's kernel alike."""
+    from model.layers import Embed
+    from quant.convert import quantize_embed
+
+    embed = Embed(100, 96, rngs=nnx.Rngs(0))
+    table = np.asarray(embed.embedding[...]) * 0.01
+    table[:, :32] *= 100.0  # the first block of every row is 100x the others
+    embed.embedding[...] = jnp.asarray(table)
+    blocked, per_row = quantize_embed(embed, "token", 32), quantize_embed(embed, "token", None)
+    assert blocked.block_scale[...].shape == (100, 3) and blocked.act == "none"
+    scale = np.repeat(np.asarray(blocked.block_scale[...]), 32, axis=1)
+    deq = np.asarray(blocked.embedding_q[...], np.float32) * scale
+    assert np.all(np.abs(deq - table) <= 0.5 * scale * (1 + 1e-6))
+    row_err = np.abs(np.asarray(per_row(jnp.arange(100))) - table)[:, 32:].max()
+    assert np.abs(deq - table)[:, 32:].max() < 0.05 * row_err
+    tokens = jnp.asarray([[3, 99, 0]])
+    np.testing.assert_array_equal(np.asarray(blocked(tokens))[0], deq[[3, 99, 0]])
+    x = jax.random.normal(jax.random.key(1), (1, 2, 96))
+    want = np.asarray(x) @ deq.T
+    for native in (False, True):
+        blocked.native = native
+        np.testing.assert_allclose(np.asarray(blocked.attend(x)), want, rtol=0,
+                                   atol=1e-5 * np.abs(want).max())

@@ -22,7 +22,7 @@ from quant.calibrate import calibrate
 from quant.convert import QuantConfig, QuantError, quantized_fraction
 from quant.pipeline import dense_bytes, quantize
 from quant.smoothquant import fold
-from tests.quant_models import CFG, calibration_batches, logits, tiny_float_model
+from tests.quant_models import BLOCKS, CFG, calibration_batches, logits, tiny_float_model
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,10 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
     ref, out = logits(graphdef, params, tokens), logits(g, q, tokens)
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 0.02, rel
-    assert report["layers"] and all(r["rel_err"] < 0.05 for r in report["layers"])
+    dense_rows = [r for r in report["layers"] if r["module"] != "embed"]
+    assert dense_rows and all(r["rel_err"] < 0.05 for r in dense_rows)
+    # The default rules take the embedding too, in blocks of 32 (the model's width is 32).
+    assert plan["embed"] == {"kind": "embed", "act": QuantConfig(mode=mode).act, "block": 32}
     qb, fb = dense_bytes(q, plan)
     assert qb / fb < 0.29  # d=32: 4 scale bytes per 32 int8 bytes; 0.258 at d=128
     assert 0.5 < quantized_fraction(params, plan) < 1
@@ -212,7 +215,7 @@ def test_outlier_split_takes_planted_columns_out_of_the_int8_product(float_model
     tokens = batches[-1][:, :-1]
     ref = np.asarray(logits(graphdef, params, tokens))
     np.testing.assert_allclose(logits(graphdef, planted, tokens), ref, rtol=1e-5, atol=1e-5)
-    runs = {mode: quantize(graphdef, planted, QuantConfig(mode=mode), batches[:2])
+    runs = {mode: quantize(graphdef, planted, QuantConfig(mode=mode, rules=BLOCKS), batches[:2])
             for mode in ("w8a8", "w8a8-outlier")}
     split, plain = ({(r["module"], r["layer"]): r for r in runs[mode][3]["layers"]}
                     for mode in ("w8a8-outlier", "w8a8"))
@@ -230,16 +233,16 @@ def test_outlier_split_takes_planted_columns_out_of_the_int8_product(float_model
 
 def test_auto_keeps_over_budget_layers_in_float(float_model, batches):
     graphdef, params = float_model
-    g, q, plan, report = quantize(graphdef, params,
-                                  QuantConfig(mode="auto", error_budget=0.006), batches[:2])
+    g, q, plan, report = quantize(graphdef, params, QuantConfig(mode="auto", error_budget=0.006,
+                                                                rules=BLOCKS), batches[:2])
     kept = [(r["module"], r["layer"]) for r in report["layers"] if r["precision"] == "float"]
     assert kept and all(r["rel_err"] > 0.006 for r in report["layers"]
                         if (r["module"], r["layer"]) in kept)
     # With every layer kept, the model is the (smoothed) float model with bf16-rounded kernels:
     # exactly, against that model built from the stored copies; and within bf16 rounding of the
     # original float model.
-    g_all, q_all, _, _ = quantize(graphdef, params,
-                                  QuantConfig(mode="auto", error_budget=1e-9), batches[:1])
+    g_all, q_all, _, _ = quantize(graphdef, params, QuantConfig(mode="auto", error_budget=1e-9,
+                                                                rules=BLOCKS), batches[:1])
     kept_kernels = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(q_all)[0]
                     if "kernel_float" in jax.tree_util.keystr(path)]
     assert len(kept_kernels) == 6 and all(k.dtype == jnp.bfloat16 for k in kept_kernels)
@@ -264,7 +267,7 @@ def test_report_flags_layers_whose_outliers_exceed_the_capacity(float_model, bat
     graphdef, params = float_model
     for threshold, over in ((1e-6, True), (1e9, False)):
         qcfg = QuantConfig(mode="w8a8-outlier", outlier_threshold=threshold,
-                           outlier_capacity=1e-3)
+                           outlier_capacity=1e-3, rules=BLOCKS)
         _, _, plan, report = quantize(graphdef, params, qcfg, batches[:1])
         assert all(e["outlier_capacity"] == 1 for e in plan.values())
         rows = report["layers"]

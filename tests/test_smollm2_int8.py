@@ -118,16 +118,22 @@ def test_alpha_search_picks_each_sites_smallest_int8_error(truncated):
 
 
 def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
-    q = loading.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1,
-                                                              rules=("blocks/*", "embed")))
-    assert q.params["embed"]["embedding_q"].dtype == jnp.int8
-    hlo = jax.jit(lambda p, t: nnx.merge(q.graphdef, p).logits(t)).lower(
-        q.params, jnp.zeros((1, 16, truncated.cfg.d_model))).compile().as_text()  # XLA's GEMM
-    assert int8_dots(hlo)  # the head's product: an s8 x s8 -> s32 dot, not converted operands
+    """The tied table in int8 under w8a8. With one scale per row the head's product is an
+    s8 x s8 -> s32 dot; in blocks of 32 (quant's default) it is weight-only, a float dot. Both
+    track the float model."""
+    rowwise, blocked = (loading.quantize(truncated, "w8a8", QuantConfig(
+        mode="w8a8", calib_batches=1, embed_block=block)) for block in (0, 32))
     ids = FIXTURE["tokens"][1]
     ref = scoring.score_ids(truncated, [ids])[0]
-    got = scoring.score_ids(q, [ids])[0]
-    assert abs(got["mean_nll"] - ref["mean_nll"]) < 0.02 * ref["mean_nll"]
+    for q, int8_head in ((rowwise, True), (blocked, False)):
+        embed = q.params["embed"]
+        assert embed["embedding_q"].dtype == jnp.int8
+        assert ("row_scale" in embed) is int8_head and ("block_scale" in embed) is not int8_head
+        hlo = jax.jit(lambda p, t, q=q: nnx.merge(q.graphdef, p).logits(t)).lower(
+            q.params, jnp.zeros((1, 16, truncated.cfg.d_model))).compile().as_text()  # a GEMM
+        assert bool(int8_dots(hlo)) is int8_head
+        got = scoring.score_ids(q, [ids])[0]
+        assert abs(got["mean_nll"] - ref["mean_nll"]) < 0.02 * ref["mean_nll"]
 
 
 def test_rotated_inputs_cut_the_int8_error_on_the_real_model(truncated):
@@ -153,7 +159,8 @@ def test_modes_without_calibration_skip_the_eager_passes(truncated, monkeypatch)
 
     qcfg = QuantConfig(mode="w8a8", calib_batches=1)
     with_report = loading.quantize(truncated, "w8a8", qcfg, error_report=True)
-    assert len(with_report.report["layers"]) == 7 * truncated.cfg.n_layers
+    # 7 Dense layers per block, and the embedding
+    assert len(with_report.report["layers"]) == 7 * truncated.cfg.n_layers + 1
 
     def no_pass(*args, **kwargs):
         raise AssertionError("calibrate() ran")

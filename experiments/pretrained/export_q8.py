@@ -1,16 +1,17 @@
 """An export's source made int8: the float model quantised by `quant/` as our own int8 commands
 quantise it, then handed to the GGUF writer as Q8_0 (model/gguf_q8.py says how a Q8_0 block
-holds our per-row int8 weights).
+holds our int8 weights).
 
 Every Dense of the blocks and the embedding (the tied head; an untied head as well) are
-quantised: llama.cpp's token_embd may be Q8_0. The norms (and Qwen2's biases) stay float32.
-SmoothQuant's factors are already folded when `quant/` returns the model: into the pre-norms'
-weights for q/k/v and gate/up (exact up to rounding; a (1 + w) norm gets (1 + w) / s - 1), into
-v's output rows for o and into up's output rows for down (exact: o's input is linear in v's
-output, down's in up's), so the file's float norms and int8 kernels are the folded model and
-llama.cpp needs nothing more. What llama.cpp does with the activations is its own: a Q8_0
-matrix product quantises its input in blocks of 32, whatever our mode's activation scheme
-(w8's float inputs, w8a8's per-token scales), so w8 and w8a8 write the same file.
+quantised, the embedding in Q8_0's own blocks of 32 (llama.cpp's token_embd may be Q8_0). The
+norms (and Qwen2's biases) stay float32. SmoothQuant's factors are already folded when
+`quant/` returns the model: into the pre-norms' weights for q/k/v and gate/up (exact up to
+rounding; a (1 + w) norm gets (1 + w) / s - 1), into v's output rows for o and into up's output
+rows for down (exact: o's input is linear in v's output, down's in up's), so the file's float
+norms and int8 kernels are the folded model and llama.cpp needs nothing more. What llama.cpp
+does with the activations is its own: a Q8_0 matrix product quantises its input in blocks of
+32, whatever our mode's activation scheme (w8's float inputs, w8a8's per-token scales), so w8
+and w8a8 write the same file.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def quantized_params(source: Source, mode: str, alpha: float | None = None
         if cols % QK8_0:  # checked before the long calibration
             raise ConfigError(f"quant={mode!r}: {what}={cols} is not a multiple of {QK8_0}; a "
                               f"Q8_0 row is made of blocks of {QK8_0} values")
-    rules = DEFAULT_RULES + ("embed",) + (() if cfg.tie_embeddings else ("head",))
-    qcfg = QuantConfig(mode=mode, rules=rules, alpha=alpha)
+    rules = DEFAULT_RULES + (() if cfg.tie_embeddings else ("head",))
+    # The table's blocks are Q8_0's: each block's scale becomes its `d`.
+    qcfg = QuantConfig(mode=mode, rules=rules, alpha=alpha, embed_block=QK8_0)
     pre = loading.Pretrained(source.label, cfg, loading.abstract_graphdef(cfg),
                              float_params(source), source.tokenizer())
     q = loading.quantize(pre, mode, qcfg)
@@ -85,7 +87,8 @@ def rows_of(params: dict, module: str) -> Int8Rows:
     """A quantised module's int8 rows and scales, in the file's [out, in] orientation."""
     node = _lookup(params, module)
     if "embedding_q" in node:
-        return Int8Rows(np.asarray(node["embedding_q"]), np.asarray(node["row_scale"]))
+        scale = node["block_scale"] if "block_scale" in node else node["row_scale"]
+        return Int8Rows(np.asarray(node["embedding_q"]), np.asarray(scale, np.float32))
     scale = np.asarray(node["kernel_scale"], np.float32)
     q = np.asarray(node["kernel_q"])
     if scale.shape != q.shape[:-1]:

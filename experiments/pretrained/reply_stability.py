@@ -8,9 +8,10 @@ Two measurements of a pretrained chat model (SmolLM2) per quantisation mode:
   between those runs, and the shorter reply must begin the longer one), whether it mentions the
   expected answer, and how many of its first tokens equal float's.
 - `first_token_spread`: the probability of float's first reply token, and the argmax, when the
-  embedding table (float in every mode; tied to the head) is multiplied by (1 + rel * N(0, 1))
-  under several seeds. rel = 1e-6 is a last-bit change for float32: a model whose reply moves
-  with it is sensitive to its own rounding, not to anything a user could see in the weights.
+  embedding table (tied to the head) is multiplied by (1 + rel * N(0, 1)) under several seeds:
+  a float table elementwise, an int8 table through its float scales (each block's or row's).
+  rel = 1e-6 is a last-bit change for float32: a model whose reply moves with it is sensitive
+  to its own rounding, not to anything a user could see in the weights.
 """
 
 from __future__ import annotations
@@ -85,17 +86,19 @@ def greedy_replies(pre: Pretrained, prompts: tuple[Prompt, ...], lengths: tuple[
 
 
 def embedding_path(params: dict) -> tuple[str, str]:
-    """Where the float embedding table is; a model whose table was quantised has none to
-    perturb (ConfigError)."""
-    table = params.get("embed", {}).get("embedding")
-    if table is None or not jnp.issubdtype(table.dtype, jnp.floating):
-        raise ConfigError("quant: the embedding table is int8 under this mode's rules; the "
-                          "spread perturbs a float table (keep embed/* out of the rules)")
-    return ("embed", "embedding")
+    """Where the embedding table's float values are: the table itself, or an int8 table's
+    scales (per block or per row); ConfigError for a model without an embedding table."""
+    embed = params.get("embed", {})
+    for name in ("embedding", "block_scale", "row_scale"):
+        if name in embed and jnp.issubdtype(embed[name].dtype, jnp.floating):
+            return ("embed", name)
+    raise ConfigError("quant: the model has no embedding table with float values or scales "
+                      "to perturb")
 
 
 def perturbed(params: dict, seed: int, rel: float) -> dict:
-    """params with the embedding table multiplied by (1 + rel * N(0, 1)), elementwise."""
+    """params with the embedding table's float values (`embedding_path`) multiplied by
+    (1 + rel * N(0, 1)), elementwise."""
     group, name = embedding_path(params)
     table = params[group][name]
     noise = jax.random.normal(jax.random.key(seed), table.shape, table.dtype)

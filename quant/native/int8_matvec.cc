@@ -7,7 +7,8 @@
 // q = clip(round(x * (1 / s)), -127, 127), a NaN to 0), so the result is the one XLA's program
 // computes, bit for bit.
 // w is int8 [N, K] (QuantDense's [out, in] layout: every output's weights contiguous) and
-// w_scale float32 [N] (or [1]: one scale for the tensor).
+// w_scale float32 [N] (or [1]: one scale for the tensor). The weight-only entry also takes
+// [N, B]: one scale per block of K / B weights of a row (an int8 embedding table's, GGUF Q8_0's).
 //
 // Why it exists: XLA:CPU runs a one-row int8 product as a conversion of the whole kernel to int32
 // (or, padded to four rows, as a GEMM built for many rows), reading the weights far slower than
@@ -153,46 +154,67 @@ void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, 
 }
 
 // Weight-only (w8): float rows times the int8 kernel, each weight converted to float32 in
-// registers (exactly: every int8 is a float32) and multiplied-and-added in float32. The sums
-// run in another order than XLA's dot, so the result matches it to float32 rounding, not bit
-// for bit. out[m * n_total + n] = sum_k x[m, k] * w[n, k], before the channel scale.
-void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, int64_t n0,
-                int64_t n1, int64_t n_total, float* out) {
+// registers (exactly: every int8 is a float32) and multiplied-and-added in float32, each block
+// of k / blocks weights of a row summed apart and scaled by its own scale (blocks = 1: one scale
+// per row). The scale of output n's block b is ws[n * row_stride + b] (row_stride 0: one scale
+// for the tensor). The sums run in another order than XLA's dot, so the result matches it to
+// float32 rounding, not bit for bit.
+void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* ws,
+                int64_t row_stride, int64_t blocks, int64_t n0, int64_t n1, int64_t n_total,
+                float* out) {
+  const int64_t bk = k / blocks;
   int64_t n = n0;
 #if defined(__AVX512F__)
-  const int64_t kv = k - k % 16;
+  const int64_t bv = bk - bk % 16;  // each block's whole vectors; the rest in plain C++
   for (; n + 4 <= n1; n += 4) {
     const int8_t* w0 = w + n * k;
     for (int64_t m = 0; m < rows; ++m) {
       const float* xm = x + m * k;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < kv; i += 16) {
-        if (m == 0) {  // one line ahead per step: the quad's 4 * k bytes over k / 16 steps
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i), _MM_HINT_T0);
+      float tails[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+        const int64_t i0 = b * bk;
+        for (int64_t i = i0; i < i0 + bv; i += 16) {
+          if (m == 0) {  // one line ahead per step: the quad's 4 * k bytes over k / 16 steps
+            _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i),
+                         _MM_HINT_T0);
+          }
+          const __m512 xv = _mm512_loadu_ps(xm + i);
+          auto wf = [&](const int8_t* r) {
+            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+          };
+          p0 = _mm512_fmadd_ps(xv, wf(w0), p0);
+          p1 = _mm512_fmadd_ps(xv, wf(w0 + k), p1);
+          p2 = _mm512_fmadd_ps(xv, wf(w0 + 2 * k), p2);
+          p3 = _mm512_fmadd_ps(xv, wf(w0 + 3 * k), p3);
         }
-        const __m512 xv = _mm512_loadu_ps(xm + i);
-        auto wf = [&](const int8_t* r) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
-        };
-        a0 = _mm512_fmadd_ps(xv, wf(w0), a0);
-        a1 = _mm512_fmadd_ps(xv, wf(w0 + k), a1);
-        a2 = _mm512_fmadd_ps(xv, wf(w0 + 2 * k), a2);
-        a3 = _mm512_fmadd_ps(xv, wf(w0 + 3 * k), a3);
+        __m512* acc[4] = {&a0, &a1, &a2, &a3};
+        const __m512 part[4] = {p0, p1, p2, p3};
+        for (int r = 0; r < 4; ++r) {
+          const float sc = ws[(n + r) * row_stride + b];
+          float tail = 0.0f;
+          for (int64_t i = i0 + bv; i < i0 + bk; ++i) tail += xm[i] * float(w0[r * k + i]);
+          *acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sc), *acc[r]);
+          tails[r] += tail * sc;
+        }
       }
-      float sums[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                       _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
-      for (int r = 0; r < 4; ++r) {
-        for (int64_t i = kv; i < k; ++i) sums[r] += xm[i] * float(w0[r * k + i]);
-        out[m * n_total + n + r] = sums[r];
-      }
+      out[m * n_total + n] = _mm512_reduce_add_ps(a0) + tails[0];
+      out[m * n_total + n + 1] = _mm512_reduce_add_ps(a1) + tails[1];
+      out[m * n_total + n + 2] = _mm512_reduce_add_ps(a2) + tails[2];
+      out[m * n_total + n + 3] = _mm512_reduce_add_ps(a3) + tails[3];
     }
   }
 #endif
   for (; n < n1; ++n) {
     for (int64_t m = 0; m < rows; ++m) {
       float sum = 0.0f;
-      for (int64_t i = 0; i < k; ++i) sum += x[m * k + i] * float(w[n * k + i]);
+      for (int64_t b = 0; b < blocks; ++b) {
+        float part = 0.0f;
+        for (int64_t i = b * bk; i < (b + 1) * bk; ++i) part += x[m * k + i] * float(w[n * k + i]);
+        sum += part * ws[n * row_stride + b];
+      }
       out[m * n_total + n] = sum;
     }
   }
@@ -247,20 +269,26 @@ void for_outputs(ffi::ThreadPool& pool, int64_t n, int64_t bytes_per_row,
   }
 }
 
-// The operands' sizes: x [rows, k], w [n, k], w_scale [n] or [1].
+// The operands' sizes: x [rows, k], w [n, k], w_scale [n] or [1] (or, where `blocked`,
+// [n, blocks]: one scale per block of k / blocks weights of a row).
 struct Shapes {
-  int64_t rows, k, n, n_scales;
+  int64_t rows, k, n, n_scales, blocks;
 };
 
 ffi::Error shapes_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
-                     const ffi::Buffer<ffi::F32>& w_scale, Shapes& d) {
+                     const ffi::Buffer<ffi::F32>& w_scale, Shapes& d, bool blocked = false) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("shardq int8 kernel: x [M, K] and w [N, K] expected");
   }
-  d = {xd[0], xd[1], wd[0], static_cast<int64_t>(w_scale.element_count())};
-  if (d.n_scales != d.n && d.n_scales != 1) {
-    return ffi::Error::InvalidArgument("shardq int8 kernel: w_scale must hold N or 1 values");
+  d = {xd[0], xd[1], wd[0], static_cast<int64_t>(w_scale.element_count()), 1};
+  if (blocked && d.n > 0 && d.n_scales > d.n && d.n_scales % d.n == 0 &&
+      d.k % (d.n_scales / d.n) == 0) {
+    d.blocks = d.n_scales / d.n;
+  } else if (d.n_scales != d.n && d.n_scales != 1) {
+    return ffi::Error::InvalidArgument(
+        blocked ? "shardq int8 kernel: w_scale must hold N, 1 or N x (a divisor of K) values"
+                : "shardq int8 kernel: w_scale must hold N or 1 values");
   }
   return ffi::Error::Success();
 }
@@ -294,17 +322,16 @@ ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
                             ffi::ResultBuffer<ffi::F32> y) {
   Shapes d;
-  if (ffi::Error e = shapes_of(x, w, w_scale, d); e.failure()) return e;
-  const int64_t rows = d.rows, k = d.k, n = d.n, n_scales = d.n_scales;
+  if (ffi::Error e = shapes_of(x, w, w_scale, d, /*blocked=*/true); e.failure()) return e;
+  const int64_t rows = d.rows, k = d.k, n = d.n, blocks = d.blocks;
+  const int64_t row_stride = d.n_scales == 1 ? 0 : blocks;
   const float* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
-  float* out = y->typed_data();
-  for_outputs(pool, n, k,
-              [&](int64_t n0, int64_t n1) { float_rows(xp, rows, k, wp, n0, n1, n, out); });
   const float* ws = w_scale.typed_data();
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t j = 0; j < n; ++j) out[m * n + j] *= ws[n_scales == 1 ? 0 : j];
-  }
+  float* out = y->typed_data();
+  for_outputs(pool, n, k, [&](int64_t n0, int64_t n1) {
+    float_rows(xp, rows, k, wp, ws, row_stride, blocks, n0, n1, n, out);
+  });
   return ffi::Error::Success();
 }
 
