@@ -138,7 +138,8 @@ def run(args, modes: list[str]) -> dict:
     out["decoding"] = decoding.decode_speeds(for_speed, prompt, args.new_tokens)
     write_result(args.out, out)
     del for_speed
-    groups = {name: (paths, loading.rules_without(name))
+    # Each row differs from the w8a8 row (quant's default rules) by its group alone.
+    groups = {name: (paths, loading.rules_without(name) + ("embed",))
               for name, paths in loading.SENSITIVITY_GROUPS.items()}
     extra_rows(args, modes, evaluate, groups, out)
     return out

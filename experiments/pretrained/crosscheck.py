@@ -37,8 +37,10 @@ def crosscheck(torch_python: str, layers: int | None, tokens: int, window: int,
                         "eos_id": pre.tokenizer.eos_id})
     ours = {}
     for name, (mode, float_group, *_) in tqdm(VARIANTS.items(), desc="ours", file=sys.stderr):
-        qcfg = (QuantConfig(mode=mode, rules=loading.rules_without(float_group))
-                if float_group else None)  # None: the mode's defaults
+        # The blocks' Dense layers alone, as the reference quantises its block Linear layers
+        # (its tied head stays float).
+        rules = loading.rules_without(float_group) if float_group else ("blocks/*",)
+        qcfg = QuantConfig(mode=mode, rules=rules)
         model = loading.quantize(pre, mode, qcfg)
         ours[name] = scoring.perplexity(model, tokens, window)
         ours[name]["replies"] = our_replies(model, prompts, new_tokens)

@@ -34,6 +34,7 @@ from model.gguf import GGUFError
 from model.hf_tokenizer import HFTokenizerError
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
+from quant import quantizers as qz
 from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
 from quant.pipeline import quantize as run_quantize
 
@@ -94,6 +95,29 @@ def load(name: str = "smollm2", n_layers: int | None = None,
     params = jax.tree.map(jnp.asarray, params)
     label = name if gguf_path is None else str(gguf_path)
     return Pretrained(label, cfg, abstract_graphdef(cfg), params, tokenizer)
+
+
+def as_float32(pre: Pretrained) -> Pretrained:
+    """`pre` with float32 parameters and arithmetic: a bfloat16 run's weights widened (exactly),
+    so that a comparison with its int8 twin measures the int8 rounding, not bfloat16's."""
+    cfg = dataclasses.replace(pre.cfg, param_dtype="float32", compute_dtype="float32")
+    params = jax.tree.map(lambda a: a.astype(jnp.float32)
+                          if jnp.issubdtype(a.dtype, jnp.floating) else a, pre.params)
+    return dataclasses.replace(pre, cfg=cfg, graphdef=abstract_graphdef(cfg), params=params)
+
+
+def off_grid(pre: Pretrained, sigma: float, block: int, seed: int = 0) -> Pretrained:
+    """`pre` with Gaussian noise of `sigma` times each block's int8 step (its absmax / 127 over
+    `block` values of a row) added to the embedding table: a table on no int8 grid, as a model
+    that was never stored quantised has, where a packaged file's table may lie on its blocks'
+    grid already (and int8 of it would be exact)."""
+    table = pre.params["embed"]["embedding"]
+    rows, step = qz.blocked(table.astype(jnp.float32), qz.block_scale(table, block))
+    noise = jax.random.normal(jax.random.key(seed), rows.shape, jnp.float32)
+    moved = (rows + sigma * step * noise).reshape(table.shape).astype(table.dtype)
+    params = {**pre.params, "embed": {**pre.params["embed"], "embedding": moved}}
+    return dataclasses.replace(pre, params=params, name=f"{pre.name} (table off-grid, "
+                                                        f"sigma {sigma:g})")
 
 
 def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:

@@ -14,7 +14,7 @@ Every other Linear of the blocks is replaced by a W8A8 one written here from the
 not from `quant/`: weights rounded to integers per output channel (absmax / 127), activations
 per token (or per tensor) at run time, the integer product computed exactly (float64 holds
 every int8 x int8 sum of these widths exactly), then scaled back. The head (tied to the
-embedding) stays float, as under the project's default rules. A variant with "rotate" first
+embedding) stays float, as shardq's side of the check keeps it. A variant with "rotate" first
 multiplies each Linear's input by an orthogonal Hadamard matrix H and its weight by H (x W^T =
 (x H)(W H)^T): H is built here, Paley's construction Kronecker Sylvester's power-of-two part,
 the matrix quant/rotation.py builds with its own code (so the two sides quantise the same

@@ -7,7 +7,10 @@ import math
 
 from experiments.reporting.registry.claims import holds, perplexity
 from experiments.reporting.registry.experiment import Experiment, launcher
-from quant.modes import MODES
+from quant.modes import EMBED_BLOCK, MODES
+
+# The issue's bound on what int8 of the embedding may add to perplexity, in percent.
+EMBED_BUDGET_PCT = 0.1
 
 # The fine-tuned model's table and the packaged one beside it: the modes alone, in windows of
 # the run's context (max_len: 128, and 32 in the quick run).
@@ -24,28 +27,49 @@ def every_mode_measured(d: dict) -> bool:
         for r in d["rows"])
 
 
-def embed_int8_holds(d: dict) -> bool:
-    """`experiments.embed_int8`'s rows: every one measured, and each mode with its embedding in
-    int8 stores fewer bytes than with the blocks alone."""
-    return every_mode_measured(d) and all(
-        e["param_bytes"] < b["param_bytes"]
-        for b, e in zip(d["rows"][1::2], d["rows"][2::2], strict=True))
+def embed_int8_holds(d: dict, budget: bool = True) -> bool:
+    """`experiments.embed_int8`'s rows: every one measured; each mode with its embedding in int8
+    stores fewer bytes than with the blocks alone; and (`budget`) the block-scaled table (quant's
+    default) costs at most `EMBED_BUDGET_PCT` of perplexity over the blocks alone."""
+    if not every_mode_measured(d):
+        return False
+    by = {(r["quant"], r.get("quantised")): r for r in d["rows"][1:]}
+    for (mode, label), r in by.items():
+        if not label.startswith("blocks+embed"):
+            continue
+        alone = by[(mode, "blocks")]
+        if r["param_bytes"] >= alone["param_bytes"]:
+            return False
+        if budget and label.endswith(f"/{EMBED_BLOCK}") and (
+                r["vs_float_pct"] - alone["vs_float_pct"] > EMBED_BUDGET_PCT):
+            return False
+    return True
 
 
 def embed_int8_experiment(model: str, stem: str, tokens: int | None, *, expected_s: float,
-                          quick_expected_s: float, feeds: str) -> Experiment:
+                          quick_expected_s: float, feeds: str, window: int | None = None,
+                          off_grid: float = 0.0, after: tuple[str, ...] = (),
+                          budget: bool = True) -> Experiment:
     """`experiments.embed_int8` on `model` (its table in {stem}_embed_int8.json); `tokens`:
-    validation tokens per row (None: the launcher's default)."""
+    validation tokens per row (None: the launcher's default); `window`: the scoring window
+    (None: the launcher's default); `off_grid`: the launcher's --off-grid; `budget`: whether
+    the claim includes the perplexity bound."""
     out = f"{{results}}/{stem}_embed_int8.json"
-    full = ("--tokens", str(tokens)) if tokens is not None else ()
+    win = (("--window", str(window)) if window is not None else ()) + (
+        ("--off-grid", str(off_grid)) if off_grid else ())
+    full = (("--tokens", str(tokens)) if tokens is not None else ()) + win
     return Experiment(
         name=f"{stem}_embed_int8",
         argv=launcher("embed_int8", "--model", model, *full, "--out", out),
-        quick_argv=launcher("embed_int8", "--model", model, "--tokens", "512", "--out", out),
+        quick_argv=launcher("embed_int8", "--model", model, "--tokens", "512", *win,
+                            "--out", out),
         outputs=(f"{stem}_embed_int8.json",), expected_s=expected_s,
-        quick_expected_s=quick_expected_s, feeds=feeds,
+        quick_expected_s=quick_expected_s, feeds=feeds, after=after,
         claim=holds(f"{stem}_embed_int8.json", "every row was measured and int8 of the "
-                    "embedding stores fewer bytes than the blocks alone", embed_int8_holds))
+                    "embedding stores fewer bytes than the blocks alone" + (
+                        f", and its block-scaled table costs at most {EMBED_BUDGET_PCT}% "
+                        "perplexity over the blocks alone" if budget else ""),
+                    lambda d: embed_int8_holds(d, budget)))
 
 
 def q8_rows_hold(d: dict) -> bool:
@@ -82,6 +106,16 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     ),
     embed_int8_experiment("smollm2", "smollm2", 8192, expected_s=600, quick_expected_s=120,
                           feeds="SmolLM2 with its tied embedding and head in int8"),
+    # The packaged table is Q8_0 (blocks of 32): int8 blocks of 32 hold it exactly. Moved off
+    # that grid by a block step of noise, it measures what they cost on a table that never was
+    # on one; the fine-tuned run's, trained a few steps off it, what they cost there.
+    embed_int8_experiment("smollm2", "smollm2_offgrid", 8192, off_grid=1.0, expected_s=700,
+                          quick_expected_s=120,
+                          feeds="SmolLM2 with its table off the int8 grid, the table in int8"),
+    embed_int8_experiment("{runs}/finetune-smollm2", "smollm2_ft", 8192, window=128,
+                          expected_s=900, quick_expected_s=60, after=("finetune_smollm2",),
+                          budget=False,
+                          feeds="the fine-tuned SmolLM2 with its tied embedding and head in int8"),
     # The same table on the fine-tuned model, whose weights are off the packaged 4-bit grid,
     # beside the packaged model at the same windows: the run's context (its max_len) is 128.
     # Only the mode rows; the decoding rows, which the launcher cannot leave out, run short.

@@ -63,6 +63,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "gemma3_quant": ("gemma3_quant.json", gemma3.gemma3_quant),
     "gemma3_embed_int8": ("gemma3_embed_int8.json", pretrained.embed_int8),
     "smollm2_embed_int8": ("smollm2_embed_int8.json", pretrained.embed_int8),
+    "smollm2_ft_embed_int8": ("smollm2_ft_embed_int8.json", pretrained.embed_int8),
+    "smollm2_offgrid_embed_int8": ("smollm2_offgrid_embed_int8.json", pretrained.embed_int8),
     "llama_cpp_int8": ("llama_cpp_int8.json", export_q8.llama_cpp_int8),
 }
 
