@@ -8,10 +8,12 @@ the validation topics): one jitted `lax.scan` over the tokens, the prefill exclu
 `--repeats` times with the variants interleaved; the median is reported with the per-token
 latency and the bytes of weights every token reads. Besides the main variants
 (float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
-input rotations at every step, each in the layer layout
-`model.generate` picks by default) the layer scan of float, w8, w8a8 and w8a8+head8 is timed
-too, and each int8 path with XLA's products instead of shardq's kernel (`-xla`), so the file
-records what the layout and the kernel change, measured in the same run. Prefill is timed too:
+input rotations at every step, each in the layer layout `model.generate` picks by default and
+with quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer
+scan of float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with
+one scale per row (`-row-head`), and each int8 path with XLA's products instead of shardq's
+kernel (`-xla`), so the file records what the layout, the table and the kernel change,
+measured in the same run. Prefill is timed too:
 one forward over a `--prefill-tokens` window per model, as scoring runs it. The machine and
 its load average are recorded beside.
 
@@ -44,36 +46,40 @@ from experiments.pretrained import model_ref
 from experiments.reporting.results_io import command_line, results_path, write_result
 from experiments.speed import llama_cpp
 from model.gguf import GGUFError
-from quant.modes import QuantConfig, QuantError
+from quant.modes import EMBED_BLOCK, QuantConfig, QuantError
 
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
 # name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer,
 # except the layer scan for int8 kernels whose products XLA runs; "probe": the faster of the two
-# on this host, by a short timed run when the model is loaded), tied head/embedding in int8 too,
-# devices each step is split over (parallel/decode_split.py), few-row int8 products in shardq's
-# kernel (quant.native_int8; False: XLA's))
+# on this host, by a short timed run when the model is loaded), the embedding table and tied head
+# (TABLES), devices each step is split over (parallel/decode_split.py), few-row int8 products in
+# shardq's kernel (quant.native_int8; False: XLA's))
 VARIANTS = {
-    "float": ("none", False, None, False, 1, True),
-    "w8": ("w8", False, None, False, 1, True),
-    "w8a8": ("w8a8", False, None, False, 1, True),
-    "float+kv8": ("none", True, None, False, 1, True),
-    "w8+kv8": ("w8", True, None, False, 1, True),
-    "w8a8+head8": ("w8a8", False, None, True, 1, True),
-    "w8a8-rotated": ("w8a8-rotated", False, None, False, 1, True),
-    "float-scan": ("none", False, False, False, 1, True),
-    "w8-scan": ("w8", False, False, False, 1, True),
-    "w8a8-scan": ("w8a8", False, False, False, 1, True),
-    "w8a8+head8-scan": ("w8a8", False, False, True, 1, True),
-    "w8a8-probed": ("w8a8", False, "probe", False, 1, True),
-    "float-split2": ("none", False, None, False, 2, True),
-    "w8-xla": ("w8", False, None, False, 1, False),
-    "w8a8-xla": ("w8a8", False, None, False, 1, False),
-    "w8a8-per-layer-xla": ("w8a8", False, True, False, 1, False),
-    "w8a8+head8-xla": ("w8a8", False, None, True, 1, False),
-    "w8a8-split2": ("w8a8", False, None, False, 2, True),
-    "w8a8+head8-split2": ("w8a8", False, None, True, 2, True),
+    "float": ("none", False, None, "float", 1, True),
+    "w8": ("w8", False, None, "block", 1, True),
+    "w8a8": ("w8a8", False, None, "block", 1, True),
+    "float+kv8": ("none", True, None, "float", 1, True),
+    "w8+kv8": ("w8", True, None, "block", 1, True),
+    "w8a8-rotated": ("w8a8-rotated", False, None, "block", 1, True),
+    "w8a8-float-head": ("w8a8", False, None, "float", 1, True),
+    "w8a8-row-head": ("w8a8", False, None, "row", 1, True),
+    "float-scan": ("none", False, False, "float", 1, True),
+    "w8-scan": ("w8", False, False, "block", 1, True),
+    "w8a8-scan": ("w8a8", False, False, "block", 1, True),
+    "w8a8-probed": ("w8a8", False, "probe", "block", 1, True),
+    "float-split2": ("none", False, None, "float", 2, True),
+    "w8a8-split2": ("w8a8", False, None, "block", 2, True),
+    "w8-xla": ("w8", False, None, "block", 1, False),
+    "w8a8-xla": ("w8a8", False, None, "block", 1, False),
+    "w8a8-per-layer-xla": ("w8a8", False, True, "block", 1, False),
+    "w8a8-float-head-xla": ("w8a8", False, None, "float", 1, False),
 }
+# table -> (quant rules, values per scale of the int8 table; 0: one per row): "block" is quant's
+# default (the table in int8 blocks of 32, its tied head weight-only); "row" one scale per row
+# (its head an int8 x int8 product with per-token activations); "float" the blocks alone.
+TABLES = {"float": (("blocks/*",), 0), "row": (("blocks/*", "embed"), 0),
+          "block": (("blocks/*", "embed"), EMBED_BLOCK)}
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
@@ -82,27 +88,25 @@ CHANGES = (
     ("per-layer weights instead of the stacked layer scan (float)", "float-scan", "float"),
     ("per-layer weights instead of the stacked layer scan (w8)", "w8-scan", "w8"),
     ("per-layer weights instead of the stacked layer scan (w8a8)", "w8a8-scan", "w8a8"),
-    ("per-layer weights instead of the stacked layer scan (w8a8+head8)", "w8a8+head8-scan",
-     "w8a8+head8"),
     ("layer layout by a timed probe instead of the fixed rule (w8a8)", "w8a8", "w8a8-probed"),
     ("each step split over 2 devices by output features (float)", "float", "float-split2"),
     ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
-    ("each step split over 2 devices by output features (w8a8+head8)", "w8a8+head8",
-     "w8a8+head8-split2"),
     ("shardq's int8 kernel instead of XLA's products (w8, layer scan)", "w8-xla", "w8-scan"),
     ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla",
      "w8a8-scan"),
     ("shardq's int8 kernel instead of XLA's products (w8a8, per-layer weights)",
      "w8a8-per-layer-xla", "w8a8"),
-    ("shardq's int8 kernel instead of XLA's products (w8a8+head8, layer scan)",
-     "w8a8+head8-xla", "w8a8+head8-scan"),
-    ("the default int8 path (the kernel, per-layer weights) instead of XLA's (its products, "
-     "the layer scan) (w8a8)", "w8a8-xla", "w8a8"),
+    ("the default int8 path (the kernel, per-layer weights, the table in int8 blocks) instead "
+     "of the float-head path in XLA's products and the layer scan (w8a8)",
+     "w8a8-float-head-xla", "w8a8"),
     ("int8 weights (w8) against float", "float", "w8"),
     ("int8 weights and activations (w8a8) against float", "float", "w8a8"),
     ("int8 KV cache (float weights)", "float", "float+kv8"),
     ("int8 KV cache (w8 weights)", "w8", "w8+kv8"),
-    ("tied head (49152 x 576 table) in int8 too (w8a8)", "w8a8", "w8a8+head8"),
+    ("tied embedding and head in int8 blocks of 32 instead of float (w8a8)", "w8a8-float-head",
+     "w8a8"),
+    ("one scale per row of the int8 table (an int8 x int8 head) instead of blocks of 32 (w8a8)",
+     "w8a8", "w8a8-row-head"),
     ("rotated int8 inputs (w8a8-rotated against w8a8)", "w8a8", "w8a8-rotated"),
 )
 
@@ -159,8 +163,12 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
     return names, tools, skipped
 
 
-def prefill_label(mode: str, head: bool) -> str:
-    return ("float" if mode == "none" else mode) + ("+head8" if head else "")
+def prefill_label(mode: str, table: str) -> str:
+    """The prefill row of a model: its mode, and which table it holds where that is not the
+    mode's own (float for float, int8 blocks for the int8 modes)."""
+    if mode == "none":
+        return "float"
+    return mode + ("" if table == "block" else f"-{table}-head")
 
 
 def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
@@ -184,12 +192,12 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
     """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
     probes, variants = {}, []
     for n in names:
-        mode, kv8, layout, head, devices, kernel = VARIANTS[n]
-        model = models[mode, head]
+        mode, kv8, layout, table, devices, kernel = VARIANTS[n]
+        model = models[mode, table]
         if layout == "probe":
-            if (mode, head) not in probes:
-                probes[mode, head] = decoding.probe_layout(model, prompt)
-            layout = probes[mode, head]["per_layer"]
+            if (mode, table) not in probes:
+                probes[mode, table] = decoding.probe_layout(model, prompt)
+            layout = probes[mode, table]["per_layer"]
         variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel))
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
@@ -218,10 +226,10 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     built = llama_cpp.version(tools) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
-    for mode, head in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
-        rules = ("blocks/*", "embed") if head else ("blocks/*",)
-        models[mode, head] = loading.quantize(
-            float_model, mode, QuantConfig(mode=mode, rules=rules, calib_batches=1))
+    for mode, table in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
+        rules, block = TABLES[table]
+        models[mode, table] = loading.quantize(float_model, mode, QuantConfig(
+            mode=mode, rules=rules, embed_block=block, calib_batches=1))
     text = pydoc_corpus.split_text("validation")
     prompt = float_model.tokenizer.encode(text[:400])
     variants, probes = build_variants(decoding, names, models, prompt)

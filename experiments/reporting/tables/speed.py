@@ -305,7 +305,7 @@ def _weight_rates(d: dict, peer_by: dict) -> list[str]:
               for (fmt, test), r in peer_by.items() if test == "tg"}
     if not theirs:
         return []
-    cells = [f"{k} {v:.1f}" for k, v in ours.items() if k in ("float", "w8a8", "w8a8+head8")]
+    cells = [f"{k} {v:.1f}" for k, v in ours.items() if k in ("float", "w8", "w8a8", "w8a8+head8")]
     cells += [f"llama.cpp {k} {v:.1f}" for k, v in theirs.items()]
     return ["", f"Weights read per second while decoding (bytes per token × tokens/s), GB/s: "
             f"{', '.join(cells)}."]
