@@ -190,15 +190,21 @@ void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const 
           p2 = _mm512_fmadd_ps(xv, wf(w0 + 2 * k), p2);
           p3 = _mm512_fmadd_ps(xv, wf(w0 + 3 * k), p3);
         }
-        __m512* acc[4] = {&a0, &a1, &a2, &a3};
-        const __m512 part[4] = {p0, p1, p2, p3};
-        for (int r = 0; r < 4; ++r) {
+        // Each output's block sum, scaled, into its accumulator (the rest of a block that is
+        // not whole vectors summed in plain C++ beside it). The accumulators stay registers.
+        auto scaled = [&](__m512 acc, __m512 part, int r) {
           const float sc = ws[(n + r) * row_stride + b];
-          float tail = 0.0f;
-          for (int64_t i = i0 + bv; i < i0 + bk; ++i) tail += xm[i] * float(w0[r * k + i]);
-          *acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sc), *acc[r]);
-          tails[r] += tail * sc;
-        }
+          if (bv < bk) {
+            float tail = 0.0f;
+            for (int64_t i = i0 + bv; i < i0 + bk; ++i) tail += xm[i] * float(w0[r * k + i]);
+            tails[r] += tail * sc;
+          }
+          return _mm512_fmadd_ps(part, _mm512_set1_ps(sc), acc);
+        };
+        a0 = scaled(a0, p0, 0);
+        a1 = scaled(a1, p1, 1);
+        a2 = scaled(a2, p2, 2);
+        a3 = scaled(a3, p3, 3);
       }
       out[m * n_total + n] = _mm512_reduce_add_ps(a0) + tails[0];
       out[m * n_total + n + 1] = _mm512_reduce_add_ps(a1) + tails[1];
