@@ -29,21 +29,19 @@ def every_mode_measured(d: dict) -> bool:
 
 def embed_int8_holds(d: dict, budget: bool = True) -> bool:
     """`experiments.embed_int8`'s rows: every one measured; each mode with its embedding in int8
-    stores fewer bytes than with the blocks alone; and (`budget`) the block-scaled table (quant's
-    default) costs at most `EMBED_BUDGET_PCT` of perplexity over the blocks alone."""
+    stores fewer bytes than with the blocks alone; and (`budget`) the block-scaled table alone
+    (quant's default table, the blocks float: its own cost, which per-token int8's run-to-run
+    movement of a few tenths of a percent does not blur) costs at most `EMBED_BUDGET_PCT` of
+    perplexity."""
     if not every_mode_measured(d):
         return False
     by = {(r["quant"], r.get("quantised")): r for r in d["rows"][1:]}
     for (mode, label), r in by.items():
-        if not label.startswith("blocks+embed"):
-            continue
-        alone = by[(mode, "blocks")]
-        if r["param_bytes"] >= alone["param_bytes"]:
+        if label.startswith("blocks+embed") and (
+                r["param_bytes"] >= by[(mode, "blocks")]["param_bytes"]):
             return False
-        if budget and label.endswith(f"/{EMBED_BLOCK}") and (
-                r["vs_float_pct"] - alone["vs_float_pct"] > EMBED_BUDGET_PCT):
-            return False
-    return True
+    alone = [r for (_, label), r in by.items() if label == f"embed/{EMBED_BLOCK}"]
+    return not budget or (len(alone) == 1 and alone[0]["vs_float_pct"] <= EMBED_BUDGET_PCT)
 
 
 def embed_int8_experiment(model: str, stem: str, tokens: int | None, *, expected_s: float,
@@ -67,8 +65,8 @@ def embed_int8_experiment(model: str, stem: str, tokens: int | None, *, expected
         quick_expected_s=quick_expected_s, feeds=feeds, after=after,
         claim=holds(f"{stem}_embed_int8.json", "every row was measured and int8 of the "
                     "embedding stores fewer bytes than the blocks alone" + (
-                        f", and its block-scaled table costs at most {EMBED_BUDGET_PCT}% "
-                        "perplexity over the blocks alone" if budget else ""),
+                        f", and its block-scaled table alone costs at most "
+                        f"{EMBED_BUDGET_PCT}% perplexity" if budget else ""),
                     lambda d: embed_int8_holds(d, budget)))
 
 
