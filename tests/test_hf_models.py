@@ -159,16 +159,19 @@ def test_cached_decoding_follows_the_full_forward(arch):
     assert np.asarray(out[0]).tolist() == seq
 
 
-@pytest.mark.parametrize("mode", ["w8a8", "smoothquant"])
-def test_int8_stays_near_float(mode):
+@pytest.mark.parametrize("mode,rules", [("w8a8", ("blocks/*",)), ("smoothquant", ("blocks/*",)),
+                                        ("w8a8", ("embed",))])
+def test_int8_stays_near_float(mode, rules):
+    """The blocks' Dense layers (q/k/v with biases) in int8, and the tied table alone. (Both at
+    once compound beyond this bound on the random 64-wide fixture; the table's cost on
+    pretrained models is experiments.embed_int8's.)"""
     cfg, params = load_hf(FIXTURES / "qwen2")
     graphdef, model = model_of(cfg, params)
     rows = [np.asarray([r["tokens"]], np.int32) for r in reference("qwen2") if
             len(r["tokens"]) > 8]
-    qgraph, qparams, _, _ = quantize(graphdef, params, QuantConfig(mode=mode, alpha=0.5,
-                                                                   calib_batches=len(rows))
-                                     if mode == "smoothquant" else QuantConfig(mode=mode),
-                                     rows, error_report=False)
+    qcfg = (QuantConfig(mode=mode, alpha=0.5, calib_batches=len(rows), rules=rules)
+            if mode == "smoothquant" else QuantConfig(mode=mode, rules=rules))
+    qgraph, qparams, _, _ = quantize(graphdef, params, qcfg, rows, error_report=False)
     qmodel = nnx.merge(qgraph, jax.tree.map(jnp.asarray, qparams))
     for r in reference("qwen2"):
         if len(r["tokens"]) > 1:
