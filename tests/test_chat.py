@@ -213,11 +213,13 @@ def test_ctrl_c_stops_the_stream_without_a_traceback():
     import sys
 
     env = child_env()
+    # SIGINT's default disposition in the child, as a shell gives it: an ignored signal stays
+    # ignored across exec, so a test worker that ignores it would pass that on to the chat.
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments.chat", "--layers", str(LAYERS), "--prompt", PROMPT,
          "--max-new-tokens", "4000"],
         cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE)
+        stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1)  # the reply has started streaming
         proc.send_signal(signal.SIGINT)

@@ -144,7 +144,8 @@ def test_rotated_inputs_cut_the_int8_error_on_the_real_model(truncated):
     ref = np.array([r["mean_nll"] for r in scoring.score_ids(truncated, ids)])
     change = {}
     for mode in ("w8a8", "w8a8-rotated"):
-        q = loading.quantize(truncated, mode, QuantConfig(mode=mode))
+        # the blocks alone, which the rotation changes (the packaged table is exact in int8)
+        q = loading.quantize(truncated, mode, QuantConfig(mode=mode, rules=("blocks/*",)))
         got = np.array([r["mean_nll"] for r in scoring.score_ids(q, ids)])
         change[mode] = float(np.mean(np.abs(got - ref)))
     assert change["w8a8-rotated"] < 0.4 * change["w8a8"], change
