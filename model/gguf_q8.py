@@ -52,8 +52,12 @@ class Int8Rows:
         return self.q.shape
 
     @property
-    def per_block(self) -> bool:
-        return self.scale.ndim == self.q.ndim
+    def block_scales(self) -> np.ndarray:
+        """The scale of every Q8_0 block, [..., rows, cols / 32] (a row's scale repeated over
+        its blocks where there is one per row)."""
+        if self.scale.ndim == self.q.ndim:
+            return self.scale
+        return np.repeat(self.scale[..., None], self.q.shape[-1] // QK8_0, axis=-1)
 
 
 def row_bytes(cols: int) -> int:
@@ -82,9 +86,8 @@ def pack(rows: Int8Rows, what: str = "tensor") -> np.ndarray:
     n, cols = q.shape
     if cols % QK8_0:
         raise Q8Error(f"{what}: rows of {cols} values; Q8_0 needs a multiple of {QK8_0}")
-    d = fp16_scales(rows.scale, what).astype("<f2")
+    d = fp16_scales(rows.block_scales, what).astype("<f2")
     blocks = np.empty((n, cols // QK8_0, BLOCK_BYTES), np.uint8)
-    d = d if rows.per_block else np.repeat(d, cols // QK8_0)
     blocks[:, :, :2] = np.ascontiguousarray(d).view(np.uint8).reshape(n, -1, 2)
     blocks[:, :, 2:] = q.reshape(n, cols // QK8_0, QK8_0).view(np.uint8)
     return blocks.reshape(n, -1)
@@ -92,9 +95,7 @@ def pack(rows: Int8Rows, what: str = "tensor") -> np.ndarray:
 
 def dequantized(rows: Int8Rows) -> np.ndarray:
     """float32 values a Q8_0 reader gets from `pack(rows)`: q * float32(fp16(scale))."""
-    d = fp16_scales(rows.scale).astype(np.float32)
-    if not rows.per_block:
-        return rows.q.astype(np.float32) * d[..., None]
+    d = fp16_scales(rows.block_scales).astype(np.float32)
     q = rows.q.astype(np.float32).reshape(d.shape + (QK8_0,))
     return (q * d[..., None]).reshape(rows.q.shape)
 

@@ -154,9 +154,7 @@ def _q8_tensor(cfg: ModelConfig, t: Planned, leaf: Int8Rows, fmt: str) -> np.nda
                           f"{t.qtype} {list(t.shape)} for {t.name}")
     heads = _permuted_heads(cfg, t.path, fmt)
     if heads is not None:
-        scale = rows.scale if rows.per_block else rows.scale[:, None]
-        scale = gguf_permute(scale, heads)
-        rows = Int8Rows(gguf_permute(rows.q, heads), scale if rows.per_block else scale[:, 0])
+        rows = Int8Rows(gguf_permute(rows.q, heads), gguf_permute(rows.block_scales, heads))
     try:
         return pack(rows, t.name)
     except Q8Error as e:

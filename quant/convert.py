@@ -139,14 +139,9 @@ def quantize_embed(embed: Embed, act: str = "token", block: int | None = None) -
     activations, or "none" (weight-only); a static scale is not calibrated for the head, so it
     is per token. A block-scaled table's head is weight-only."""
     table = embed.embedding[...]
-    if block is None:
-        scale = qz.scale_from_absmax(qz.absmax(table, axis=-1))  # [vocab, 1]
-        table_q = qz.quantize(table, scale)
-    else:
-        scale = qz.block_scale(table, block)  # [vocab, blocks]
-        rows, s = qz.blocked(table, scale)
-        table_q = qz.quantize(rows, s).reshape(table.shape)
-    return QuantEmbed(table_q, scale, axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
+    scale = qz.block_scale(table, block or table.shape[-1])  # [vocab, blocks] (per row: 1)
+    return QuantEmbed(qz.quantize_blocks(table, scale), scale,
+                      axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
                       compute_dtype=embed.compute_dtype,
                       act="none" if act == "none" else "token", block=block)
 

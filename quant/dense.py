@@ -228,8 +228,8 @@ def blocked_weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array
     """x [tokens, in] (float) times the int8 kernel w_q [out, in] whose scales w_scale [out, B]
     hold one per block of in / B weights of a row, in XLA's operations (the kernel dequantised,
     then a float product); float32 [tokens, out]."""
-    q, s = qz.blocked(w_q.astype(jnp.float32), w_scale)
-    return jax.lax.dot_general(x.astype(jnp.float32), (q * s).reshape(w_q.shape), CONTRACT_IN)
+    return jax.lax.dot_general(x.astype(jnp.float32), qz.dequantize_blocks(w_q, w_scale),
+                               CONTRACT_IN)
 
 
 def blocked_weight_only_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array
@@ -268,18 +268,12 @@ class QuantEmbed(nnx.Module):
         else:
             self.block_scale = param(scale.reshape(vocab, dim // block), (axes[0], None))
 
-    def _scale(self) -> jax.Array:
-        return self.row_scale[...] if self.block is None else self.block_scale[...]
-
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        rows = jnp.take(self.embedding_q[...], tokens, axis=0).astype(jnp.float32)
-        scale = jnp.take(self._scale(), tokens, axis=0)
-        if self.block is None:
-            out = rows * scale[..., None]
-        else:
-            q, s = qz.blocked(rows, scale)
-            out = (q * s).reshape(rows.shape)
-        return out.astype(dtype_of(self.compute_dtype))
+        # [vocab, blocks] scales (per row: one block)
+        scale = self.row_scale[...][:, None] if self.block is None else self.block_scale[...]
+        rows = qz.dequantize_blocks(jnp.take(self.embedding_q[...], tokens, axis=0),
+                                    jnp.take(scale, tokens, axis=0))
+        return rows.astype(dtype_of(self.compute_dtype))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x @ table^T with the int8 table: [..., embed] -> [..., vocab]."""

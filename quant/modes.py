@@ -25,9 +25,9 @@ class QuantError(ValueError):
     """Bad input for quantisation: launchers print it on one line and exit 2."""
 
 
-# Every Dense of the blocks, and the embedding (a tied model's head): block-scaled int8 keeps the
-# table within a few hundredths of a percent of float's perplexity at a quarter of its bytes
-# (docs/quantization.md's embedding table measures it).
+# Every Dense of the blocks, and the embedding (a tied model's head): in int8 blocks the table
+# stays within the project's perplexity rule at about a quarter of its float bytes, where one
+# scale per row does not (docs/smollm2_int8.md measures both, and the exception).
 DEFAULT_RULES = ("blocks/*", "embed")
 # What a config written before "rules" existed selected.
 LEGACY_RULES = ("blocks/*",)

@@ -105,6 +105,19 @@ def blocked(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x.reshape(x.shape[:-1] + (b, x.shape[-1] // b)), scale[..., None]
 
 
+def quantize_blocks(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8 values of x [..., cols] under one scale per block of its rows (scale [..., blocks];
+    one block: a scale per row)."""
+    rows, s = blocked(x, scale)
+    return quantize(rows, s).reshape(x.shape)
+
+
+def dequantize_blocks(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 values of int8 q [..., cols] under one scale per block of its rows."""
+    rows, s = blocked(q.astype(jnp.float32), scale)
+    return (rows * s).reshape(q.shape)
+
+
 # --- activations [tokens, in] ------------------------------------------------------------------
 
 def token_scale(x: jax.Array) -> jax.Array:
