@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -92,7 +94,9 @@ def quantize(graphdef, params: dict, qcfg: QuantConfig, batches,
         report["layers"] = auto_precision.layer_rows(plan, stats)
     report["calib_batches"] = batches.read
     qgraphdef, qstate = nnx.split(qmodel)
-    qparams = nnx.to_pure_dict(qstate)
+    # Device arrays throughout: a leaf the plan leaves alone (a norm's scale) comes back as the
+    # caller gave it, and a numpy leaf is copied to the device again at every call of a step.
+    qparams = jax.tree.map(jnp.asarray, nnx.to_pure_dict(qstate))
     check_finite(qparams, "quantised parameter")
     return qgraphdef, qparams, plan, report
 

@@ -37,6 +37,17 @@ def batches():
 
 # --- SmoothQuant, calibration, automatic precision --------------------------------------------
 
+def test_the_int8_model_comes_back_as_device_arrays(float_model, batches):
+    """Given host arrays (as `jax.device_get` hands them), quantize returns device arrays only,
+    the leaves it leaves alone (the norms' scales) too: a numpy leaf would be copied to the
+    device again at every call of a chat's decoding step."""
+    graphdef, params = float_model
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))  # the input: host
+    _, q, _, _ = quantize(graphdef, params, QuantConfig(mode="w8a8"), batches[:1],
+                          error_report=False)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(q))
+
+
 def test_smoothquant_folding_leaves_the_float_function_unchanged(float_model, batches):
     graphdef, params = float_model
     stats = calibrate(graphdef, params, batches[:2])
