@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -94,16 +95,24 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
 
 
 @functools.lru_cache(maxsize=16)
-def _stream_step(graphdef, temperature: float, top_k: int):
-    """`stream`'s jitted call (prefill, then one token), one per model structure and sampling
-    setting, so that later replies reuse its compiled programs: the same cache shape (budgets
-    within one block of positions) reuses the step, the same prompt length the prefill."""
+def _stream_step(graphdef, weights, temperature: float, top_k: int):
+    """`stream`'s jitted call (prefill, then one token), one per model structure, weight tree
+    (`weights`: the treedef of (params, per-layer weights)) and sampling setting, so that later
+    replies reuse its compiled programs: the same cache shape (budgets within one block of
+    positions) reuses the step, the same prompt length the prefill.
 
-    @jax.jit
-    def step(params, layers, tokens, cache, index, key):
+    The weights come as a flat list of arrays: flattening the model's own pytree at every call
+    (its variables flatten in Python) would cost a decoding step milliseconds before it starts.
+    The cache is donated: each step writes one position into it in place, where an undonated
+    input would be copied whole into the step's output at every token. The next token comes
+    back as [B, 1], the next step's input."""
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(leaves, tokens, cache, index, key):
+        params, layers = jax.tree.unflatten(weights, leaves)
         logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers,
                                                            last_only=True)
-        return sample_token(logits[:, -1], key, temperature, top_k), cache
+        return sample_token(logits[:, -1], key, temperature, top_k)[:, None], cache
 
     return step
 
@@ -116,8 +125,10 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     The same prefill + cached single-position steps as `generate`, but each step is its own
     jitted call so a caller can print tokens as they come and stop early (a chat turn ends at
     its end-of-turn token, usually long before `max_new_tokens`). The cache is sized for the
-    prompt plus `max_new_tokens`, so every step reuses one compiled program. `per_layer` chooses
-    the layer layout as in `generate` (None: `default_per_layer`).
+    prompt plus `max_new_tokens`, so every step reuses one compiled program, compiled before
+    the first token is yielded (a caller timing the tokens after the first times decoding, not
+    a compile). `per_layer` chooses the layer layout as in `generate` (None:
+    `default_per_layer`).
     """
     model = nnx.merge(graphdef, params)
     T = prompt_1xT.shape[1]
@@ -132,12 +143,20 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
         # split once, eagerly: each step then reads weights in place
         layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
-    step = _stream_step(graphdef, temperature, top_k)
-    token, cache = step(params, layers, prompt_1xT, cache, 0, key)  # prefill: its own program
+    leaves, weights = jax.tree.flatten((params, layers))
+    step = _stream_step(graphdef, weights, temperature, top_k)
+    token, cache = step(leaves, prompt_1xT, cache, 0, key)  # prefill: its own program
+    if max_new_tokens > 1:
+        # the one-token program, compiled now (or found in jit's cache) rather than at the
+        # second token: tracing it runs nothing
+        step.lower(leaves, token, cache, T, key).compile()
     for i in range(max_new_tokens):
-        value = int(token[0])
+        value = int(np.asarray(token)[0, 0])
         yield value
         if value in stop_ids or i + 1 == max_new_tokens:
             return
-        key, sub = jax.random.split(key)
-        token, cache = step(params, layers, token[:, None], cache, T + i, sub)
+        if temperature > 0.0:  # greedy reads no key: no eager split between steps
+            key, sub = jax.random.split(key)
+        else:
+            sub = key
+        token, cache = step(leaves, token, cache, T + i, sub)

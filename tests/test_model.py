@@ -172,6 +172,24 @@ def test_stream_yields_what_generate_writes():
                        stop_ids=(want[1],)))[-1] == want[1]
 
 
+def test_a_streamed_step_writes_the_cache_in_place():
+    """Each of the chat path's steps takes the cache donated (written in place, not copied whole
+    into a new one at every token): the cache it was given is consumed; the weights are not."""
+    from model.generate import _stream_step
+
+    m = _model()
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    cache = m.init_cache(1, 8)
+    leaves, weights = jax.tree.flatten((params, None))
+    step = _stream_step(graphdef, weights, 0.0, 0)
+    token, new_cache = step(leaves, jnp.asarray([[5, 6, 7]], jnp.int32), cache, 0,
+                            jax.random.key(0))
+    assert token.shape == (1, 1)
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache))
+    assert not any(x.is_deleted() for x in leaves + jax.tree.leaves(new_cache))
+
+
 def _gqa_model(max_len: int) -> DecoderLM:
     cfg = dataclasses.replace(TINY.model, n_heads=4, n_kv_heads=2, mlp="swiglu",
                               tie_embeddings=True, max_len=max_len)
