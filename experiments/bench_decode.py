@@ -11,11 +11,12 @@ latency and the bytes of weights every token reads. Besides the main variants
 input rotations at every step, each in the layer layout `model.generate` picks by default and
 with quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer
 scan of float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with
-one scale per row (`-row-head`), and each int8 path with XLA's products instead of shardq's
-kernel (`-xla`), so the file records what the layout, the table and the kernel change,
-measured in the same run. Prefill is timed too:
-one forward over a `--prefill-tokens` window per model, as scoring runs it. The machine and
-its load average are recorded beside.
+one scale per row (`-row-head`), each int8 path with XLA's products instead of shardq's
+kernel (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: one jitted
+call per token, timed from the first token as chat times it), so the file records what the
+layout, the table, the kernel and chat's path change, measured in the same run. Prefill is
+timed too: one forward over a `--prefill-tokens` window per model, as scoring runs it. The
+machine and its load average are recorded beside.
 
 With llama.cpp's tools (`--llama-cpp DIR` or $SHARDQ_LLAMA_CPP, docs/decoding_and_gpu.md) the
 run adds the peer: llama-bench on our own float32 GGUF export of the model (F32) and on
@@ -54,26 +55,29 @@ OUT = results_path("bench_decode.json")
 # except the layer scan for int8 kernels whose products XLA runs; "probe": the faster of the two
 # on this host, by a short timed run when the model is loaded), the embedding table and tied head
 # (TABLES), devices each step is split over (parallel/decode_split.py), few-row int8 products in
-# shardq's kernel (quant.native_int8; False: XLA's))
+# shardq's kernel (quant.native_int8; False: XLA's), one jitted call per token as
+# experiments.chat decodes (True) instead of one scan over the tokens)
 VARIANTS = {
-    "float": ("none", False, None, "float", 1, True),
-    "w8": ("w8", False, None, "block", 1, True),
-    "w8a8": ("w8a8", False, None, "block", 1, True),
-    "float+kv8": ("none", True, None, "float", 1, True),
-    "w8+kv8": ("w8", True, None, "block", 1, True),
-    "w8a8-rotated": ("w8a8-rotated", False, None, "block", 1, True),
-    "w8a8-float-head": ("w8a8", False, None, "float", 1, True),
-    "w8a8-row-head": ("w8a8", False, None, "row", 1, True),
-    "float-scan": ("none", False, False, "float", 1, True),
-    "w8-scan": ("w8", False, False, "block", 1, True),
-    "w8a8-scan": ("w8a8", False, False, "block", 1, True),
-    "w8a8-probed": ("w8a8", False, "probe", "block", 1, True),
-    "float-split2": ("none", False, None, "float", 2, True),
-    "w8a8-split2": ("w8a8", False, None, "block", 2, True),
-    "w8-xla": ("w8", False, None, "block", 1, False),
-    "w8a8-xla": ("w8a8", False, None, "block", 1, False),
-    "w8a8-per-layer-xla": ("w8a8", False, True, "block", 1, False),
-    "w8a8-float-head-xla": ("w8a8", False, None, "float", 1, False),
+    "float": ("none", False, None, "float", 1, True, False),
+    "w8": ("w8", False, None, "block", 1, True, False),
+    "w8a8": ("w8a8", False, None, "block", 1, True, False),
+    "float+kv8": ("none", True, None, "float", 1, True, False),
+    "w8+kv8": ("w8", True, None, "block", 1, True, False),
+    "w8a8-rotated": ("w8a8-rotated", False, None, "block", 1, True, False),
+    "w8a8-float-head": ("w8a8", False, None, "float", 1, True, False),
+    "w8a8-row-head": ("w8a8", False, None, "row", 1, True, False),
+    "float-scan": ("none", False, False, "float", 1, True, False),
+    "w8-scan": ("w8", False, False, "block", 1, True, False),
+    "w8a8-scan": ("w8a8", False, False, "block", 1, True, False),
+    "w8a8-probed": ("w8a8", False, "probe", "block", 1, True, False),
+    "float-split2": ("none", False, None, "float", 2, True, False),
+    "w8a8-split2": ("w8a8", False, None, "block", 2, True, False),
+    "w8-xla": ("w8", False, None, "block", 1, False, False),
+    "w8a8-xla": ("w8a8", False, None, "block", 1, False, False),
+    "w8a8-per-layer-xla": ("w8a8", False, True, "block", 1, False, False),
+    "w8a8-float-head-xla": ("w8a8", False, None, "float", 1, False, False),
+    "float-chat": ("none", False, None, "float", 1, True, True),
+    "w8a8-chat": ("w8a8", False, None, "block", 1, True, True),
 }
 # table -> (quant rules, values per scale of the int8 table; 0: one per row): "block" is quant's
 # default (the table in int8 blocks of 32, its tied head weight-only); "row" one scale per row
@@ -108,6 +112,10 @@ CHANGES = (
     ("one scale per row of the int8 table (an int8 x int8 head) instead of blocks of 32 (w8a8)",
      "w8a8", "w8a8-row-head"),
     ("rotated int8 inputs (w8a8-rotated against w8a8)", "w8a8", "w8a8-rotated"),
+    ("one jitted call per token, as experiments.chat decodes, instead of one scan (float)",
+     "float", "float-chat"),
+    ("one jitted call per token, as experiments.chat decodes, instead of one scan (w8a8)",
+     "w8a8", "w8a8-chat"),
 )
 
 
@@ -192,13 +200,13 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
     """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
     probes, variants = {}, []
     for n in names:
-        mode, kv8, layout, table, devices, kernel = VARIANTS[n]
+        mode, kv8, layout, table, devices, kernel, streamed = VARIANTS[n]
         model = models[mode, table]
         if layout == "probe":
             if (mode, table) not in probes:
                 probes[mode, table] = decoding.probe_layout(model, prompt)
             layout = probes[mode, table]["per_layer"]
-        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel))
+        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel, streamed))
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
 

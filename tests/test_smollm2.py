@@ -104,20 +104,24 @@ def test_truncated_model_matches_transformers(truncated):
 
 def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
     """Interleaved decoding benchmark on the truncated model: the per-layer layout writes the
-    layer scan's tokens, the int8 model reads under a third of the float bytes in its blocks,
-    and every run is timed."""
+    layer scan's tokens, chat's one call per token writes the scan's tokens, the int8 model
+    reads under a third of the float bytes in its blocks, and every run is timed."""
     w8a8 = loading.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
     V = decoding.DecodeVariant
     prompt = FIXTURE["tokens"][1]
     rows = decoding.decode_benchmark(
         [V("float", truncated), V("float-scan", truncated, per_layer=False),
-         V("w8a8", w8a8), V("float+kv8", truncated, kv_int8=True)], prompt, 4, repeats=2)
+         V("w8a8", w8a8), V("float+kv8", truncated, kv_int8=True),
+         V("w8a8-chat", w8a8, streamed=True)], prompt, 4, repeats=2)
     by = {r["variant"]: r for r in rows}
     assert by["float"]["tokens"] == by["float-scan"]["tokens"]
+    assert by["w8a8-chat"]["tokens"] == by["w8a8"]["tokens"] and by["w8a8-chat"]["tokens_agree"]
+    assert [r["path"] for r in rows] == ["scan"] * 4 + ["stream"]
     # The default layout: per-layer arrays, except the layer scan for int8 kernels whose
     # products XLA runs (where shardq's kernel does not build).
     int8_layout = "per_layer" if native_int8.status()["available"] else "layer_scan"
-    assert [r["layout"] for r in rows] == ["per_layer", "layer_scan", int8_layout, "per_layer"]
+    assert [r["layout"] for r in rows] == ["per_layer", "layer_scan", int8_layout, "per_layer",
+                                           int8_layout]
     embed = truncated.params["embed"]["embedding"].nbytes  # the float tied head, in both
     assert (by["w8a8"]["weight_bytes_per_token"] - embed
             < (by["float"]["weight_bytes_per_token"] - embed) / 3)
@@ -125,6 +129,9 @@ def test_decode_benchmark_layouts_agree_and_int8_reads_fewer_bytes(truncated):
     for r in rows:
         assert len(r["runs_s"]) == 2 and r["tokens_per_s"] > 0 and len(r["tokens"]) == 4
         assert r["ms_per_token"] == pytest.approx(1e3 / r["tokens_per_s"])
+    # a streamed run times the 3 steps after its first token (the prefill's)
+    chat = by["w8a8-chat"]
+    assert chat["tokens_per_s"] == pytest.approx(3 / np.median(chat["runs_s"]), rel=5e-3)
     past = truncated.cfg.max_len - len(prompt) + 1  # one token past the context
     with pytest.raises(ConfigError, match=f"new_tokens={past}"):
         decoding.decode_benchmark([V("float", truncated)], prompt, past)

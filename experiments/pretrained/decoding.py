@@ -21,7 +21,7 @@ from flax import nnx
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained
 from model.flops import param_bytes
-from model.generate import decode_steps, default_per_layer, prefill, sample_token
+from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
 from parallel.decode_split import split_params
 from quant import native_int8
 from quant.dense import use_native
@@ -37,12 +37,36 @@ class DecodeVariant:
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
     devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
     int8_kernel: bool = True  # False: XLA's int8 products instead of shardq's (quant.native_int8)
+    # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
+    # instead of one lax.scan over the tokens
+    streamed: bool = False
+
+
+def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
+    """(timed, args) for a streamed variant: `timed(params)` runs `model.generate.stream` as
+    chat does and returns ([1, new_tokens] tokens, seconds from the first token to the last):
+    `new_tokens - 1` one-token calls, the prefill and its compile excluded as chat excludes
+    them."""
+    pre, ids = v.model, np.asarray([prompt], np.int32)
+    make_cache = init_int8_cache if v.kv_int8 else None
+
+    def timed(params):
+        tokens = stream(pre.graphdef, params, ids, new_tokens, jax.random.key(0),
+                        make_cache=make_cache, per_layer=v.per_layer)
+        out = [next(tokens)]
+        t0 = time.perf_counter()
+        out += list(tokens)
+        return np.asarray([out]), time.perf_counter() - t0
+
+    return timed, (pre.params,)
 
 
 def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     """(timed, args): a jitted call that decodes `new_tokens` greedy tokens after the prompt's
     prefill (run here, once, untimed), and its arguments. The call starts from the same cache
     every time (nothing is donated), so repeated calls do identical work."""
+    if v.streamed:
+        return streamed_program(v, prompt, new_tokens)
     pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
     model = nnx.merge(pre.graphdef, pre.params)
@@ -89,7 +113,13 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
         raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
                           f"the context of {variants[0].model.cfg.max_len}")
     progs = [decode_programs(v, prompt, new_tokens) for v in variants]
-    tokens = [np.asarray(jax.block_until_ready(fn(*args)))[0] for fn, args in progs]  # compile
+
+    def call(v, fn, args):  # (tokens, seconds): a streamed call times itself (no prefill)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        return out if v.streamed else (out, time.perf_counter() - t0)
+
+    tokens = [np.asarray(call(v, *p)[0])[0] for v, p in zip(variants, progs, strict=True)]
     times: list[list[list[float]]] = [[] for _ in variants]
     cpu, agree = [0.0] * len(variants), [True] * len(variants)
     for _ in range(rounds):
@@ -97,9 +127,9 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
             t.append([])
         for _ in range(repeats):
             for i, (fn, args) in enumerate(progs):
-                c0, t0 = _cpu_seconds(), time.perf_counter()
-                out = jax.block_until_ready(fn(*args))
-                times[i][-1].append(time.perf_counter() - t0)
+                c0 = _cpu_seconds()
+                out, sec = call(variants[i], fn, args)
+                times[i][-1].append(sec)
                 cpu[i] += _cpu_seconds() - c0
                 agree[i] &= bool((np.asarray(out)[0] == tokens[i]).all())
         if between is not None:
@@ -108,17 +138,28 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
     for v, t, c, ok, toks, (_, args) in zip(variants, times, cpu, agree, tokens, progs,
                                            strict=True):
         runs = [x for r in t for x in r]
-        sec, cache, layers = float(np.median(runs)), args[2], args[3]
+        # a streamed call times the steps after its first token
+        timed = new_tokens - 1 if v.streamed else new_tokens
+        sec = float(np.median(runs))
+        if v.streamed:
+            model = nnx.merge(v.model.graphdef, v.model.params)
+            per_layer = default_per_layer(model) if v.per_layer is None else v.per_layer
+            cache = init_int8_cache(model.cfg, 1, len(prompt) + new_tokens) if v.kv_int8 else (
+                model.init_cache(1, len(prompt) + new_tokens))
+        else:
+            cache, per_layer = args[2], args[3] is not None
         rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
-                     "layout": "per_layer" if layers is not None else "layer_scan",
+                     "layout": "per_layer" if per_layer else "layer_scan",
+                     "path": "stream" if v.streamed else "scan",
                      "devices": v.devices,
                      "prompt_tokens": len(prompt), "new_tokens": new_tokens,
-                     "tokens_per_s": new_tokens / sec, "ms_per_token": 1e3 * sec / new_tokens,
+                     "tokens_per_s": timed / sec, "ms_per_token": 1e3 * sec / timed,
                      "runs_s": [round(x, 5) for x in runs],
-                     "rounds_tokens_per_s": [new_tokens / float(np.median(r)) for r in t],
+                     "rounds_tokens_per_s": [timed / float(np.median(r)) for r in t],
                      # CPU time of this process over wall time while the variant ran: how
-                     # many cores the step kept busy.
-                     "cores_busy": c / sum(runs),
+                     # many cores the step kept busy (a streamed call's CPU time holds its
+                     # prefill too: none)
+                     **({} if v.streamed else {"cores_busy": c / sum(runs)}),
                      # A step multiplies by every block weight and (tied) the whole embedding
                      # table, so each token reads all the parameters once; the cache on top.
                      "weight_bytes_per_token": param_bytes(v.model.params),
