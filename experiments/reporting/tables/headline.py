@@ -108,10 +108,12 @@ def _encoder_speed(d: dict, results: Path) -> tuple[str, str]:
 def _decode(d: dict, results: Path) -> tuple[str, str]:
     r = {x["variant"]: x["tokens_per_s"] for x in d["variants"]}
     rotated = f", w8a8-rotated {r['w8a8-rotated']:.1f}" if "w8a8-rotated" in r else ""
+    # files written before the chat path was timed have no -chat row
+    chat = f", w8a8 as chat streams it {r['w8a8-chat']:.1f}" if "w8a8-chat" in r else ""
     ratios = {x["ratio"]: x["value"] for x in (d.get("peer") or {}).get("decode_ratios", [])}
     peer = "".join(f"; {k} {v:.2f}×" for k, v in ratios.items()
-                   if k.startswith(("our float /", "our w8a8 /")))
-    return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f}{rotated} tokens/s{peer}",
+                   if k.startswith(("our float /", "our w8a8 /", "our w8a8-chat /")))
+    return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f}{rotated}{chat} tokens/s{peer}",
             "int8 should beat float (memory-bound); llama.cpp is the peer")
 
 
