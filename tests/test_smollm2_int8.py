@@ -137,10 +137,11 @@ def test_int8_tied_head_runs_in_integers_and_tracks_float(truncated):
 
 
 def test_rotated_inputs_cut_the_int8_error_on_the_real_model(truncated):
-    """On SmolLM2's own weights and activations (the truncated model, every fixture text of more
-    than one token), rotating the int8 products' inputs cuts plain per-token w8a8's change of
-    the mean NLL several-fold."""
-    ids = [t for t in FIXTURE["tokens"] if len(t) > 1]
+    """On SmolLM2's own weights and activations (the truncated model, the first twelve fixture
+    texts of more than one token: the cut is as clear on them as on all, at a third of the
+    scoring), rotating the int8 products' inputs cuts plain per-token w8a8's change of the
+    mean NLL several-fold."""
+    ids = [t for t in FIXTURE["tokens"] if len(t) > 1][:12]
     ref = np.array([r["mean_nll"] for r in scoring.score_ids(truncated, ids)])
     change = {}
     for mode in ("w8a8", "w8a8-rotated"):
