@@ -34,6 +34,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from experiments.cli import startup
 from experiments.cli.config import (
@@ -51,33 +52,46 @@ from quant.modes import EMBED_BLOCK, QuantConfig, QuantError
 
 PROG = "experiments.bench_decode"
 OUT = results_path("bench_decode.json")
-# name -> (int8 mode, int8 KV cache, layer layout (None: model.generate's default: per-layer,
-# except the layer scan for int8 kernels whose products XLA runs; "probe": the faster of the two
-# on this host, by a short timed run when the model is loaded), the embedding table and tied head
-# (TABLES), devices each step is split over (parallel/decode_split.py), few-row int8 products in
-# shardq's kernel (quant.native_int8; False: XLA's), one jitted call per token as
-# experiments.chat decodes (True) instead of one scan over the tokens)
+
+
+class Variant(NamedTuple):
+    """A benchmarked way to decode: its int8 mode, int8 KV cache, layer layout (None:
+    model.generate's default: per-layer, except the layer scan for int8 kernels whose products
+    XLA runs; "probe": the faster of the two on this host, by a short timed run when the model
+    is loaded), the embedding table and tied head (TABLES), devices each step is split over
+    (parallel/decode_split.py), few-row int8 products in shardq's kernel (quant.native_int8;
+    False: XLA's), and one jitted call per token as experiments.chat decodes (True) instead of
+    one scan over the tokens."""
+    mode: str
+    kv8: bool
+    layout: bool | str | None
+    table: str
+    devices: int = 1
+    kernel: bool = True
+    streamed: bool = False
+
+
 VARIANTS = {
-    "float": ("none", False, None, "float", 1, True, False),
-    "w8": ("w8", False, None, "block", 1, True, False),
-    "w8a8": ("w8a8", False, None, "block", 1, True, False),
-    "float+kv8": ("none", True, None, "float", 1, True, False),
-    "w8+kv8": ("w8", True, None, "block", 1, True, False),
-    "w8a8-rotated": ("w8a8-rotated", False, None, "block", 1, True, False),
-    "w8a8-float-head": ("w8a8", False, None, "float", 1, True, False),
-    "w8a8-row-head": ("w8a8", False, None, "row", 1, True, False),
-    "float-scan": ("none", False, False, "float", 1, True, False),
-    "w8-scan": ("w8", False, False, "block", 1, True, False),
-    "w8a8-scan": ("w8a8", False, False, "block", 1, True, False),
-    "w8a8-probed": ("w8a8", False, "probe", "block", 1, True, False),
-    "float-split2": ("none", False, None, "float", 2, True, False),
-    "w8a8-split2": ("w8a8", False, None, "block", 2, True, False),
-    "w8-xla": ("w8", False, None, "block", 1, False, False),
-    "w8a8-xla": ("w8a8", False, None, "block", 1, False, False),
-    "w8a8-per-layer-xla": ("w8a8", False, True, "block", 1, False, False),
-    "w8a8-float-head-xla": ("w8a8", False, None, "float", 1, False, False),
-    "float-chat": ("none", False, None, "float", 1, True, True),
-    "w8a8-chat": ("w8a8", False, None, "block", 1, True, True),
+    "float": Variant("none", False, None, "float"),
+    "w8": Variant("w8", False, None, "block"),
+    "w8a8": Variant("w8a8", False, None, "block"),
+    "float+kv8": Variant("none", True, None, "float"),
+    "w8+kv8": Variant("w8", True, None, "block"),
+    "w8a8-rotated": Variant("w8a8-rotated", False, None, "block"),
+    "w8a8-float-head": Variant("w8a8", False, None, "float"),
+    "w8a8-row-head": Variant("w8a8", False, None, "row"),
+    "float-scan": Variant("none", False, False, "float"),
+    "w8-scan": Variant("w8", False, False, "block"),
+    "w8a8-scan": Variant("w8a8", False, False, "block"),
+    "w8a8-probed": Variant("w8a8", False, "probe", "block"),
+    "float-split2": Variant("none", False, None, "float", devices=2),
+    "w8a8-split2": Variant("w8a8", False, None, "block", devices=2),
+    "w8-xla": Variant("w8", False, None, "block", kernel=False),
+    "w8a8-xla": Variant("w8a8", False, None, "block", kernel=False),
+    "w8a8-per-layer-xla": Variant("w8a8", False, True, "block", kernel=False),
+    "w8a8-float-head-xla": Variant("w8a8", False, None, "float", kernel=False),
+    "float-chat": Variant("none", False, None, "float", streamed=True),
+    "w8a8-chat": Variant("w8a8", False, None, "block", streamed=True),
 }
 # table -> (quant rules, values per scale of the int8 table; 0: one per row): "block" is quant's
 # default (the table in int8 blocks of 32, its tied head weight-only); "row" one scale per row
@@ -224,7 +238,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
                "experiments.speed.block_matvec", "experiments.speed.machine",
                "experiments.speed.decode_profile", "experiments.speed.xla_flag_runs",
                "quant.native_int8")
-    split = max(VARIANTS[n][4] for n in names)
+    split = max(VARIANTS[n].devices for n in names)
     (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine, decode_profile,
      xla_flag_runs, native_int8) = (startup.begin(*modules, devices=split) if split > 1
                                     else startup.load(*modules))
@@ -234,7 +248,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     built = llama_cpp.version(tools) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}
-    for mode, table in sorted({(VARIANTS[n][0], VARIANTS[n][3]) for n in names}):
+    for mode, table in sorted({(VARIANTS[n].mode, VARIANTS[n].table) for n in names}):
         rules, block = TABLES[table]
         models[mode, table] = loading.quantize(float_model, mode, QuantConfig(
             mode=mode, rules=rules, embed_block=block, calib_batches=1))
