@@ -7,6 +7,7 @@ variants' timed runs interleave so that a change in the machine's load hits them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import resource
 import time
@@ -144,8 +145,10 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
         if v.streamed:
             model = nnx.merge(v.model.graphdef, v.model.params)
             per_layer = default_per_layer(model) if v.per_layer is None else v.per_layer
-            cache = init_int8_cache(model.cfg, 1, len(prompt) + new_tokens) if v.kv_int8 else (
-                model.init_cache(1, len(prompt) + new_tokens))
+            # the cache stream allocates, by shape only: its bytes are all the row reads
+            length = len(prompt) + new_tokens
+            cache = jax.eval_shape(functools.partial(init_int8_cache, model.cfg, 1, length)
+                                   if v.kv_int8 else functools.partial(model.init_cache, 1, length))
         else:
             cache, per_layer = args[2], args[3] is not None
         rows.append({"variant": v.name, "quant": v.model.quant, "kv_int8": v.kv_int8,
