@@ -38,7 +38,7 @@ def group_of(instr: dict) -> str:
         return "attention"
     if instr["has_dot"]:
         return "int8_products" if shape.startswith("s32") else "float_products"
-    if instr.get("target") in (native_int8.TARGET, native_int8.TARGET_W8):  # shardq's kernels
+    if instr.get("target") in native_int8.TARGETS:  # shardq's kernels
         return "int8_products"
     if "dynamic_index_in_dim" in op_name or "dynamic_slice" in op_name:
         return "weight_slices"

@@ -226,72 +226,87 @@ void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const 
   }
 }
 
-// A product split into chunks of outputs, claimed one at a time by whichever thread comes: the
-// calling one and the helpers it schedules. Held by a shared_ptr, since a helper that starts
-// after the work is done still reads it (it then finds no chunk left, and never calls `rows`).
+// One kernel of a call: its int8 weights [n, k], its scales and where its outputs go.
+struct Kernel {
+  const int8_t* w;
+  const float* scale;
+  int64_t n, n_scales;
+  void* out;  // int32 sums (per-token entry) or float32 results (weight-only entry)
+};
+
+// A call's kernels split into chunks of outputs, claimed one at a time by whichever thread comes:
+// the calling one and the helpers it schedules. Every kernel's chunks start at its output 0 and
+// hold a multiple of 4 outputs, so an output lands in the same 4-output group however many
+// kernels share the call. Held by a shared_ptr, since a helper that starts after the work is
+// done still reads it (it then finds no chunk left, and never calls `rows`).
 struct Job {
-  std::function<void(int64_t, int64_t)> rows;  // computes outputs [n0, n1)
-  int64_t n, chunk_rows, chunks;
+  std::function<void(int64_t, int64_t, int64_t)> rows;  // kernel i's outputs [n0, n1)
+  std::vector<int64_t> kernel, first, last;              // the chunks
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  int64_t chunks() const { return static_cast<int64_t>(kernel.size()); }
   void work() {
     int64_t c;
-    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < chunks) {
-      const int64_t n0 = c * chunk_rows;
-      rows(n0, std::min(n, n0 + chunk_rows));
+    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < chunks()) {
+      rows(kernel[c], first[c], last[c]);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-// rows(n0, n1) over all n outputs of a kernel of n x bytes_per_row bytes, on XLA's intra-op
-// threads when the kernel is large enough to pay for waking them.
-void for_outputs(ffi::ThreadPool& pool, int64_t n, int64_t bytes_per_row,
-                 std::function<void(int64_t, int64_t)> rows) {
+// rows(i, n0, n1) over all outputs of every kernel (kernel i holding n[i] rows of bytes_per_row
+// bytes), on XLA's intra-op threads when the kernels are large enough to pay for waking them.
+void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t bytes_per_row,
+                 std::function<void(int64_t, int64_t, int64_t)> rows) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t bytes = n * bytes_per_row;
+  int64_t total = 0;
+  for (int64_t ni : n) total += ni;
+  const int64_t bytes = total * bytes_per_row;
   if (threads == 1 || bytes < kParallelBytes) {
-    rows(0, n);
+    for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
     return;
   }
   auto job = std::make_shared<Job>();
   job->rows = std::move(rows);
-  job->n = n;
   // Whole chunks for every thread (a multiple of the thread count), each a multiple of 4 rows.
   int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
   want = (want + threads - 1) / threads * threads;
-  const int64_t rows_each = (n + want - 1) / want;
-  job->chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
-  job->chunks = (n + job->chunk_rows - 1) / job->chunk_rows;
-  const int64_t helpers = std::min(threads - 1, job->chunks - 1);
+  const int64_t rows_each = (total + want - 1) / want;
+  const int64_t chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
+  for (size_t i = 0; i < n.size(); ++i) {
+    for (int64_t n0 = 0; n0 < n[i]; n0 += chunk_rows) {
+      job->kernel.push_back(static_cast<int64_t>(i));
+      job->first.push_back(n0);
+      job->last.push_back(std::min(n[i], n0 + chunk_rows));
+    }
+  }
+  const int64_t helpers = std::min(threads - 1, job->chunks() - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->work(); });
   job->work();
   // Every chunk is claimed by now; wait for those other threads are still computing.
-  while (job->done.load(std::memory_order_acquire) < job->chunks) {
+  while (job->done.load(std::memory_order_acquire) < job->chunks()) {
 #if defined(__AVX2__)
     _mm_pause();
 #endif
   }
 }
 
-// The operands' sizes: x [rows, k], w [n, k], w_scale [n] or [1] (or, where `blocked`,
-// [n, blocks]: one scale per block of k / blocks weights of a row).
-struct Shapes {
-  int64_t rows, k, n, n_scales, blocks;
-};
-
-ffi::Error shapes_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
-                     const ffi::Buffer<ffi::F32>& w_scale, Shapes& d, bool blocked = false) {
+// The operands' sizes: x [rows, k]; a kernel w [n, k] with w_scale [n] or [1] (or, where
+// `blocked`, [n, blocks]: one scale per block of k / blocks weights of a row).
+ffi::Error kernel_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
+                     const ffi::Buffer<ffi::F32>& w_scale, void* out, bool blocked, Kernel& kn,
+                     int64_t& blocks) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("shardq int8 kernel: x [M, K] and w [N, K] expected");
   }
-  d = {xd[0], xd[1], wd[0], static_cast<int64_t>(w_scale.element_count()), 1};
-  if (blocked && d.n > 0 && d.n_scales > d.n && d.n_scales % d.n == 0 &&
-      d.k % (d.n_scales / d.n) == 0) {
-    d.blocks = d.n_scales / d.n;
-  } else if (d.n_scales != d.n && d.n_scales != 1) {
+  const int64_t k = xd[1], n = wd[0], n_scales = static_cast<int64_t>(w_scale.element_count());
+  kn = {w.typed_data(), w_scale.typed_data(), n, n_scales, out};
+  blocks = 1;
+  if (blocked && n > 0 && n_scales > n && n_scales % n == 0 && k % (n_scales / n) == 0) {
+    blocks = n_scales / n;
+  } else if (n_scales != n && n_scales != 1) {
     return ffi::Error::InvalidArgument(
         blocked ? "shardq int8 kernel: w_scale must hold N, 1 or N x (a divisor of K) values"
                 : "shardq int8 kernel: w_scale must hold N or 1 values");
@@ -299,49 +314,116 @@ ffi::Error shapes_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>&
   return ffi::Error::Success();
 }
 
-ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
-  Shapes d;
-  if (ffi::Error e = shapes_of(x, w, w_scale, d); e.failure()) return e;
-  const int64_t rows = d.rows, k = d.k, n = d.n, n_scales = d.n_scales;
+// x times every kernel with per-token int8 activations: x quantised once for all of them.
+ffi::Error int8_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                         std::vector<Kernel>& kernels) {
+  const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
   QuantRows xr;
   quantize_rows(x.typed_data(), rows, k, xr);
-  std::vector<int32_t> acc(rows * n);
-
-  const int8_t* wp = w.typed_data();
-  int32_t* ap = acc.data();
-  for_outputs(pool, n, k, [&](int64_t n0, int64_t n1) { product_rows(xr, wp, n0, n1, n, ap); });
-
-  const float* ws = w_scale.typed_data();
-  float* out = y->typed_data();
-  for (int64_t m = 0; m < rows; ++m) {
-    const float s = xr.scale[m];
-    for (int64_t j = 0; j < n; ++j) {
-      // the same operations, in the same order, as quant/dense.py's dequantisation
-      out[m * n + j] = static_cast<float>(acc[m * n + j]) * (s * ws[n_scales == 1 ? 0 : j]);
+  std::vector<std::vector<int32_t>> acc(kernels.size());
+  std::vector<int64_t> n;
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    acc[i].resize(rows * kernels[i].n);
+    n.push_back(kernels[i].n);
+  }
+  for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
+    product_rows(xr, kernels[i].w, n0, n1, kernels[i].n, acc[i].data());
+  });
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const Kernel& kn = kernels[i];
+    float* out = static_cast<float*>(kn.out);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float s = xr.scale[m];
+      for (int64_t j = 0; j < kn.n; ++j) {
+        // the same operations, in the same order, as quant/dense.py's dequantisation
+        out[m * kn.n + j] = static_cast<float>(acc[i][m * kn.n + j]) *
+                            (s * kn.scale[kn.n_scales == 1 ? 0 : j]);
+      }
     }
   }
   return ffi::Error::Success();
 }
 
-ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  Shapes d;
-  if (ffi::Error e = shapes_of(x, w, w_scale, d, /*blocked=*/true); e.failure()) return e;
-  const int64_t rows = d.rows, k = d.k, n = d.n, blocks = d.blocks;
-  const int64_t row_stride = d.n_scales == 1 ? 0 : blocks;
-  const float* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  const float* ws = w_scale.typed_data();
-  float* out = y->typed_data();
-  for_outputs(pool, n, k, [&](int64_t n0, int64_t n1) {
-    float_rows(xp, rows, k, wp, ws, row_stride, blocks, n0, n1, n, out);
+// x (float) times every kernel, each weight converted in registers (weight-only).
+ffi::Error weight_only_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
+                                std::vector<Kernel>& kernels, const std::vector<int64_t>& blocks) {
+  const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
+  std::vector<int64_t> n;
+  for (const Kernel& kn : kernels) n.push_back(kn.n);
+  for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
+    const Kernel& kn = kernels[i];
+    const int64_t row_stride = kn.n_scales == 1 ? 0 : blocks[i];
+    float_rows(x.typed_data(), rows, k, kn.w, kn.scale, row_stride, blocks[i], n0, n1, kn.n,
+               static_cast<float*>(kn.out));
   });
   return ffi::Error::Success();
 }
 
-// Both entries' signature: (thread pool; x f32 [M, K], w s8 [N, K], w_scale f32) -> y f32.
+ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  std::vector<Kernel> kernels(1);
+  int64_t blocks;
+  if (ffi::Error e = kernel_of(x, w, w_scale, y->typed_data(), false, kernels[0], blocks);
+      e.failure()) {
+    return e;
+  }
+  return int8_products(pool, x, kernels);
+}
+
+ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  std::vector<Kernel> kernels(1);
+  std::vector<int64_t> blocks(1);
+  if (ffi::Error e = kernel_of(x, w, w_scale, y->typed_data(), true, kernels[0], blocks[0]);
+      e.failure()) {
+    return e;
+  }
+  return weight_only_products(pool, x, kernels, blocks);
+}
+
+// The grouped entries' operands: x, then (w, w_scale) per kernel; one result per kernel.
+ffi::Error kernels_of(const ffi::Buffer<ffi::F32>& x, const ffi::RemainingArgs& args,
+                      const ffi::RemainingRets& rets, bool blocked, std::vector<Kernel>& kernels,
+                      std::vector<int64_t>& blocks) {
+  if (args.size() == 0 || args.size() % 2 || rets.size() != args.size() / 2) {
+    return ffi::Error::InvalidArgument(
+        "shardq int8 kernel: (w, w_scale) pairs and one result per pair expected");
+  }
+  kernels.resize(rets.size());
+  blocks.resize(rets.size());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto w = args.get<ffi::Buffer<ffi::S8>>(2 * i);
+    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (s.has_error()) return s.error();
+    if (y.has_error()) return y.error();
+    if (ffi::Error e = kernel_of(x, *w, *s, (*y)->typed_data(), blocked, kernels[i], blocks[i]);
+        e.failure()) {
+      return e;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MatvecGroup(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets) {
+  std::vector<Kernel> kernels;
+  std::vector<int64_t> blocks;
+  if (ffi::Error e = kernels_of(x, args, rets, false, kernels, blocks); e.failure()) return e;
+  return int8_products(pool, x, kernels);
+}
+
+ffi::Error WeightInt8MatvecGroup(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                 ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  std::vector<Kernel> kernels;
+  std::vector<int64_t> blocks;
+  if (ffi::Error e = kernels_of(x, args, rets, true, kernels, blocks); e.failure()) return e;
+  return weight_only_products(pool, x, kernels, blocks);
+}
+
+// The single entries' signature: (thread pool; x f32 [M, K], w s8 [N, K], w_scale f32) -> y f32.
 auto matvec_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -351,10 +433,22 @@ auto matvec_binding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
+// The grouped entries': (thread pool; x f32 [M, K], then (w, w_scale) per kernel) -> one y each.
+auto group_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .RemainingArgs()
+      .RemainingRets();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqInt8Matvec, Int8Matvec, matvec_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqWeightInt8Matvec, WeightInt8Matvec, matvec_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqInt8MatvecGroup, Int8MatvecGroup, group_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqWeightInt8MatvecGroup, WeightInt8MatvecGroup,
+                              group_binding());
 
 // Which instruction set the build uses, for the benchmark's record.
 extern "C" const char* ShardqInt8MatvecIsa() {
