@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.layer_stack import Runner, scan_layers
-from model.layers import Axes, Dense, Embed, _lead, dtype_of, param
+from model.layers import Axes, Dense, Embed, _lead, dtype_of, param, shared_input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         split = lambda y: y.reshape(B, T, cfg.n_heads, cfg.head_dim)
-        q, k, v = split(self.q(x_BxTxD)), split(self.k(x_BxTxD)), split(self.v(x_BxTxD))
+        q, k, v = (split(y) for y in shared_input(x_BxTxD, self.q, self.k, self.v))
         # Keys at padding positions are hidden from every query; padded queries still see the
         # real keys, so no row is fully masked (their outputs are dropped by the pooling).
         out = jax.nn.dot_product_attention(q, k, v, mask=mask_BxT[:, None, None, :])

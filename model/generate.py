@@ -29,7 +29,7 @@ def default_per_layer(model) -> bool:
     the scan: there a weight-only kernel's int8 -> float conversion would be hoisted out of the
     token loop, holding a float32 copy of every kernel while it generates (quant/dense.py)."""
     return not any(getattr(m, "prefers_layer_scan", lambda: False)()
-                   for _, m in model.blocks.iter_modules())
+                   for _, m in nnx.iter_modules(model.blocks))
 
 
 def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,

@@ -79,6 +79,17 @@ class Dense(nnx.Module):
         return y
 
 
+def shared_input(x: jax.Array, *layers: nnx.Module) -> tuple[jax.Array, ...]:
+    """`layer(x)` for each of `layers`, all of which read the same x (an attention's q, k and v;
+    a gated MLP's gate and up). A layer class with a `shared_call(x, layers)` method computes
+    them together where it can (quant's int8 twins quantise x once and multiply every kernel in
+    one call); otherwise each layer runs alone."""
+    kind = type(layers[0])
+    if hasattr(kind, "shared_call") and all(type(layer) is kind for layer in layers):
+        return kind.shared_call(x, layers)
+    return tuple(layer(x) for layer in layers)
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale, or with `plus_one` (Gemma) * (1 + scale): then the stored scale
     starts at 0 and `offset` (1.0) is what a fold into it must keep (quant/smoothquant.py)."""

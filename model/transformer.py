@@ -41,6 +41,7 @@ from model.layers import (
     dtype_of,
     fused_causal_attention,
     rotary,
+    shared_input,
 )
 
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
@@ -94,7 +95,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         split = lambda y: y.reshape(B, T, -1, cfg.head_dim)
-        q, k = split(self.q(x_BxTxD)), split(self.k(x_BxTxD))
+        q, k, v = (split(y) for y in shared_input(x_BxTxD, self.q, self.k, self.v))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
@@ -104,7 +105,6 @@ class Attention(nnx.Module):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale
             scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
             q = (q.astype(jnp.float32) * scale).astype(q.dtype)
-        v = split(self.v(x_BxTxD))
         # With GQA, k and v keep kv_heads heads (also in the cache): query head n attends with
         # key/value head n // (n_heads / kv_heads), as Llama does.
         if cache is None:
@@ -138,11 +138,12 @@ class Mlp(nnx.Module):
                           init_scale=(2 * cfg.n_layers) ** -0.5, **dt)
 
     def __call__(self, x):
+        if self.kind == "gelu":
+            return self.down(jax.nn.gelu(self.up(x)))
+        gate, up = shared_input(x, self.gate, self.up)
         if self.kind == "swiglu":
-            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
-        if self.kind == "geglu":
-            return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
-        return self.down(jax.nn.gelu(self.up(x)))
+            return self.down(jax.nn.silu(gate) * up)
+        return self.down(jax.nn.gelu(gate, approximate=True) * up)
 
 
 def _norm(cfg: ModelConfig) -> RMSNorm:

@@ -163,6 +163,9 @@ class QuantDense(nnx.Module):
         self.rotate = rotate
         self.rotation_seed = rotation_seed
         self.native = native
+        # Whether `shared_call` may multiply this kernel in one call with the other layers that
+        # read the same input (static: part of the graph definition, like `native`).
+        self.grouped = True
         self.outlier_threshold = outlier_threshold
         # None means every column may be an outlier (exact LLM.int8(), a full float product).
         self.outlier_capacity = min(int(outlier_capacity or self.in_features), self.in_features)
@@ -207,9 +210,17 @@ class QuantDense(nnx.Module):
         w_cols = jnp.take(w_q, cols, axis=1).astype(jnp.float32) * w_scale.reshape(-1, 1)
         return regular + jax.lax.dot_general(x_out, w_cols, CONTRACT_IN)  # w_cols [out, capacity]
 
+    def _finish(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+        """The float32 product [tokens, out] in the compute dtype, with x's leading axes and
+        the bias."""
+        dt = dtype_of(self.compute_dtype)
+        y = y.astype(dt).reshape(lead + (self.out_features,))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dt).reshape((1,) * len(lead) + (-1,))
+        return y
+
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = dtype_of(self.compute_dtype)
-        lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).astype(dt)
         if self.has_float:
             y = jax.lax.cond(self.keep_float[...] != 0,
@@ -218,10 +229,38 @@ class QuantDense(nnx.Module):
                              self._int_path, x2)
         else:
             y = self._int_path(x2)
-        y = y.astype(dt).reshape(lead + (self.out_features,))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(dt).reshape((1,) * len(lead) + (-1,))
-        return y
+        return self._finish(y, x.shape[:-1])
+
+    def _call_signature(self) -> tuple | None:
+        """What layers must share to run as one kernel call (None: this one cannot): a plain
+        per-token or weight-only product in shardq's kernel."""
+        if not (self.grouped and self.native and self.outlier_threshold is None
+                and not self.has_float and self.act in ("token", "none")):
+            return None
+        return (self.act, self.rotate, self.rotation_seed, self.compute_dtype, self.in_features)
+
+    @staticmethod
+    def shared_call(x: jax.Array, layers) -> tuple[jax.Array, ...]:
+        """`layer(x)` for each of `layers` (`model.layers.shared_input`). Where shardq's kernel
+        runs them all (a few rows on a CPU, plain per-token or weight-only products alike), x is
+        quantised (or rotated) once and one call multiplies it by every kernel; the results
+        are the layers' own, bit for bit. Otherwise each layer runs alone."""
+        signature = layers[0]._call_signature()
+        rows = x.size // x.shape[-1]
+        if (len(layers) < 2 or signature is None or not native_int8.usable(rows)
+                or any(layer._call_signature() != signature for layer in layers)):
+            return tuple(layer(x) for layer in layers)
+        first = layers[0]
+        x2 = x.reshape(-1, first.in_features).astype(dtype_of(first.compute_dtype))
+        if first.rotate:
+            x2 = rotation.rotate(x2.astype(jnp.float32), first.rotation_seed)
+        kernels = [(layer.kernel_q[...], layer.kernel_scale[...].reshape(1, -1))
+                   for layer in layers]
+        native, xla = ((native_int8.product_group, token_product) if first.act == "token"
+                       else (native_int8.product_weight_only_group, weight_only_product))
+        ys = jax.lax.platform_dependent(
+            x2, kernels, cpu=native, default=lambda x2, kernels: [xla(x2, *k) for k in kernels])
+        return tuple(layer._finish(y, x.shape[:-1]) for layer, y in zip(layers, ys, strict=True))
 
 
 def blocked_weight_only_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
@@ -290,12 +329,21 @@ class QuantEmbed(nnx.Module):
         return y.reshape(*lead, -1).astype(dtype_of(self.compute_dtype))
 
 
+def use_grouped(model: nnx.Module, on: bool) -> nnx.Module:
+    """Let `model`'s int8 layers that read the same input run as one kernel call (`on`,
+    the default) or one call each, in place; returns the model (`QuantDense.shared_call`)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, QuantDense):
+            module.grouped = on
+    return model
+
+
 def use_native(model: nnx.Module, on: bool) -> nnx.Module:
     """Route `model`'s few-row per-token int8 products through shardq's kernel (`on`) or XLA's
     operations, in place; returns the model. The choice is part of the graph definition, so a
     program traced after it keeps it. XLA cannot split a custom call over devices: a model whose
     kernels are sharded runs XLA's products."""
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, QuantDense | QuantEmbed):
             module.native = on
     return model

@@ -3,7 +3,8 @@ against XLA's operations for the same products. The per-token w8a8 product: the 
 result, bit for bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output
 groups), the rows, the scales (per channel or per tensor) and the values (zero rows, NaN, the
 int8 extremes, -128 included). The weight-only products (one scale per row, or per block of a
-row): equal to float32 rounding."""
+row): equal to float32 rounding. One call for several kernels that read the same rows: each
+kernel's result as its own call gives it, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from quant.dense import (
     blocked_weight_only_product_fast,
     token_product,
     token_product_fast,
+    use_grouped,
     use_native,
     weight_only_product,
     weight_only_product_fast,
@@ -146,3 +148,64 @@ def test_block_scaled_weight_only_kernel_matches_xla(rows, n, k, blocks):
     for other_ws in (ws.at[0, blocks - 1].multiply(1.5), ws[:, ::-1]):
         other = np.asarray(jax.jit(blocked_weight_only_product)(x, w, other_ws))
         assert np.abs(other - want).max() > tol
+
+
+# Kernels that read the same rows, of widths that split the group's chunks unevenly (not
+# multiples of 4; one below the size worth waking another thread for), per-channel and
+# per-tensor scales.
+GROUP_WIDTHS = [(576, False), (190, False), (7, True), (1536, False)]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_one_call_for_several_kernels_gives_each_kernels_own_result(rows, weight_only):
+    if not _built():
+        return
+    rng = np.random.default_rng(rows + 10 * weight_only)
+    k = 576
+    x = _operands(rng, rows, 1, k)[0]
+    kernels = [_operands(rng, rows, n, k, per_tensor)[1:] for n, per_tensor in GROUP_WIDTHS]
+    group, one, target = ((native_int8.product_weight_only_group, native_int8.product_weight_only,
+                           native_int8.TARGET_W8_GROUP) if weight_only else
+                          (native_int8.product_group, native_int8.product,
+                           native_int8.TARGET_GROUP))
+    assert _uses_kernel(group, x, kernels, target=target)
+    got = jax.jit(group)(x, kernels)
+    for (w, ws), y in zip(kernels, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(one)(x, w, ws)))
+    # The control: the group's results are told apart (each kernel's output is its own).
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(jax.jit(one)(x, *kernels[3])[:, :576]))
+
+
+@pytest.mark.parametrize("act", ["token", "none"])
+def test_layers_reading_one_input_run_as_one_call_with_their_own_results(act):
+    """`QuantDense.shared_call` (what `model.layers.shared_input` calls for an attention's q, k
+    and v): one kernel call, each layer's result bit for bit, biases and leading axes kept; a
+    layer that cannot join (an outlier split) sends the group back to one call each."""
+    if not _built():
+        return
+    from model.layers import shared_input
+
+    rng = np.random.default_rng(5)
+    layers = [QuantDense(*_operands(rng, 1, n, 96, per_tensor)[1:], kernel_axes=(None, None),
+                         compute_dtype="float32", act=act,
+                         bias=jnp.asarray(rng.standard_normal(n).astype(np.float32)))
+              for n, per_tensor in [(64, False), (20, True), (20, False)]]
+    x = jnp.asarray(rng.standard_normal((1, 2, 96)).astype(np.float32))
+    target = native_int8.TARGET_W8_GROUP if act == "none" else native_int8.TARGET_GROUP
+    def grouped(v):  # traced anew at each use: the switches below are read at trace time
+        return shared_input(v, *layers)
+
+    assert _uses_kernel(grouped, x, target=target)
+    got = jax.jit(grouped)(x)
+    alone = [jax.jit(lambda v, layer=layer: layer(v))(x) for layer in layers]
+    for y, want in zip(got, alone, strict=True):
+        assert y.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    for layer in layers:
+        use_grouped(layer, False)
+    assert not _uses_kernel(lambda v: grouped(v), x, target=target)  # the switch: one each
+    for layer in layers:
+        use_grouped(layer, True)
+    layers[1].outlier_threshold = 6.0
+    assert not _uses_kernel(lambda v: grouped(v), x, target=target)
