@@ -60,8 +60,9 @@ class Variant(NamedTuple):
     XLA runs; "probe": the faster of the two on this host, by a short timed run when the model
     is loaded), the embedding table and tied head (TABLES), devices each step is split over
     (parallel/decode_split.py), few-row int8 products in shardq's kernel (quant.native_int8;
-    False: XLA's), and one jitted call per token as experiments.chat decodes (True) instead of
-    one scan over the tokens."""
+    False: XLA's), one jitted call per token as experiments.chat decodes (True) instead of
+    one scan over the tokens, and the kernels that read one input multiplied in one kernel call
+    (True: q/k/v, gate/up; quant.dense.QuantDense.shared_call) or one call each."""
     mode: str
     kv8: bool
     layout: bool | str | None
@@ -69,6 +70,7 @@ class Variant(NamedTuple):
     devices: int = 1
     kernel: bool = True
     streamed: bool = False
+    grouped: bool = True
 
 
 VARIANTS = {
@@ -88,6 +90,8 @@ VARIANTS = {
     "w8a8-split2": Variant("w8a8", False, None, "block", devices=2),
     "w8-xla": Variant("w8", False, None, "block", kernel=False),
     "w8a8-xla": Variant("w8a8", False, None, "block", kernel=False),
+    "w8-ungrouped": Variant("w8", False, None, "block", grouped=False),
+    "w8a8-ungrouped": Variant("w8a8", False, None, "block", grouped=False),
     "w8a8-per-layer-xla": Variant("w8a8", False, True, "block", kernel=False),
     "w8a8-float-head-xla": Variant("w8a8", False, None, "float", kernel=False),
     "float-chat": Variant("none", False, None, "float", streamed=True),
@@ -114,6 +118,10 @@ CHANGES = (
      "w8a8-scan"),
     ("shardq's int8 kernel instead of XLA's products (w8a8, per-layer weights)",
      "w8a8-per-layer-xla", "w8a8"),
+    ("one kernel call for q/k/v and one for gate/up, each input quantised once, instead of "
+     "one call per kernel (w8)", "w8-ungrouped", "w8"),
+    ("one kernel call for q/k/v and one for gate/up, each input quantised once, instead of "
+     "one call per kernel (w8a8)", "w8a8-ungrouped", "w8a8"),
     ("the default int8 path (the kernel, per-layer weights, the table in int8 blocks) instead "
      "of the float-head path in XLA's products and the layer scan (w8a8)",
      "w8a8-float-head-xla", "w8a8"),
@@ -214,13 +222,14 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
     """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
     probes, variants = {}, []
     for n in names:
-        mode, kv8, layout, table, devices, kernel, streamed = VARIANTS[n]
+        mode, kv8, layout, table, devices, kernel, streamed, grouped = VARIANTS[n]
         model = models[mode, table]
         if layout == "probe":
             if (mode, table) not in probes:
                 probes[mode, table] = decoding.probe_layout(model, prompt)
             layout = probes[mode, table]["per_layer"]
-        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel, streamed))
+        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel, streamed,
+                                               grouped))
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
 

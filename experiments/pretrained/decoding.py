@@ -25,7 +25,7 @@ from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
 from parallel.decode_split import split_params
 from quant import native_int8
-from quant.dense import use_native
+from quant.dense import use_grouped, use_native
 from quant.kv_cache import init_int8_cache
 
 
@@ -41,6 +41,9 @@ class DecodeVariant:
     # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
     # instead of one lax.scan over the tokens
     streamed: bool = False
+    # False: each int8 kernel in its own call, where those that read one input (q/k/v,
+    # gate/up) share one by default (quant.dense.QuantDense.shared_call)
+    grouped: bool = True
 
 
 def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
@@ -76,6 +79,8 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
         # A split step's kernels are sharded: XLA's products split with them, a custom call
         # would gather them whole.
         graphdef = nnx.split(use_native(model, False))[0]
+    if not v.grouped:
+        graphdef = nnx.split(use_grouped(model, False))[0]
     per_layer = default_per_layer(model) if v.per_layer is None else v.per_layer
     params = split_params(graphdef, pre.params, v.devices) if v.devices > 1 else pre.params
 
