@@ -42,9 +42,10 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
                              last_position, window: int | None = None) -> jax.Array:
     """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].
 
-    `cache` offers `length`, `kv_heads` and `block(start, size, dtype)` -> (k, v)
-    [B, size, K, H] with K = `kv_heads` (K divides N: grouped-query attention, query head n
-    reads kv head n // (N / K), as Llama does). `last_position` (traced or static) is the
+    `cache` offers `length`, `kv_heads` and `block(start, size, dtype)` -> keys [B * K, H,
+    size] and values [B * K, size, H] with K = `kv_heads` (model/kv_cache.py: the layouts the
+    two products read as they lie; K divides N: grouped-query attention, query head n reads kv
+    head n // (N / K), as Llama does). `last_position` (traced or static) is the
     largest query position: blocks past it are never read. With `window` (sliding-window
     attention; an integer or a traced one) query t also stops seeing positions before
     t - window + 1.
@@ -56,14 +57,15 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
                          "(allocate it with model.cached_attention.padded_length)")
     # Heads grouped by the kv head they share: [B, K, G, T, H].
     K = cache.kv_heads
-    q = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    G = N // K
+    q = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
     q = q * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
 
     def visit(b, carry):
         m, denom, acc = carry
         start = b * CACHE_BLOCK
-        k, v = cache.block(start, CACHE_BLOCK, jnp.float32)  # [B, C, K, H]
-        s = jnp.einsum("bkgth,bckh->bkgtc", q, k)
+        k, v = cache.block(start, CACHE_BLOCK, jnp.float32)  # [B * K, H, C], [B * K, C, H]
+        s = jnp.einsum("xrh,xhc->xrc", q.reshape(B * K, G * T, H), k).reshape(B, K, G, T, -1)
         key = (start + jnp.arange(CACHE_BLOCK))[None, None, :]
         seen = key <= positions_BxT[:, :, None]
         if window is not None:
@@ -78,11 +80,12 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
         p = jnp.exp(s - shift[..., None])
         rescale = jnp.exp(m - shift)
         denom = denom * rescale + p.sum(axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("bkgtc,bckh->bkgth", p, v)
+        pv = jnp.einsum("xrc,xch->xrh", p.reshape(B * K, G * T, -1), v)
+        acc = acc * rescale[..., None] + pv.reshape(B, K, G, T, H)
         return m_new, denom, acc
 
-    stats = jnp.full((B, K, N // K, T), -jnp.inf, jnp.float32)
-    init = (stats, jnp.zeros_like(stats), jnp.zeros((B, K, N // K, T, H), jnp.float32))
+    stats = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((B, K, G, T, H), jnp.float32))
     # The first block is always read, outside the loop: a one-block cache (a chat turn, a
     # decoding benchmark) then runs no loop, whose every step XLA:CPU would run as separate
     # small operations. Its carry starts from zeros (0 * rescale + x is x, with or without a

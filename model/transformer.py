@@ -31,7 +31,7 @@ from flax import nnx
 
 from model.cached_attention import blocked_cached_attention, padded_length
 from model.config import ModelConfig
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, cache_shapes
 from model.layer_stack import Runner, default_runner
 from model.layers import (
     Dense,
@@ -296,6 +296,6 @@ class DecoderLM(nnx.Module):
         blocks of `model.cached_attention.CACHE_BLOCK`."""
         cfg = self.cfg
         length = padded_length(cfg.max_len if length is None else length)
-        shape = (cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)
+        k, v = cache_shapes(cfg.n_layers, batch, length, cfg.kv_heads, cfg.head_dim)
         dt = dtype or dtype_of(cfg.compute_dtype)
-        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        return KVCache(jnp.zeros(k, dt), jnp.zeros(v, dt), cfg.kv_heads)

@@ -9,53 +9,63 @@ interface it already uses for `model.kv_cache.KVCache`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from model.cached_attention import padded_length
+from model.kv_cache import (
+    KEY_POSITIONS,
+    VALUE_POSITIONS,
+    cache_shapes,
+    get,
+    keys_stored,
+    put,
+    values_stored,
+)
 from quant import quantizers as qz
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "k_scale", "v_scale"], meta_fields=["kv_heads"])
 @dataclasses.dataclass
 class Int8KVCache:
-    k: jax.Array  # int8 [(layers,) B, S, N, H]
-    v: jax.Array
-    k_scale: jax.Array  # float32 [(layers,) B, S, N, 1]
-    v_scale: jax.Array
+    k: jax.Array  # int8 [(layers,) B * K, H, S] (model.kv_cache's layouts)
+    v: jax.Array  # int8 [(layers,) B * K, S, H]
+    k_scale: jax.Array  # float32 [(layers,) B * K, 1, S]
+    v_scale: jax.Array  # float32 [(layers,) B * K, S, 1]
+    kv_heads: int  # K
 
-    def write(self, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array, index) -> Int8KVCache:
-        def put(buf, x):
-            return jax.lax.dynamic_update_slice_in_dim(buf, x, index, axis=1)
-
-        k_s = qz.scale_from_absmax(qz.absmax(k_BxTxNxH, axis=-1))
-        v_s = qz.scale_from_absmax(qz.absmax(v_BxTxNxH, axis=-1))
-        return Int8KVCache(put(self.k, qz.quantize(k_BxTxNxH, k_s)),
-                           put(self.v, qz.quantize(v_BxTxNxH, v_s)),
-                           put(self.k_scale, k_s), put(self.v_scale, v_s))
+    def write(self, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, index) -> Int8KVCache:
+        k_s = qz.scale_from_absmax(qz.absmax(k_BxTxKxH, axis=-1))  # [B, T, K, 1]
+        v_s = qz.scale_from_absmax(qz.absmax(v_BxTxKxH, axis=-1))
+        k_q, v_q = qz.quantize(k_BxTxKxH, k_s), qz.quantize(v_BxTxKxH, v_s)
+        return Int8KVCache(put(self.k, keys_stored(k_q), index, KEY_POSITIONS),
+                           put(self.v, values_stored(v_q), index, VALUE_POSITIONS),
+                           put(self.k_scale, keys_stored(k_s), index, KEY_POSITIONS),
+                           put(self.v_scale, values_stored(v_s), index, VALUE_POSITIONS),
+                           self.kv_heads)
 
     def block(self, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
-        """Dequantised keys and values at positions start .. start + size - 1: only the block is
-        converted, never the whole cache."""
-        get = lambda buf: jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
-        return (qz.dequantize(get(self.k), get(self.k_scale), dtype),
-                qz.dequantize(get(self.v), get(self.v_scale), dtype))
+        """Dequantised keys [B * K, H, size] and values [B * K, size, H] at positions start ..
+        start + size - 1: only the block is converted, never the whole cache."""
+        return (qz.dequantize(get(self.k, start, size, KEY_POSITIONS),
+                              get(self.k_scale, start, size, KEY_POSITIONS), dtype),
+                qz.dequantize(get(self.v, start, size, VALUE_POSITIONS),
+                              get(self.v_scale, start, size, VALUE_POSITIONS), dtype))
 
     @property
     def length(self) -> int:
-        return self.k.shape[-3]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[-2]
+        return self.v.shape[-2]
 
 
 def init_int8_cache(cfg, batch: int, length: int) -> Int8KVCache:
     """An empty int8 cache for a `model.ModelConfig`'s decoder, for `length` positions (allocated
     in whole blocks, as attention reads it)."""
     # GQA: kv heads only.
-    shape = (cfg.n_layers, batch, padded_length(length), cfg.kv_heads, cfg.head_dim)
-    scales = shape[:-1] + (1,)
-    return Int8KVCache(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
-                       jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+    k, v = cache_shapes(cfg.n_layers, batch, padded_length(length), cfg.kv_heads, cfg.head_dim)
+    k_scale, v_scale = k[:-2] + (1, k[-1]), v[:-1] + (1,)
+    return Int8KVCache(jnp.zeros(k, jnp.int8), jnp.zeros(v, jnp.int8),
+                       jnp.ones(k_scale, jnp.float32), jnp.ones(v_scale, jnp.float32),
+                       cfg.kv_heads)

@@ -127,7 +127,8 @@ def test_llama_options_count_exactly_and_decode_with_a_gqa_cache():
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (2, 12)), jnp.int32)
     cache = m.init_cache(2, 12)
     # The cache holds kv heads only, in whole blocks of positions.
-    assert cache.k.shape == (2, 2, CACHE_BLOCK, 2, cfg.head_dim)
+    assert cache.v.shape == (2, 2 * 2, CACHE_BLOCK, cfg.head_dim)  # [layers, B * K, S, H]
+    assert cache.k.shape == (2, 2 * 2, cfg.head_dim, CACHE_BLOCK)  # keys transposed
     _assert_cached_decoding_matches_full_forward(m, tokens, cache)
 
 
@@ -233,7 +234,7 @@ def test_cache_is_allocated_in_whole_blocks_and_attention_refuses_a_ragged_one()
     with pytest.raises(ValueError, match="cache length=0: must be a positive integer"):
         m.init_cache(1, 0)
     cache = m.init_cache(1, 1)
-    ragged = jax.tree.map(lambda a: a[:, :, :100], cache)
+    ragged = KVCache(cache.k[..., :100], cache.v[..., :100, :], cache.kv_heads)
     assert isinstance(ragged, KVCache)
     with pytest.raises(ValueError, match=f"cache length=100: must be a multiple of {CACHE_BLOCK}"):
         m.decode(jnp.zeros((1, 1), jnp.int32), ragged, 0)
