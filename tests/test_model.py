@@ -1,6 +1,8 @@
 """The decoder LM against references: formula, full forward, its own un-jitted/un-remat twin."""
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ from flax import nnx
 from model import MODEL_PRESETS, DecoderLM, ModelConfig, param_count, train_flops_per_token
 from model.cached_attention import CACHE_BLOCK
 from model.flops import matmul_params
-from model.generate import generate, stream
+from model.generate import decode_steps, generate, stream
 from model.kv_cache import KVCache
 from model.loss import nll_sum
 from parallel.state import abstract_model
@@ -195,6 +197,55 @@ def _gqa_model(max_len: int) -> DecoderLM:
     cfg = dataclasses.replace(TINY.model, n_heads=4, n_kv_heads=2, mlp="swiglu",
                               tie_embeddings=True, max_len=max_len)
     return DecoderLM(cfg, rngs=nnx.Rngs(0))
+
+
+# An instruction of a compiled program: its name, output dims and opcode.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(")
+
+
+def _moves(hlo: str, size: int) -> list[str]:
+    """The copies and transposes (plain, or fusions named for them) of an array of `size`
+    elements in the body of a compiled program's loop (what runs at every step)."""
+    body = re.search(r"body=%([\w.-]+)", hlo).group(1)
+    start = re.search(rf"^%{re.escape(body)} ", hlo, re.MULTILINE).start()
+    found = []
+    for line in hlo[start:hlo.index("\n}\n", start)].splitlines():
+        m = _INSTRUCTION.match(line)
+        if m and math.prod(int(d) for d in m.group(2).split(",") if d) == size and (
+                m.group(3) in ("copy", "transpose") or re.search("copy|transpose", m.group(1))):
+            found.append(line.strip())
+    return found
+
+
+def test_a_decoding_step_neither_transposes_nor_copies_the_cache():
+    """The cache is stored in the layouts attention's two products read (model/kv_cache.py):
+    the compiled token loop moves none of a layer's keys or values (stored as the projections
+    write them, every step transposed each layer's keys and values, and copied the fresh cache);
+    the check catches keys stored as written, read by the scores' product."""
+    m = _gqa_model(max_len=64)
+    graphdef, state = nnx.split(m)
+    params = nnx.to_pure_dict(state)
+    layers, cache = m.unstack_layers(), m.unstack_cache(m.init_cache(1, 64))
+    first = jnp.asarray([3], jnp.int32)
+    steps = jax.jit(lambda p, ls, c: decode_steps(nnx.merge(graphdef, p), first, c, ls, 5, 4,
+                                                  jax.random.key(0)))
+    size = cache[0].k.size
+    assert cache[0].v.size == size
+    assert not _moves(steps.lower(params, layers, cache).compile().as_text(), size)
+    K, H, S = m.cfg.kv_heads, m.cfg.head_dim, cache[0].length
+
+    def keys_as_written(k_1xSxKxH):  # the control: keys stored [B, S, K, H], scores as before
+        q = jnp.ones((1, K, 2, 1, H), jnp.float32)
+
+        def step(i, carry):
+            k, acc = carry
+            k = jax.lax.dynamic_update_slice_in_dim(k, jnp.full((1, 1, K, H), 1.0 * i), i, 1)
+            return k, acc + jnp.einsum("bkgth,bckh->bkgtc", q, k)
+
+        return jax.lax.fori_loop(0, 3, step, (k_1xSxKxH, jnp.zeros((1, K, 2, 1, S))))
+
+    control = jax.jit(keys_as_written).lower(jnp.zeros((1, S, K, H))).compile()
+    assert _moves(control.as_text(), size)
 
 
 def test_decoding_does_not_depend_on_the_cache_length():
