@@ -127,7 +127,8 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     its end-of-turn token, usually long before `max_new_tokens`). The cache is sized for the
     prompt plus `max_new_tokens`, so every step reuses one compiled program, compiled before
     the first token is yielded (a caller timing the tokens after the first times decoding, not
-    a compile). `per_layer` chooses the layer layout as in `generate` (None:
+    a compile). Each step is dispatched before the previous token is read, so one step past a
+    stop token is computed and dropped. `per_layer` chooses the layer layout as in `generate` (None:
     `default_per_layer`).
     """
     model = nnx.merge(graphdef, params)
@@ -151,12 +152,17 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
         # second token: tracing it runs nothing
         step.lower(leaves, token, cache, T, key).compile()
     for i in range(max_new_tokens):
+        following = None
+        if i + 1 < max_new_tokens:
+            # The next step is dispatched before this token is read: the host prepares it while
+            # the device still computes this one (a stop token discards it).
+            if temperature > 0.0:  # greedy reads no key: no eager split between steps
+                key, sub = jax.random.split(key)
+            else:
+                sub = key
+            following, cache = step(leaves, token, cache, T + i, sub)
         value = int(np.asarray(token)[0, 0])
         yield value
-        if value in stop_ids or i + 1 == max_new_tokens:
+        if value in stop_ids or following is None:
             return
-        if temperature > 0.0:  # greedy reads no key: no eager split between steps
-            key, sub = jax.random.split(key)
-        else:
-            sub = key
-        token, cache = step(leaves, token, cache, T + i, sub)
+        token = following
