@@ -84,13 +84,12 @@ def token_product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array
     return acc.astype(jnp.float32) * (s_x * w_scale)  # outer product [tokens,1]*[1,out]
 
 
-def _native_where_it_runs(native, xla, x: jax.Array, w_q: jax.Array, w_scale: jax.Array
-                          ) -> jax.Array:
-    """`native(x, w_q, w_scale)` (a `quant.native_int8` entry) where it runs: on a CPU, for a
-    few rows, once the kernel has been built; `xla(...)` everywhere else."""
+def _native_where_it_runs(native, xla, x: jax.Array, *operands):
+    """`native(x, *operands)` (a `quant.native_int8` entry) where it runs: on a CPU, for a few
+    rows, once the kernel has been built; `xla(...)` everywhere else."""
     if not native_int8.usable(x.shape[0]):
-        return xla(x, w_q, w_scale)
-    return jax.lax.platform_dependent(x, w_q, w_scale, cpu=native, default=xla)
+        return xla(x, *operands)
+    return jax.lax.platform_dependent(x, *operands, cpu=native, default=xla)
 
 
 def token_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
@@ -258,8 +257,8 @@ class QuantDense(nnx.Module):
                    for layer in layers]
         native, xla = ((native_int8.product_group, token_product) if first.act == "token"
                        else (native_int8.product_weight_only_group, weight_only_product))
-        ys = jax.lax.platform_dependent(
-            x2, kernels, cpu=native, default=lambda x2, kernels: [xla(x2, *k) for k in kernels])
+        ys = _native_where_it_runs(native, lambda x2, kernels: [xla(x2, *k) for k in kernels],
+                                   x2, kernels)
         return tuple(layer._finish(y, x.shape[:-1]) for layer, y in zip(layers, ys, strict=True))
 
 
