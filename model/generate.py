@@ -128,8 +128,8 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     prompt plus `max_new_tokens`, so every step reuses one compiled program, compiled before
     the first token is yielded (a caller timing the tokens after the first times decoding, not
     a compile). Each step is dispatched before the previous token is read, so one step past a
-    stop token is computed and dropped. `per_layer` chooses the layer layout as in `generate` (None:
-    `default_per_layer`).
+    stop token is computed and dropped. `per_layer` chooses the layer layout as in `generate`
+    (None: `default_per_layer`).
     """
     model = nnx.merge(graphdef, params)
     T = prompt_1xT.shape[1]
