@@ -7,9 +7,9 @@
                    [layers, out] (per tensor: [layers, 1]), act_scale float32 [layers] (static
                    mode), kernel_float + keep_float (auto mode, layers kept in float);
                    (mode w8a8-rotated: kernel_q is the int8 Rᵀ W, `quant/rotation.py`);
-                   QuantEmbed: embedding_q int8 [vocab, embed], block_scale float32
-                   [vocab, embed / block] (before format /5, and with embed_block=0:
-                   row_scale float32 [vocab]);
+                   QuantEmbed: embedding_q int8 [vocab, embed], block_scale float16
+                   [vocab, embed / block] (format /5: float32; before /5, and with
+                   embed_block=0: row_scale float32 [vocab]);
                    everything else (norm scales, unquantised Dense) as in the float model.
     ckpt/meta/     Orbax JSON: format, quantisation config, plan (per module: activation mode,
                    outlier threshold and capacity, float layers, rotation), model config,
@@ -47,10 +47,12 @@ from quant.convert import QuantConfig, QuantError, build_abstract, check_finite
 # kernels [.., out, in] (quant/dense.py says why); older files hold them [.., in, out] and are
 # read in that layout, then transposed: the same products, bit for bit. /5 adds block scales
 # to an int8 embedding table (`block` in its plan entry, `block_scale` beside `embedding_q`),
-# which a /4 reader would not build: a plan entry without `block` has one scale per row.
-FORMAT = "shardq-int8/5"
+# which a /4 reader would not build: a plan entry without `block` has one scale per row. /6
+# stores block scales in float16 (`scale_dtype` in the plan entry), which a /5 reader would
+# build as float32: an entry without `scale_dtype` holds float32 scales.
+FORMAT = "shardq-int8/6"
 KERNELS_IN_OUT = ("shardq-int8/1", "shardq-int8/2", "shardq-int8/3")
-READABLE = (*KERNELS_IN_OUT, "shardq-int8/4", FORMAT)
+READABLE = (*KERNELS_IN_OUT, "shardq-int8/4", "shardq-int8/5", FORMAT)
 
 
 def quant_dir(workdir: str | Path, mode: str) -> Path:

@@ -52,7 +52,8 @@ def set_module(model: nnx.Module, path: str, new: nnx.Module) -> None:
 def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
     """{path: {"kind", "act", "outlier_threshold", "outlier_capacity", "float_layers", "rotate"
     [, "rotation_seed"]}} for the selected modules (capacity: how many input columns may take
-    the float path; rotate: the int8 product takes rotated inputs, `quant/rotation.py`)."""
+    the float path; rotate: the int8 product takes rotated inputs, `quant/rotation.py`); an
+    embedding's entry is {"kind", "act", "block", "scale_dtype"}."""
     qcfg.validate()
     candidates = linear_modules(model)
     selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
@@ -66,7 +67,12 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
             # Block scales where the width holds whole blocks; else one scale per row.
             block = qcfg.embed_block if qcfg.embed_block and width % qcfg.embed_block == 0 \
                 else None
-            plan[path] = {"kind": "embed", "act": qcfg.act, "block": block}
+            if block:
+                _check_half_scales(path, candidates[path].embedding[...])
+            # Block scales are stored in float16, as GGUF Q8_0 stores them; per-row scales are
+            # the tied head's per-channel scales, which the integer product takes in float32.
+            plan[path] = {"kind": "embed", "act": qcfg.act, "block": block,
+                          "scale_dtype": "float16" if block else "float32"}
             continue
         in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
@@ -133,13 +139,31 @@ def quantize_dense(dense: Dense, entry: dict, qcfg: QuantConfig,
                       keep_float=keep_float, bias=bias, rotate=rotate, rotation_seed=seed)
 
 
-def quantize_embed(embed: Embed, act: str = "token", block: int | None = None) -> QuantEmbed:
-    """The int8 table with one scale per `block` values of a row (None: per row, per token id).
-    `act` matters only for a per-row table's tied head (`QuantEmbed.attend`): per-token int8
-    activations, or "none" (weight-only); a static scale is not calibrated for the head, so it
-    is per token. A block-scaled table's head is weight-only."""
+def _check_half_scales(path: str, table: jax.Array) -> None:
+    """QuantError where a block scale of `table` would not fit float16 (checked on a concrete
+    table; an abstract one, as a checkpoint's structure is rebuilt, has nothing to check)."""
+    if isinstance(table, jax.core.Tracer) or not isinstance(table, jax.Array | np.ndarray):
+        return
+    absmax = float(jnp.max(jnp.abs(table.astype(jnp.float32))))
+    if absmax * qz.INV_QMAX > qz.HALF_MAX:
+        raise QuantError(f"{path}: a value of {absmax:.3g} needs a block scale above float16's "
+                         f"{qz.HALF_MAX:g}; use embed_block=0 (one float32 scale per row)")
+
+
+def quantize_embed(embed: Embed, act: str = "token", block: int | None = None,
+                   scale_dtype: str = "float32") -> QuantEmbed:
+    """The int8 table with one scale per `block` values of a row (None: per row, per token id),
+    the scales stored in `scale_dtype` ("float16": `quantizers.half_scale`, the values
+    quantised under the stored scales). `act` matters only for a per-row table's tied head
+    (`QuantEmbed.attend`): per-token int8 activations, or "none" (weight-only); a static scale
+    is not calibrated for the head, so it is per token. A block-scaled table's head is
+    weight-only."""
     table = embed.embedding[...]
     scale = qz.block_scale(table, block or table.shape[-1])  # [vocab, blocks] (per row: 1)
+    if scale_dtype == "float16":
+        scale = qz.half_scale(scale)
+    elif scale_dtype != "float32":
+        raise QuantError(f"scale_dtype={scale_dtype!r}: must be 'float32' or 'float16'")
     return QuantEmbed(qz.quantize_blocks(table, scale), scale,
                       axes=tuple(embed.embedding.get_metadata()["out_sharding"]),
                       compute_dtype=embed.compute_dtype,
@@ -153,9 +177,11 @@ def apply_plan(model: nnx.Module, plan: dict, qcfg: QuantConfig,
     for path, entry in plan.items():
         module = get_module(model, path)
         if entry["kind"] == "embed":
-            # Plans written before block scales have no "block": one scale per row.
+            # Plans written before block scales have no "block": one scale per row; before
+            # float16 block scales, no "scale_dtype": float32.
             set_module(model, path, quantize_embed(module, entry.get("act", "token"),
-                                                   entry.get("block")))
+                                                   entry.get("block"),
+                                                   entry.get("scale_dtype", "float32")))
         else:
             set_module(model, path, quantize_dense(module, entry, qcfg, act_absmax.get(path)))
     return model

@@ -279,9 +279,9 @@ def blocked_weight_only_product_fast(x: jax.Array, w_q: jax.Array, w_scale: jax.
 
 
 class QuantEmbed(nnx.Module):
-    """int8 embedding table: gather, then scale. The scales are float32, one per block of
-    `block` consecutive values of a row (`block_scale` [vocab, embed / block], GGUF Q8_0's
-    layout), or one per row (`row_scale` [vocab], with `block` None).
+    """int8 embedding table: gather, then scale. The scales are one per block of `block`
+    consecutive values of a row (`block_scale` [vocab, embed / block], float16 or float32: GGUF
+    Q8_0's layout), or one per row (`row_scale` float32 [vocab], with `block` None).
 
     A model whose output head is tied to this table calls `attend`. With one scale per row those
     are the head's per-output-channel scales, and the product runs in integers like a QuantDense

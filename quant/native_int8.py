@@ -151,8 +151,11 @@ def _call(target: str, x: jax.Array, kernels: list[tuple[jax.Array, jax.Array]]
     outs = [jax.ShapeDtypeStruct((x.shape[0], w_q.shape[0]), jnp.float32) for w_q, _ in kernels]
     # vmapped, the call runs once per batch element (the kernel takes one [rows, in] input)
     call = jax.ffi.ffi_call(target, outs, vmap_method="sequential")
+    # The weight-only entries read float16 scales as they are stored (an int8 table's blocks).
+    keep = (jnp.float16,) if target in (TARGET_W8, TARGET_W8_GROUP) else ()
     operands = [a for w_q, w_scale in kernels
-                for a in (w_q, w_scale.reshape(-1).astype(jnp.float32))]
+                for a in (w_q, w_scale.reshape(-1).astype(
+                    w_scale.dtype if w_scale.dtype in keep else jnp.float32))]
     return list(call(x.astype(jnp.float32), *operands))
 
 
@@ -165,8 +168,9 @@ def product(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
 
 def product_weight_only(x: jax.Array, w_q: jax.Array, w_scale: jax.Array) -> jax.Array:
     """x [rows, in] (float32) times the int8 kernel w_q [out, in], each weight converted to
-    float32 in the call (weight-only w8) -> float32 [rows, out], scaled by w_scale. Equal to
-    XLA's product to float32 rounding (its sums run in another order). CPU only."""
+    float32 in the call (weight-only w8) -> float32 [rows, out], scaled by w_scale (float32,
+    or float16 as an int8 table's block scales are stored). Equal to XLA's product to float32
+    rounding (its sums run in another order). CPU only."""
     return _call(TARGET_W8, x, [(w_q, w_scale)])[0]
 
 

@@ -105,16 +105,31 @@ def blocked(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x.reshape(x.shape[:-1] + (b, x.shape[-1] // b)), scale[..., None]
 
 
+# float16's smallest normal and largest finite values: block scales stored in float16 stay in
+# that range, where a scale keeps float16's full precision (2^-11 relative).
+HALF_MIN = float(np.finfo(np.float16).tiny)
+HALF_MAX = float(np.finfo(np.float16).max)
+
+
+def half_scale(scale: jax.Array) -> jax.Array:
+    """Block scales as GGUF Q8_0 stores them: float16, rounded to nearest, here first raised to
+    float16's smallest normal value (a block of |x| < 127 x that quantises on that coarser
+    step, to within its half: the same absolute error as a block at the bound) and capped at
+    its largest (`convert.make_plan` refuses a table whose scales would exceed it)."""
+    return jnp.clip(scale.astype(jnp.float32), HALF_MIN, HALF_MAX).astype(jnp.float16)
+
+
 def quantize_blocks(x: jax.Array, scale: jax.Array) -> jax.Array:
     """int8 values of x [..., cols] under one scale per block of its rows (scale [..., blocks];
-    one block: a scale per row)."""
-    rows, s = blocked(x, scale)
+    one block: a scale per row; float16 scales are widened exactly)."""
+    rows, s = blocked(x, scale.astype(jnp.float32))
     return quantize(rows, s).reshape(x.shape)
 
 
 def dequantize_blocks(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """float32 values of int8 q [..., cols] under one scale per block of its rows."""
-    rows, s = blocked(q.astype(jnp.float32), scale)
+    """float32 values of int8 q [..., cols] under one scale per block of its rows (float32 or
+    float16 scales)."""
+    rows, s = blocked(q.astype(jnp.float32), scale.astype(jnp.float32))
     return (rows * s).reshape(q.shape)
 
 

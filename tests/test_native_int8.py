@@ -127,18 +127,23 @@ def test_weight_only_kernel_matches_xla_to_float_rounding(rows, n, k):
     assert np.abs(other - want).max() > 1e-6 * np.abs(want).max()  # the tolerance can fail
 
 
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("rows,n,k,blocks", [(1, 4100, 576, 18), (3, 130, 640, 20),
                                              (2, 9, 96, 3), (1, 7, 60, 5)])
-def test_block_scaled_weight_only_kernel_matches_xla(rows, n, k, blocks):
+def test_block_scaled_weight_only_kernel_matches_xla(rows, n, k, blocks, scale_dtype):
     """One scale per block of k / blocks weights of a row (an int8 embedding table's, as the
-    tied head multiplies by it); blocks of 12 run the kernel's plain C++ path."""
+    tied head multiplies by it), in float32 or float16 (as a table's blocks store them, read by
+    the kernel as they are); blocks of 12 run the kernel's plain C++ path."""
     if not _built():
         return
     rng = np.random.default_rng(rows + n + k)
     x, w, _ = _operands(rng, rows, n, k)
-    ws = jnp.asarray(rng.uniform(1e-4, 1e-2, (n, blocks)).astype(np.float32))
+    ws = jnp.asarray(rng.uniform(1e-4, 1e-2, (n, blocks)).astype(scale_dtype))
     w8 = native_int8.TARGET_W8
     assert _uses_kernel(blocked_weight_only_product_fast, x, w, ws, target=w8)
+    # float16 scales reach the kernel as they are stored: no conversion before the call
+    direct = jax.jit(native_int8.product_weight_only).lower(x, w, ws).as_text()
+    assert "stablehlo.convert" not in direct
     got = np.asarray(jax.jit(blocked_weight_only_product_fast)(x, w, ws))
     want = np.asarray(jax.jit(blocked_weight_only_product)(x, w, ws))
     tol = 1e-6 * np.abs(want).max()

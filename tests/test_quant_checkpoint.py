@@ -159,6 +159,24 @@ def test_a_format_3_checkpoint_is_transposed_onto_the_stored_layout(tmp_path, fl
     np.testing.assert_array_equal(logits(g, jax.device_get(q3), tokens), logits(g, q, tokens))
 
 
+def test_a_format_5_checkpoint_keeps_its_float32_block_scales(tmp_path, float_model, batches):
+    """/5 stored an int8 table's block scales in float32 and its plan named no `scale_dtype`:
+    such a file loads with float32 scales, and a model whose float16 scales hold the same values
+    computes the same logits from it."""
+    graphdef, params = float_model
+    qcfg = QuantConfig(mode="w8a8")
+    g, q, plan, _ = quantize(graphdef, params, qcfg, batches[:1])
+    assert q["embed"]["block_scale"].dtype == jnp.float16
+    old_q = {**q, "embed": {**q["embed"],
+                            "block_scale": q["embed"]["block_scale"].astype(jnp.float32)}}
+    old_plan = {p: {k: v for k, v in e.items() if k != "scale_dtype"} for p, e in plan.items()}
+    save_plan(tmp_path / "v5", old_q, old_plan, qcfg.to_json(), fmt="shardq-int8/5")
+    g5, q5, _ = qckpt.load(tmp_path / "v5", CFG)
+    assert_identical(q5, old_q)
+    tokens = batches[-1][:, :-1]
+    np.testing.assert_array_equal(logits(g5, q5, tokens), logits(g, q, tokens))
+
+
 def test_checkpoint_for_another_model_is_refused(tmp_path, float_model, batches):
     graphdef, params = float_model
     qcfg = QuantConfig(mode="w8")

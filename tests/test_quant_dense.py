@@ -239,11 +239,12 @@ def test_a_nonfinite_activation_stays_nonfinite(act, bad):
 
 # --- the int8 embedding table ----------------------------------------------------------------
 
-def test_block_scaled_table_rounds_each_block_and_its_head_multiplies_by_it():
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
+def test_block_scaled_table_rounds_each_block_and_its_head_multiplies_by_it(scale_dtype):
     """A table whose rows mix a large-valued block with small ones: one scale per block of 32
-    keeps every value within half its block's step (per-row scales lose the small blocks);
-    the lookup is the dequantised rows and the tied head the product with the dequantised
-    table, in XLA's operations and in shardq's kernel alike."""
+    (stored in float32 or float16) keeps every value within half its block's step (per-row
+    scales lose the small blocks); the lookup is the dequantised rows and the tied head the
+    product with the dequantised table, in XLA's operations and in shardq's kernel alike."""
     from model.layers import Embed
     from quant.convert import quantize_embed
 
@@ -251,9 +252,11 @@ def test_block_scaled_table_rounds_each_block_and_its_head_multiplies_by_it():
     table = np.asarray(embed.embedding[...]) * 0.01
     table[:, :32] *= 100.0  # the first block of every row is 100x the others
     embed.embedding[...] = jnp.asarray(table)
-    blocked, per_row = quantize_embed(embed, "token", 32), quantize_embed(embed, "token", None)
+    blocked = quantize_embed(embed, "token", 32, scale_dtype)
+    per_row = quantize_embed(embed, "token", None)
     assert blocked.block_scale[...].shape == (100, 3) and blocked.act == "none"
-    scale = np.repeat(np.asarray(blocked.block_scale[...]), 32, axis=1)
+    assert blocked.block_scale[...].dtype == jnp.dtype(scale_dtype)
+    scale = np.repeat(np.asarray(blocked.block_scale[...], np.float32), 32, axis=1)
     deq = np.asarray(blocked.embedding_q[...], np.float32) * scale
     assert np.all(np.abs(deq - table) <= 0.5 * scale * (1 + 1e-6))
     row_err = np.abs(np.asarray(per_row(jnp.arange(100))) - table)[:, 32:].max()
@@ -266,3 +269,39 @@ def test_block_scaled_table_rounds_each_block_and_its_head_multiplies_by_it():
         blocked.native = native
         np.testing.assert_allclose(np.asarray(blocked.attend(x)), want, rtol=0,
                                    atol=1e-5 * np.abs(want).max())
+
+
+def test_float16_block_scales_hold_a_q8_0_table_exactly_and_keep_tiny_blocks(float_model):
+    """Block scales in float16, as the default plan stores them (GGUF Q8_0's): a table already
+    on a float16-scaled int8 grid (a Q8_0 file's) comes back exactly; a block below float16's
+    normal range quantises on its smallest normal step, to within half of it; a zero row stays
+    zero; and the plan refuses a table whose scales float16 cannot hold."""
+    from model.layers import Embed
+    from quant.convert import QuantError, quantize_embed
+
+    rng = np.random.default_rng(0)
+    d = rng.uniform(1e-3, 1e-2, (4, 2)).astype(np.float16)  # Q8_0's block scales
+    q = rng.integers(-127, 128, (4, 2, 32)).astype(np.int8)
+    q[:, :, 0] = 127  # each block spans its full range, so its absmax is 127 d
+    table = (q.astype(np.float32) * d.astype(np.float32)[..., None]).reshape(4, 64)
+    table[2] = 0.0
+    table[3, :32] = rng.uniform(-1e-3, 1e-3, 32)  # absmax / 127 below float16's normal range
+    embed = Embed(4, 64, rngs=nnx.Rngs(0))
+    embed.embedding[...] = jnp.asarray(table)
+    got = quantize_embed(embed, "none", 32, "float16")
+    scale = np.asarray(got.block_scale[...], np.float32)
+    deq = np.asarray(got(jnp.arange(4)[None]))[0]
+    np.testing.assert_array_equal(deq[:2], table[:2])
+    np.testing.assert_array_equal(scale[:2], d[:2].astype(np.float32))
+    assert not np.any(deq[2]) and np.all(scale >= qz.HALF_MIN)
+    assert scale[3, 0] == np.float32(qz.HALF_MIN)
+    assert np.abs(deq[3, :32] - table[3, :32]).max() <= 0.5 * qz.HALF_MIN
+    np.testing.assert_array_equal(deq[3, 32:], table[3, 32:])
+
+    graphdef, params = float_model
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+    plan = make_plan(QuantConfig(mode="w8a8"), model)
+    assert plan["embed"]["block"] == 32 and plan["embed"]["scale_dtype"] == "float16"
+    model.embed.embedding[...] = model.embed.embedding[...].at[0, 0].set(1e7)
+    with pytest.raises(QuantError, match="embed: a value of 1e[+]07 needs a block scale"):
+        make_plan(QuantConfig(mode="w8a8"), model)

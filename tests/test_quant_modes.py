@@ -77,7 +77,8 @@ def test_every_mode_tracks_the_float_model(float_model, batches, mode):
     dense_rows = [r for r in report["layers"] if r["module"] != "embed"]
     assert dense_rows and all(r["rel_err"] < 0.05 for r in dense_rows)
     # The default rules take the embedding too, in blocks of 32 (the model's width is 32).
-    assert plan["embed"] == {"kind": "embed", "act": QuantConfig(mode=mode).act, "block": 32}
+    assert plan["embed"] == {"kind": "embed", "act": QuantConfig(mode=mode).act, "block": 32,
+                             "scale_dtype": "float16"}
     qb, fb = dense_bytes(q, plan)
     assert qb / fb < 0.29  # d=32: 4 scale bytes per 32 int8 bytes; 0.258 at d=128
     assert 0.5 < quantized_fraction(params, plan) < 1

@@ -98,9 +98,12 @@ def embedding_path(params: dict) -> tuple[str, str]:
 
 def perturbed(params: dict, seed: int, rel: float) -> dict:
     """params with the embedding table's float values (`embedding_path`) multiplied by
-    (1 + rel * N(0, 1)), elementwise."""
+    (1 + rel * N(0, 1)), elementwise. Scales stored in float16 (an int8 table's blocks) are
+    perturbed as float32, which the model reads as well: float16 would round rel away."""
     group, name = embedding_path(params)
     table = params[group][name]
+    if name != "embedding":
+        table = table.astype(jnp.promote_types(table.dtype, jnp.float32))
     noise = jax.random.normal(jax.random.key(seed), table.shape, table.dtype)
     return {**params, group: {**params[group], name: table * (1 + rel * noise)}}
 

@@ -8,7 +8,8 @@
 // computes, bit for bit.
 // w is int8 [N, K] (QuantDense's [out, in] layout: every output's weights contiguous) and
 // w_scale float32 [N] (or [1]: one scale for the tensor). The weight-only entry also takes
-// [N, B]: one scale per block of K / B weights of a row (an int8 embedding table's, GGUF Q8_0's).
+// [N, B]: one scale per block of K / B weights of a row (an int8 embedding table's, GGUF Q8_0's),
+// and its scales may be float16 (as Q8_0 stores them), widened here exactly.
 //
 // Why it exists: XLA:CPU runs a one-row int8 product as a conversion of the whole kernel to int32
 // (or, padded to four rows, as a GEMM built for many rows), reading the weights far slower than
@@ -153,12 +154,34 @@ void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, 
   }
 }
 
+// float16 bits -> float32, exactly (every float16 is a float32).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float mag;
+  if (exp == 0) {
+    mag = std::ldexp(float(man), -24);  // zero or subnormal
+  } else if (exp == 31) {
+    mag = man ? NAN : INFINITY;
+  } else {
+    mag = std::ldexp(float(man | 0x400), int(exp) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= sign;
+  std::memcpy(&mag, &bits, 4);
+  return mag;
+#endif
+}
+
 // Weight-only (w8): float rows times the int8 kernel, each weight converted to float32 in
 // registers (exactly: every int8 is a float32) and multiplied-and-added in float32, each block
 // of k / blocks weights of a row summed apart and scaled by its own scale (blocks = 1: one scale
-// per row). The scale of output n's block b is ws[n * row_stride + b] (row_stride 0: one scale
-// for the tensor). The sums run in another order than XLA's dot, so the result matches it to
-// float32 rounding, not bit for bit.
+// per row). The scale of output n's block b is ws[(n - n0) * row_stride + b] (row_stride 0: one
+// scale for the tensor). The sums run in another order than XLA's dot, so the result matches it
+// to float32 rounding, not bit for bit.
 void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* ws,
                 int64_t row_stride, int64_t blocks, int64_t n0, int64_t n1, int64_t n_total,
                 float* out) {
@@ -193,7 +216,7 @@ void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const 
         // Each output's block sum, scaled, into its accumulator (the rest of a block that is
         // not whole vectors summed in plain C++ beside it). The accumulators stay registers.
         auto scaled = [&](__m512 acc, __m512 part, int r) {
-          const float sc = ws[(n + r) * row_stride + b];
+          const float sc = ws[(n - n0 + r) * row_stride + b];
           if (bv < bk) {
             float tail = 0.0f;
             for (int64_t i = i0 + bv; i < i0 + bk; ++i) tail += xm[i] * float(w0[r * k + i]);
@@ -219,7 +242,7 @@ void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const 
       for (int64_t b = 0; b < blocks; ++b) {
         float part = 0.0f;
         for (int64_t i = b * bk; i < (b + 1) * bk; ++i) part += x[m * k + i] * float(w[n * k + i]);
-        sum += part * ws[n * row_stride + b];
+        sum += part * ws[(n - n0) * row_stride + b];
       }
       out[m * n_total + n] = sum;
     }
@@ -229,9 +252,12 @@ void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const 
 // One kernel of a call: its int8 weights [n, k], its scales and where its outputs go.
 struct Kernel {
   const int8_t* w;
-  const float* scale;
+  const void* scale;  // float32, or (`half`, weight-only entry only) float16 bits
   int64_t n, n_scales;
   void* out;  // int32 sums (per-token entry) or float32 results (weight-only entry)
+  bool half = false;
+
+  const float* scales() const { return static_cast<const float*>(scale); }
 };
 
 // A call's kernels split into chunks of outputs, claimed one at a time by whichever thread comes:
@@ -293,16 +319,23 @@ void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t b
 }
 
 // The operands' sizes: x [rows, k]; a kernel w [n, k] with w_scale [n] or [1] (or, where
-// `blocked`, [n, blocks]: one scale per block of k / blocks weights of a row).
+// `blocked` (the weight-only entries), [n, blocks]: one scale per block of k / blocks weights of
+// a row, float32 or float16).
 ffi::Error kernel_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& w,
-                     const ffi::Buffer<ffi::F32>& w_scale, void* out, bool blocked, Kernel& kn,
+                     const ffi::AnyBuffer& w_scale, void* out, bool blocked, Kernel& kn,
                      int64_t& blocks) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("shardq int8 kernel: x [M, K] and w [N, K] expected");
   }
+  const bool half = w_scale.element_type() == ffi::DataType::F16;
+  if (w_scale.element_type() != ffi::DataType::F32 && !(blocked && half)) {
+    return ffi::Error::InvalidArgument(
+        blocked ? "shardq int8 kernel: w_scale must be float32 or float16"
+                : "shardq int8 kernel: w_scale must be float32");
+  }
   const int64_t k = xd[1], n = wd[0], n_scales = static_cast<int64_t>(w_scale.element_count());
-  kn = {w.typed_data(), w_scale.typed_data(), n, n_scales, out};
+  kn = {w.typed_data(), w_scale.untyped_data(), n, n_scales, out, half};
   blocks = 1;
   if (blocked && n > 0 && n_scales > n && n_scales % n == 0 && k % (n_scales / n) == 0) {
     blocks = n_scales / n;
@@ -337,7 +370,7 @@ ffi::Error int8_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
       for (int64_t j = 0; j < kn.n; ++j) {
         // the same operations, in the same order, as quant/dense.py's dequantisation
         out[m * kn.n + j] = static_cast<float>(acc[i][m * kn.n + j]) *
-                            (s * kn.scale[kn.n_scales == 1 ? 0 : j]);
+                            (s * kn.scales()[kn.n_scales == 1 ? 0 : j]);
       }
     }
   }
@@ -351,16 +384,26 @@ ffi::Error weight_only_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F3
   std::vector<int64_t> n;
   for (const Kernel& kn : kernels) n.push_back(kn.n);
   for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
+    if (n1 <= n0) return;
     const Kernel& kn = kernels[i];
     const int64_t row_stride = kn.n_scales == 1 ? 0 : blocks[i];
-    float_rows(x.typed_data(), rows, k, kn.w, kn.scale, row_stride, blocks[i], n0, n1, kn.n,
+    const int64_t first = n0 * row_stride, count = (n1 - n0 - 1) * row_stride + blocks[i];
+    const float* ws = kn.scales() + first;
+    std::vector<float> widened;  // this chunk's float16 scales, as float32
+    if (kn.half) {
+      const uint16_t* h = static_cast<const uint16_t*>(kn.scale) + first;
+      widened.resize(count);
+      for (int64_t j = 0; j < count; ++j) widened[j] = half_to_float(h[j]);
+      ws = widened.data();
+    }
+    float_rows(x.typed_data(), rows, k, kn.w, ws, row_stride, blocks[i], n0, n1, kn.n,
                static_cast<float*>(kn.out));
   });
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::AnyBuffer w_scale, ffi::ResultBuffer<ffi::F32> y) {
   std::vector<Kernel> kernels(1);
   int64_t blocks;
   if (ffi::Error e = kernel_of(x, w, w_scale, y->typed_data(), false, kernels[0], blocks);
@@ -371,7 +414,7 @@ ffi::Error Int8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 ffi::Error WeightInt8Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                            ffi::Buffer<ffi::S8> w, ffi::AnyBuffer w_scale,
                             ffi::ResultBuffer<ffi::F32> y) {
   std::vector<Kernel> kernels(1);
   std::vector<int64_t> blocks(1);
@@ -394,7 +437,7 @@ ffi::Error kernels_of(const ffi::Buffer<ffi::F32>& x, const ffi::RemainingArgs& 
   blocks.resize(rets.size());
   for (size_t i = 0; i < rets.size(); ++i) {
     auto w = args.get<ffi::Buffer<ffi::S8>>(2 * i);
-    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
     if (w.has_error()) return w.error();
     if (s.has_error()) return s.error();
@@ -423,13 +466,14 @@ ffi::Error WeightInt8MatvecGroup(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return weight_only_products(pool, x, kernels, blocks);
 }
 
-// The single entries' signature: (thread pool; x f32 [M, K], w s8 [N, K], w_scale f32) -> y f32.
+// The single entries' signature: (thread pool; x f32 [M, K], w s8 [N, K], w_scale f32 (or, for
+// the weight-only entry, f16)) -> y f32.
 auto matvec_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
