@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import native_float
+
 Axes = tuple[str | None, ...]
 
 # Labels the embedding lookup in the compiled program (experiments/speed/step_profile.py groups a
@@ -53,7 +55,9 @@ class Dense(nnx.Module):
     """y = x @ W (+ b), W stored as [in, out] in `param_dtype`, multiplied in `compute_dtype`.
 
     Every linear map of the models goes through this class, so `quant/` can replace it (or its
-    kernel) without the model knowing.
+    kernel) without the model knowing. With `native` (`use_native_float`; off by default) a
+    float32 product of a few rows runs in shardq's own kernel on a CPU (`model.native_float`):
+    for decoding, never for training (the kernel has no gradient).
     """
 
     def __init__(self, in_features: int, out_features: int, *, axes: Axes, rngs: nnx.Rngs,
@@ -61,6 +65,7 @@ class Dense(nnx.Module):
                  init_scale: float = 1.0):
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
+        self.native = False
         # Fan-in scaled normal init (std = scale / sqrt(in)).
         init = nnx.initializers.normal(stddev=init_scale / in_features**0.5)
         self.kernel = param(
@@ -72,11 +77,55 @@ class Dense(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self._runs_native(x):
+            return self._finish(_native_products(x, [self])[0], x.shape[:-1])
         dt = dtype_of(self.compute_dtype)
-        y = matmul_2d(x.astype(dt), self.kernel[...].astype(dt))
+        return self._finish(matmul_2d(x.astype(dt), self.kernel[...].astype(dt)), ())
+
+    def _runs_native(self, x: jax.Array) -> bool:
+        return (self.native and self.compute_dtype == "float32"
+                and self.kernel[...].dtype == jnp.float32
+                and native_float.usable(math.prod(x.shape[:-1])))
+
+    def _finish(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+        """The product [rows, out] as [*lead, out] (lead (): y already has its shape), plus the
+        bias."""
+        if lead:
+            y = y.reshape(*lead, y.shape[-1])
         if self.bias is not None:
-            y = y + _lead(self.bias[...].astype(dt), y.ndim)
+            y = y + _lead(self.bias[...].astype(y.dtype), y.ndim)
         return y
+
+    @staticmethod
+    def shared_call(x: jax.Array, layers) -> tuple[jax.Array, ...]:
+        """`layer(x)` for each of `layers`: one call of shardq's kernel for all of them where
+        each would run there alone (`model.layers.shared_input`)."""
+        if len(layers) > 1 and all(layer._runs_native(x) for layer in layers):
+            ys = _native_products(x, layers)
+            return tuple(layer._finish(y, x.shape[:-1]) for layer, y in zip(layers, ys,
+                                                                            strict=True))
+        return tuple(layer(x) for layer in layers)
+
+
+def _native_products(x: jax.Array, layers) -> list[jax.Array]:
+    """x [..., in] times every layer's float32 kernel in one call of shardq's kernel on a CPU
+    (XLA's dots elsewhere): [rows, out] each."""
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    kernels = [layer.kernel[...] for layer in layers]
+    return jax.lax.platform_dependent(
+        x2, kernels, cpu=native_float.product_group,
+        default=lambda x2, kernels: [jnp.dot(x2, w) for w in kernels])
+
+
+def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
+    """Route `model`'s few-row float32 products through shardq's kernel (`on`) or XLA's dots,
+    in place; returns the model. For decoding only: the kernel has no gradient. The choice is
+    part of the graph definition, so a program traced after it keeps it. XLA cannot split a
+    custom call over devices: a model whose kernels are sharded keeps XLA's dots."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Dense):
+            module.native = on
+    return model
 
 
 def shared_input(x: jax.Array, *layers: nnx.Module) -> tuple[jax.Array, ...]:

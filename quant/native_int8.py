@@ -12,29 +12,23 @@ Each has a grouped twin that multiplies the same rows by several kernels in one 
 attention's q, k and v): one quantisation of the rows, one share-out of every kernel's outputs
 over the threads, each kernel's result the one its own call gives, bit for bit.
 
-The source is compiled for this CPU (`-march=native`) the first time a program needs it, into
-a cache folder keyed by the source, the compiler, the CPU's flags and jaxlib's version
-($SHARDQ_CACHE_DIR, else ~/.cache/shardq). Where there is no C++ compiler, or the build fails,
-`status()` says why and every product stays XLA's; `SHARDQ_INT8_KERNEL=off` turns it off.
+The source is compiled for this CPU the first time a program needs it (`model.native_build`).
+Where there is no C++ compiler, or the build fails, `status()` says why and every product stays
+XLA's; `SHARDQ_INT8_KERNEL=off` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+import pathlib
 
 import jax
 import jax.numpy as jnp
 
-SOURCE = Path(__file__).with_name("native") / "int8_matvec.cc"
+from model import native_build
+
+SOURCE = pathlib.Path(__file__).with_name("native") / "int8_matvec.cc"
 TARGET = "shardq_int8_matvec"  # per-token int8 activations (w8a8)
 TARGET_W8 = "shardq_w8_matvec"  # float activations (weight-only w8)
 # One call for several kernels that multiply the same rows (an attention's q, k and v): the rows
@@ -45,98 +39,21 @@ TARGETS = (TARGET, TARGET_W8, TARGET_GROUP, TARGET_W8_GROUP)
 # Up to this many rows a product runs here; more rows are a GEMM, which XLA's (YNNPACK's) is
 # built for.
 MAX_ROWS = 8
-# -ffp-contract=off: no multiply-add contracted into one rounding, which would part the
-# kernel's arithmetic from the reference's.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-         "-ffp-contract=off")
 ENV_SWITCH = "SHARDQ_INT8_KERNEL"
-
-
-def _compiler() -> list[str] | None:
-    """The C++ compiler's command ($CXX, which may hold arguments: "ccache g++"), else the first
-    of g++, c++ and clang++ found."""
-    if os.environ.get("CXX"):
-        return shlex.split(os.environ["CXX"])
-    found = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-    return [found] if found else None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SHARDQ_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardq")
-    return Path(root) / "native"
-
-
-def _build(cxx: list[str]) -> Path:
-    """The compiled library for this CPU, built once (a cached copy is reused)."""
-    import jaxlib
-
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), " ".join(cxx), " ".join(FLAGS), _cpu_flags(), jaxlib.__version__,
-         include]
-    ).encode()).hexdigest()[:16]
-    out = cache_dir() / f"int8_matvec-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name, then renamed: a concurrent process sees all of it or none.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or [""]
-            raise RuntimeError(f"{' '.join(cxx)} failed: {lines[0].strip()[:200]}")
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would shut out other users of a shared cache
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
 
 
 @functools.cache
 def status() -> dict:
     """{"available": bool, "isa": the instruction set built for, "library": path,
     "reason": why not}; builds and registers the kernel on the first call."""
-    if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
-        return {"available": False, "reason": f"${ENV_SWITCH} is off"}
-    cxx = _compiler()
-    if cxx is None:
-        return {"available": False, "reason": "no C++ compiler (g++, c++, clang++ or $CXX)"}
-    try:
-        path = _build(cxx)
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        lib.ShardqInt8MatvecIsa.restype = ctypes.c_char_p
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardqInt8Matvec),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_W8, jax.ffi.pycapsule(lib.ShardqWeightInt8Matvec),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_GROUP, jax.ffi.pycapsule(lib.ShardqInt8MatvecGroup),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_W8_GROUP,
-                                    jax.ffi.pycapsule(lib.ShardqWeightInt8MatvecGroup),
-                                    platform="cpu")
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-        return {"available": False, "reason": str(e).splitlines()[0] if str(e) else repr(e)}
-    _keep.append(lib)
-    return {"available": True, "isa": lib.ShardqInt8MatvecIsa().decode(), "library": str(path),
-            "compiler": " ".join(cxx)}
-
-
-_keep: list = []  # the loaded library lives as long as the process
+    lib, info = native_build.load(SOURCE, {
+        TARGET: "ShardqInt8Matvec", TARGET_W8: "ShardqWeightInt8Matvec",
+        TARGET_GROUP: "ShardqInt8MatvecGroup", TARGET_W8_GROUP: "ShardqWeightInt8MatvecGroup",
+    }, ENV_SWITCH)
+    if lib is None:
+        return info
+    lib.ShardqInt8MatvecIsa.restype = ctypes.c_char_p
+    return {**info, "isa": lib.ShardqInt8MatvecIsa().decode()}
 
 
 def usable(rows: int) -> bool:

@@ -130,3 +130,15 @@ def cli_in_one_process(cases: list[tuple[str, list[str]]],
     return [subprocess.CompletedProcess([module, *argv], row["status"], row["stdout"],
                                         row["stderr"])
             for (module, argv), row in zip(cases, rows, strict=True)]
+
+
+def native_kernel_built(status: dict) -> bool:
+    """Whether one of shardq's native kernels (its `status()`) runs here: where a C++ compiler
+    is found it must have built; without one it must say so (the products stay XLA's)."""
+    from model import native_build
+
+    if native_build.compiler() is None:
+        assert not status["available"] and "compiler" in status["reason"]
+        return False
+    assert status["available"], status
+    return True

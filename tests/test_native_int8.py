@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import native_build
 from quant import native_int8
 from quant.dense import (
     QuantDense,
@@ -25,16 +26,11 @@ from quant.dense import (
     weight_only_product,
     weight_only_product_fast,
 )
+from tests.helpers import native_kernel_built
 
 
 def _built() -> bool:
-    status = native_int8.status()
-    if native_int8._compiler() is None:
-        # Without a compiler the kernel is unavailable and says why; products stay XLA's.
-        assert not status["available"] and "compiler" in status["reason"]
-        return False
-    assert status["available"], status  # a compiler is here: the kernel must build
-    return True
+    return native_kernel_built(native_int8.status())
 
 
 def _operands(rng, rows, n, k, per_tensor=False):
@@ -107,7 +103,7 @@ def test_quant_dense_routes_by_its_switch_and_agrees():
 def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDQ_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
-        native_int8._build(["false"])  # a "compiler" that always fails
+        native_build.build(native_int8.SOURCE, ["false"])  # a "compiler" that always fails
     assert list(tmp_path.rglob("*.so")) == []  # nothing half-written is left
 
 

@@ -18,19 +18,18 @@
 // plain C++), the outputs split into chunks that XLA's own intra-op threads claim one at a time.
 
 #include <algorithm>
-#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "share_out.h"  // model/native/
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -260,29 +259,10 @@ struct Kernel {
   const float* scales() const { return static_cast<const float*>(scale); }
 };
 
-// A call's kernels split into chunks of outputs, claimed one at a time by whichever thread comes:
-// the calling one and the helpers it schedules. Every kernel's chunks start at its output 0 and
-// hold a multiple of 4 outputs, so an output lands in the same 4-output group however many
-// kernels share the call. Held by a shared_ptr, since a helper that starts after the work is
-// done still reads it (it then finds no chunk left, and never calls `rows`).
-struct Job {
-  std::function<void(int64_t, int64_t, int64_t)> rows;  // kernel i's outputs [n0, n1)
-  std::vector<int64_t> kernel, first, last;              // the chunks
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  int64_t chunks() const { return static_cast<int64_t>(kernel.size()); }
-  void work() {
-    int64_t c;
-    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < chunks()) {
-      rows(kernel[c], first[c], last[c]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // rows(i, n0, n1) over all outputs of every kernel (kernel i holding n[i] rows of bytes_per_row
 // bytes), on XLA's intra-op threads when the kernels are large enough to pay for waking them.
+// Every kernel's chunks start at its output 0 and hold a multiple of 4 outputs, so an output
+// lands in the same 4-output group however many kernels share the call.
 void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t bytes_per_row,
                  std::function<void(int64_t, int64_t, int64_t)> rows) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -293,29 +273,21 @@ void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t b
     for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
     return;
   }
-  auto job = std::make_shared<Job>();
-  job->rows = std::move(rows);
   // Whole chunks for every thread (a multiple of the thread count), each a multiple of 4 rows.
   int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
   want = (want + threads - 1) / threads * threads;
   const int64_t rows_each = (total + want - 1) / want;
   const int64_t chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
+  std::vector<int64_t> kernel, first, last;
   for (size_t i = 0; i < n.size(); ++i) {
     for (int64_t n0 = 0; n0 < n[i]; n0 += chunk_rows) {
-      job->kernel.push_back(static_cast<int64_t>(i));
-      job->first.push_back(n0);
-      job->last.push_back(std::min(n[i], n0 + chunk_rows));
+      kernel.push_back(static_cast<int64_t>(i));
+      first.push_back(n0);
+      last.push_back(std::min(n[i], n0 + chunk_rows));
     }
   }
-  const int64_t helpers = std::min(threads - 1, job->chunks() - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->work(); });
-  job->work();
-  // Every chunk is claimed by now; wait for those other threads are still computing.
-  while (job->done.load(std::memory_order_acquire) < job->chunks()) {
-#if defined(__AVX2__)
-    _mm_pause();
-#endif
-  }
+  shardq::share_out(pool, static_cast<int64_t>(kernel.size()), true,
+                    [&](int64_t c) { rows(kernel[c], first[c], last[c]); });
 }
 
 // The operands' sizes: x [rows, k]; a kernel w [n, k] with w_scale [n] or [1] (or, where

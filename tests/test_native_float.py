@@ -1,0 +1,97 @@
+"""shardq's float32 product for a few rows (model/native_float.py) against XLA's dot.
+
+The kernel sums in another order than XLA (chunks of rows, their partials added in order), so
+it agrees to float32 rounding; grouped calls give each kernel's own result bit for bit. Shapes
+cover the vector path and its tails (widths not a multiple of 16, depths not a multiple of 8),
+several rows, and kernels split into many chunks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import native_float
+from model.layers import Dense, shared_input, use_native_float
+from tests.helpers import native_kernel_built
+
+
+def _built() -> bool:
+    return native_kernel_built(native_float.status())
+
+
+def _lowered(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 576), (1, 1536, 576), (1, 576, 3072),
+                                      (3, 100, 7), (8, 33, 130), (2, 4100, 20), (1, 5, 1)])
+def test_kernel_matches_xla_to_float_rounding(rows, k, n):
+    if not _built():
+        return
+    rng = np.random.default_rng(rows * k + n)
+    x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
+    assert native_float.TARGET in _lowered(native_float.product, x, w)
+    got = np.asarray(jax.jit(native_float.product)(x, w))
+    want = np.asarray(jax.jit(jnp.dot)(x, w))
+    # sums of k products in another order: float32 rounding of sums of |x||w|
+    tol = 4e-7 * k ** 0.5 * np.abs(np.asarray(x)) @ np.abs(np.asarray(w))
+    assert np.all(np.abs(got - want) <= tol + 1e-30)
+    other = np.asarray(jax.jit(jnp.dot)(x, w.at[k // 2, n - 1].add(1.0)))
+    assert np.any(np.abs(other - want) > tol)  # one changed weight is caught
+
+
+def test_grouped_call_gives_each_kernel_its_own_result_and_repeats_exactly():
+    if not _built():
+        return
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((2, 576)).astype(np.float32))
+    ws = [jnp.asarray(rng.standard_normal((576, n)).astype(np.float32)) for n in (576, 190, 9)]
+    group = jax.jit(native_float.product_group)
+    assert native_float.TARGET_GROUP in _lowered(native_float.product_group, x, ws)
+    together = [np.asarray(y) for y in group(x, ws)]
+    for w, y in zip(ws, together, strict=True):
+        np.testing.assert_array_equal(y, np.asarray(jax.jit(native_float.product)(x, w)))
+    # the chunks' partials are added in a fixed order, whichever threads ran them
+    np.testing.assert_array_equal(together[0], np.asarray(group(x, ws)[0]))
+
+
+def _dense(rng, k, n, dtype="float32", bias=False):
+    d = Dense(k, n, axes=(None, None), rngs=nnx.Rngs(int(rng.integers(1 << 30))),
+              param_dtype=dtype, compute_dtype=dtype, use_bias=bias)
+    if bias:
+        d.bias[...] = jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(d.bias.dtype)
+    return d
+
+
+def test_dense_routes_by_its_switch_and_groups_layers_that_share_an_input():
+    """Off by default (training: the kernel has no gradient); switched on, a few rows run in
+    the kernel and agree with XLA's dot; q/k/v-like layers that read one input share a call;
+    many rows, or a bfloat16 kernel, stay with XLA."""
+    if not _built():
+        return
+    rng = np.random.default_rng(3)
+    q, k, v = _dense(rng, 64, 64, bias=True), _dense(rng, 64, 16), _dense(rng, 64, 16)
+    x = jnp.asarray(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    # a new function each time: jit keeps the program it traced for a function object, and
+    # the switch is part of the layers' structure, not of the traced arguments
+    call = lambda: lambda x: shared_input(x, q, k, v)  # noqa: E731
+    off = [np.asarray(y) for y in call()(x)]
+    assert native_float.TARGET not in _lowered(call(), x)  # the default: XLA's dots
+    for layer in (q, k, v):
+        use_native_float(layer, True)
+    text = _lowered(call(), x)
+    assert text.count(native_float.TARGET_GROUP) == 1  # one call for the three kernels
+    on = [np.asarray(y) for y in call()(x)]
+    for a, b in zip(on, off, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    assert native_float.TARGET in _lowered(lambda x: q(x), x)  # alone: the single entry
+    many = jnp.ones((1, native_float.MAX_ROWS + 1, 64))
+    assert native_float.TARGET not in _lowered(call(), many)  # a GEMM: XLA's
+    half = use_native_float(_dense(rng, 64, 64, "bfloat16"), True)
+    assert native_float.TARGET not in _lowered(lambda x: half(x), x.astype(jnp.bfloat16))
