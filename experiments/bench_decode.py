@@ -11,10 +11,10 @@ latency and the bytes of weights every token reads. Besides the main variants
 input rotations at every step, each in the layer layout `model.generate` picks by default and
 with quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer
 scan of float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with
-one scale per row (`-row-head`), each int8 path with XLA's products instead of shardq's
-kernel (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: one jitted
-call per token, timed from the first token as chat times it), so the file records what the
-layout, the table, the kernel and chat's path change, measured in the same run. Prefill is
+one scale per row (`-row-head`), float and each int8 path with XLA's products instead of
+shardq's kernels (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: one
+jitted call per token, timed from the first token as chat times it), so the file records what
+the layout, the table, the kernel and chat's path change, measured in the same run. Prefill is
 timed too: one forward over a `--prefill-tokens` window per model, as scoring runs it. The
 machine and its load average are recorded beside.
 
@@ -59,10 +59,11 @@ class Variant(NamedTuple):
     model.generate's default: per-layer, except the layer scan for int8 kernels whose products
     XLA runs; "probe": the faster of the two on this host, by a short timed run when the model
     is loaded), the embedding table and tied head (TABLES), devices each step is split over
-    (parallel/decode_split.py), few-row int8 products in shardq's kernel (quant.native_int8;
-    False: XLA's), one jitted call per token as experiments.chat decodes (True) instead of
-    one scan over the tokens, and the kernels that read one input multiplied in one kernel call
-    (True: q/k/v, gate/up; quant.dense.QuantDense.shared_call) or one call each."""
+    (parallel/decode_split.py), few-row products in shardq's kernels (quant.native_int8,
+    model.native_float; False: XLA's), one jitted call per token as experiments.chat decodes
+    (True) instead of one scan over the tokens, and the kernels that read one input multiplied
+    in one kernel call (True: q/k/v, gate/up; quant.dense.QuantDense.shared_call) or one call
+    each."""
     mode: str
     kv8: bool
     layout: bool | str | None
@@ -88,6 +89,7 @@ VARIANTS = {
     "w8a8-probed": Variant("w8a8", False, "probe", "block"),
     "float-split2": Variant("none", False, None, "float", devices=2),
     "w8a8-split2": Variant("w8a8", False, None, "block", devices=2),
+    "float-xla": Variant("none", False, None, "float", kernel=False),
     "w8-xla": Variant("w8", False, None, "block", kernel=False),
     "w8a8-xla": Variant("w8a8", False, None, "block", kernel=False),
     "w8-ungrouped": Variant("w8", False, None, "block", grouped=False),
@@ -113,6 +115,8 @@ CHANGES = (
     ("layer layout by a timed probe instead of the fixed rule (w8a8)", "w8a8", "w8a8-probed"),
     ("each step split over 2 devices by output features (float)", "float", "float-split2"),
     ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
+    ("shardq's float kernel instead of XLA's dots (float, per-layer weights)", "float-xla",
+     "float"),
     ("shardq's int8 kernel instead of XLA's products (w8, layer scan)", "w8-xla", "w8-scan"),
     ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla",
      "w8a8-scan"),

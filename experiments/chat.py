@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         loading, chat_stream, decoding, machine = startup.begin(
             "experiments.pretrained.loading", "experiments.pretrained.chat_stream",
             "experiments.pretrained.decoding", "experiments.speed.machine", devices=1)
-        pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha,
-                                     args.step)
+        pre = loading.for_decoding(loading.load_quantized(
+            args.model, args.layers, args.gguf, args.quant, args.alpha, args.step))
         per_layer = {"rule": None, "scan": False, "per-layer": True}.get(args.layout)
         if args.layout == "probe":
             cpu = machine.describe()

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                "replies": [], "spread": []}
         float_tokens, reference_token = None, None
         for mode in tqdm(["none"] + modes, desc="modes", unit="mode"):
-            pre = loading.quantize(float_model, mode)
+            pre = loading.for_decoding(loading.quantize(float_model, mode))
             rows = reply_stability.greedy_replies(pre, prompts, lengths, float_tokens)
             if float_tokens is None:
                 float_tokens = {(r["prompt"], r["max_new_tokens"]): r["tokens"] for r in rows}

@@ -123,20 +123,23 @@ def test_layout_probe_is_remembered_per_host_and_model(tmp_path):
     assert decoding.remembered_layout(pre, cache, "host A")["remembered"]
 
 
-def test_int8_kernel_decodes_the_same_tokens_as_xla_products():
-    # The kernel's products equal XLA's (bit for bit for w8a8; XLA's program then fuses the
+def test_shardq_kernels_decode_the_same_tokens_as_xla_products():
+    # The int8 kernel's products equal XLA's (bit for bit for w8a8; XLA's program then fuses the
     # dequantisation into the following add, a last-bit difference): on the tiny model greedy
     # decoding writes the same tokens. The compiled steps show which products each runs.
-    # (The weight-only kernel sums in another order: equal to rounding, the same tokens here.)
+    # (The weight-only and float kernels sum in another order: equal to rounding, the same
+    # tokens here.)
+    from model import native_float
     from quant import native_int8
 
-    for quant, target in (("w8a8", native_int8.TARGET), ("w8", native_int8.TARGET_W8)):
+    for quant, kernel in (("w8a8", native_int8), ("w8", native_int8), ("none", native_float)):
+        target = kernel.TARGET_W8 if quant == "w8" else kernel.TARGET
         pre = models()[quant]
         variants = [decoding.DecodeVariant("kernel", pre),
-                    decoding.DecodeVariant("xla", pre, int8_kernel=False)]
+                    decoding.DecodeVariant("xla", pre, kernels=False)]
         rows = decoding.decode_benchmark(variants, PROMPT, NEW, repeats=1)
         assert rows[0]["tokens"] == rows[1]["tokens"], quant
         texts = [fn.lower(*args).as_text()
                  for fn, args in (decoding.decode_programs(v, PROMPT, NEW) for v in variants)]
         assert target not in texts[1]
-        assert (target in texts[0]) == native_int8.status()["available"]
+        assert (target in texts[0]) == kernel.status()["available"]

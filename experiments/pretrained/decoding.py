@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.cli.config import ConfigError
-from experiments.pretrained.loading import Pretrained
+from experiments.pretrained.loading import Pretrained, for_decoding
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
 from parallel.decode_split import split_params
@@ -37,7 +37,8 @@ class DecodeVariant:
     kv_int8: bool = False
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
     devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
-    int8_kernel: bool = True  # False: XLA's int8 products instead of shardq's (quant.native_int8)
+    # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float)
+    kernels: bool = True
     # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
     # instead of one lax.scan over the tokens
     streamed: bool = False
@@ -51,7 +52,7 @@ def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
     chat does and returns ([1, new_tokens] tokens, seconds from the first token to the last):
     `new_tokens - 1` one-token calls, the prefill and its compile excluded as chat excludes
     them."""
-    pre, ids = v.model, np.asarray([prompt], np.int32)
+    pre, ids = for_decoding(v.model, v.kernels), np.asarray([prompt], np.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
 
     def timed(params):
@@ -71,13 +72,14 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     every time (nothing is donated), so repeated calls do identical work."""
     if v.streamed:
         return streamed_program(v, prompt, new_tokens)
-    pre, ids = v.model, jnp.asarray([prompt], jnp.int32)
+    # A split step's kernels are sharded: XLA's products split with them, a custom call would
+    # gather them whole.
+    own = v.kernels and v.devices == 1
+    pre, ids = for_decoding(v.model, own), jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
     model = nnx.merge(pre.graphdef, pre.params)
     graphdef = pre.graphdef
-    if v.devices > 1 or not v.int8_kernel:
-        # A split step's kernels are sharded: XLA's products split with them, a custom call
-        # would gather them whole.
+    if not own:
         graphdef = nnx.split(use_native(model, False))[0]
     if not v.grouped:
         graphdef = nnx.split(use_grouped(model, False))[0]

@@ -32,6 +32,7 @@ from experiments.training import pydoc_corpus
 from model import DecoderLM, ModelConfig
 from model.gguf import GGUFError
 from model.hf_tokenizer import HFTokenizerError
+from model.layers import use_native_float
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from quant import quantizers as qz
@@ -189,6 +190,14 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
     return dataclasses.replace(pre, graphdef=graphdef, params=qparams, quant=mode,
                                quantized_fraction=quantized_fraction(pre.params, plan),
                                report=report)
+
+
+def for_decoding(pre: Pretrained, kernels: bool = True) -> Pretrained:
+    """`pre` with its float32 Dense layers' few-row products in shardq's kernel (`kernels`;
+    `model.native_float`) or XLA's dots: the model a decoding step reads. Never for training:
+    the kernel has no gradient."""
+    model = use_native_float(nnx.merge(pre.graphdef, pre.params), kernels)
+    return dataclasses.replace(pre, graphdef=nnx.split(model)[0])
 
 
 def load_quantized(name: str = "smollm2", n_layers: int | None = None,

@@ -3,12 +3,12 @@ operations grouped by kind, per token.
 
 The groups say what limits batch-1 decoding on a CPU: the int8 and float products (reading the
 weights; a call of shardq's int8 kernel, which also quantises its row and dequantises, counts
-as an int8 product), the copies a layer scan makes of each layer's weights, the KV-cache
-writes, attention over the cache, the small operations between the products (norms,
-activation quantisation, residual adds), and the time the program spends between operations
-(the runtime's dispatch of each one). Operations of one program may run concurrently on the
-CPU's threads, so the groups are summed busy time; `between_ops` is the call's wall time minus
-the union of the spans.
+as an int8 product, one of its float kernel as a float product), the copies a layer scan
+makes of each layer's weights, the KV-cache writes, attention over the cache, the small
+operations between the products (norms, activation quantisation, residual adds), and the time
+the program spends between operations (the runtime's dispatch of each one). Operations of one
+program may run concurrently on the CPU's threads, so the groups are summed busy time;
+`between_ops` is the call's wall time minus the union of the spans.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 
 from experiments.speed.step_profile import op_times, parse_hlo, read_trace, union_length
+from model import native_float
 from model.transformer import ATTENTION_SCOPE
 from quant import native_int8
 
@@ -40,6 +41,8 @@ def group_of(instr: dict) -> str:
         return "int8_products" if shape.startswith("s32") else "float_products"
     if instr.get("target") in native_int8.TARGETS:  # shardq's kernels
         return "int8_products"
+    if instr.get("target") in native_float.TARGETS:
+        return "float_products"
     if "dynamic_index_in_dim" in op_name or "dynamic_slice" in op_name:
         return "weight_slices"
     if "dynamic_update" in op_name:
