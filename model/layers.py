@@ -121,7 +121,8 @@ def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
     """Route `model`'s few-row float32 products through shardq's kernel (`on`) or XLA's dots,
     in place; returns the model. For decoding only: the kernel has no gradient. The choice is
     part of the graph definition, so a program traced after it keeps it. XLA cannot split a
-    custom call over devices: a model whose kernels are sharded keeps XLA's dots."""
+    custom call over devices (it would gather a sharded kernel whole): a model whose kernels
+    are sharded should keep XLA's dots."""
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Dense):
             module.native = on
