@@ -104,6 +104,11 @@ VARIANTS = {
 # (its head an int8 x int8 product with per-token activations); "float" the blocks alone.
 TABLES = {"float": (("blocks/*",), 0), "row": (("blocks/*", "embed"), 0),
           "block": (("blocks/*", "embed"), EMBED_BLOCK)}
+# The long-context rows: a prompt this long, float and the default int8 mode each with shardq's
+# attention kernel and with XLA's attention over the cache (the rest of the step unchanged).
+LONG_PROMPT = 1024
+LONG_VARIANTS = (("float", "none", True), ("float-xla-attention", "none", False),
+                 ("w8a8", "w8a8", True), ("w8a8-xla-attention", "w8a8", False))
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
@@ -159,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only the first N blocks (a truncated model, for quick checks)")
     p.add_argument("--rounds", type=int, default=2,
                    help="alternating rounds of our timed runs and the peer's (default 2)")
+    p.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT,
+                   help="prompt of the long-context rows (float and w8a8, each with shardq's "
+                        "attention kernel and with XLA's attention); 0: none")
     p.add_argument("--prefill-tokens", type=int, default=512,
                    help="the window each prefill row reads in one forward (default 512)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
@@ -186,6 +194,9 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
     for name in ("new_tokens", "repeats", "rounds", "prefill_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
+    if args.long_prompt_tokens < 0:
+        raise ConfigError(f"long_prompt_tokens={args.long_prompt_tokens}: must be 0 (none) or a "
+                          f"positive integer")
     if args.layers is not None and args.layers < 1:
         raise ConfigError(f"layers={args.layers}: must be a positive integer")
     model_ref.check_step(args.model, args.step)
@@ -299,6 +310,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     profile = {v.name: decode_profile.decode_breakdown(
         *decoding.decode_programs(v, prompt, args.new_tokens), args.new_tokens)
         for v in variants if v.name in PROFILED}
+    long_context = long_rows(args, decoding, models, float_model.tokenizer.encode(
+        text[:8 * args.long_prompt_tokens]))
     flags = ([] if args.no_xla_flags
              else xla_flag_runs.flag_rows(child_argv(args), args.rounds))
     matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
@@ -306,7 +319,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     changes = [{"change": what, "before": a, "after": b,
                 "speedup": by_name[b]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
                for what, a, b in CHANGES if a in by_name and b in by_name]
-    return {**head, "variants": rows, "changes": changes, "layout_probe": probes,
+    return {**head, "variants": rows, "changes": changes, "long_context": long_context,
+            "layout_probe": probes,
             "profile": profile, "xla_flags": {"variant": FLAGS_VARIANT, "rows": flags},
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
             "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
@@ -315,6 +329,32 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "machine": {**machine.describe(), "cpu_devices": split,
                         "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
+
+
+def long_rows(args, decoding, models: dict, tokens: list[int]) -> dict | None:
+    """The long-context rows (LONG_VARIANTS, of the modes benchmarked) after the first
+    `--long-prompt-tokens` tokens of `tokens`, and the attention kernel's change rows."""
+    n = args.long_prompt_tokens
+    have = {mode: models[mode, table] for mode, table in models
+            if table == ("float" if mode == "none" else "block")}
+    chosen = [(name, have[mode], own) for name, mode, own in LONG_VARIANTS if mode in have]
+    if not n or not chosen:
+        return None
+    if len(tokens) < n or n + args.new_tokens > chosen[0][1].cfg.max_len:
+        raise ConfigError(f"long_prompt_tokens={n}: must leave room for {args.new_tokens} new "
+                          f"tokens in the context ({chosen[0][1].cfg.max_len}) and the text "
+                          f"({len(tokens)} tokens)")
+    variants = [decoding.DecodeVariant(name, model, attention_kernel=own)
+                for name, model, own in chosen]
+    rows = decoding.decode_benchmark(variants, tokens[:n], args.new_tokens, args.repeats,
+                                     args.rounds)
+    by_name = {r["variant"]: r for r in rows}
+    changes = [{"change": f"shardq's attention kernel instead of XLA's attention over the "
+                          f"cache ({a.split('-')[0]}, {n}-token prompt)", "before": a,
+                "after": a.split("-")[0],
+                "speedup": by_name[a.split("-")[0]]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
+               for a in by_name if a.endswith("-xla-attention") and a.split("-")[0] in by_name]
+    return {"prompt_tokens": n, "variants": rows, "changes": changes}
 
 
 def peer_section(files: dict, runs: dict, rows: list[dict], prefill_rows: list[dict],
@@ -355,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 for r in out["variants"]}, "written": args.out}
     if not args.decode_only:
         summary |= {
-            "changes": {c["change"]: round(c["speedup"], 2) for c in out["changes"]},
+            "changes": {c["change"]: round(c["speedup"], 2)
+                        for c in out["changes"] + (out["long_context"] or {}).get("changes", [])},
             "xla_flags": {r["xla_flags"]: round(r["speedup"], 2)
                           for r in out["xla_flags"]["rows"]},
             "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)

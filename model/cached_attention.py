@@ -16,10 +16,14 @@ bit for bit. It also reads only the written part of a long cache.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from model import native_attention
+from model.kv_cache import KVCache
 
 # Positions per block; caches are allocated in whole blocks. A short chat turn fits one block,
 # so its decoding runs no block loop at all, while a block stays small against a long cache.
@@ -37,9 +41,10 @@ def padded_length(length: int) -> int:
 # compiles the block loop once per shape, not at every call; inside a jitted step it
 # is inlined. The window is an operand, not a static argument: under a layer pattern (Gemma 3)
 # each layer of one scan body reads its own.
-@jax.jit
+@functools.partial(jax.jit, static_argnames="native")
 def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Array,
-                             last_position, window: int | None = None) -> jax.Array:
+                             last_position, window: int | None = None,
+                             native: bool = False) -> jax.Array:
     """[B, T, N, H]: query t attends to the cache's positions <= positions_BxT[:, t].
 
     `cache` offers `length`, `kv_heads` and `block(start, size, dtype)` -> keys [B * K, H,
@@ -48,7 +53,8 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
     head n // (N / K), as Llama does). `last_position` (traced or static) is the
     largest query position: blocks past it are never read. With `window` (sliding-window
     attention; an integer or a traced one) query t also stops seeing positions before
-    t - window + 1.
+    t - window + 1. With `native`, one query position over a float32 cache is one call of
+    shardq's kernel on a CPU (`model.native_attention`: the same blocks, equal to rounding).
     """
     B, T, N, H = q_BxTxNxH.shape
     S = cache.length
@@ -60,6 +66,26 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
     G = N // K
     q = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
     q = q * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
+    if (native and T == 1 and type(cache) is KVCache and cache.k.dtype == jnp.float32
+            and native_attention.status()["available"]):
+        position = positions_BxT[:, 0].astype(jnp.int32)
+        width = jnp.asarray(S if window is None else window, jnp.int32).reshape(1)
+        out = jax.lax.platform_dependent(
+            q.reshape(B * K, G, H), cache.k, cache.v, position, width,
+            cpu=native_attention.attend,
+            default=lambda *_: _blocks(q, cache, positions_BxT, last_position, window).reshape(
+                B * K, G, H))
+        return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+    acc = _blocks(q, cache, positions_BxT, last_position, window)
+    return acc.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+
+
+def _blocks(q: jax.Array, cache, positions_BxT: jax.Array, last_position, window
+            ) -> jax.Array:
+    """The attention of q [B, K, G, T, H] (scaled) in XLA's operations, block by block:
+    [B, K, G, T, H]."""
+    B, K, G, T, H = q.shape
+    S = cache.length
 
     def visit(b, carry):
         m, denom, acc = carry
@@ -95,5 +121,4 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
         n_blocks = jnp.minimum(last_position // CACHE_BLOCK + 1, S // CACHE_BLOCK)
         carry = jax.lax.fori_loop(1, n_blocks, visit, carry)
     _, denom, acc = carry
-    out = (acc / denom[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-    return out.astype(q_BxTxNxH.dtype)
+    return acc / denom[..., None]

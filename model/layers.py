@@ -60,6 +60,8 @@ class Dense(nnx.Module):
     for decoding, never for training (the kernel has no gradient).
     """
 
+    NATIVE_FLOAT = True  # `use_native_float` switches `native`
+
     def __init__(self, in_features: int, out_features: int, *, axes: Axes, rngs: nnx.Rngs,
                  param_dtype="float32", compute_dtype="float32", use_bias: bool = False,
                  init_scale: float = 1.0):
@@ -118,13 +120,15 @@ def _native_products(x: jax.Array, layers) -> list[jax.Array]:
 
 
 def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
-    """Route `model`'s few-row float32 products through shardq's kernel (`on`) or XLA's dots,
-    in place; returns the model. For decoding only: the kernel has no gradient. The choice is
+    """Route `model`'s few-row float32 work through shardq's kernels (`on`) or XLA's
+    operations, in place; returns the model: every module whose class sets `NATIVE_FLOAT` (the
+    Dense products, `model.native_float`; attention over a float cache at one position,
+    `model.native_attention`). For decoding only: the kernels have no gradient. The choice is
     part of the graph definition, so a program traced after it keeps it. XLA cannot split a
     custom call over devices (it would gather a sharded kernel whole): a model whose kernels
     are sharded should keep XLA's dots."""
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, Dense):
+        if getattr(type(module), "NATIVE_FLOAT", False):
             module.native = on
     return model
 

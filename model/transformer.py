@@ -73,8 +73,13 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    # `model.layers.use_native_float` switches `native`: attention over a float cache at one
+    # position in shardq's kernel (model/native_attention.py)
+    NATIVE_FLOAT = True
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.native = False
         d, dt = cfg.d_model, dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
         kv = cfg.kv_heads * cfg.head_dim  # grouped-query attention: fewer key/value heads
         bias = dict(use_bias=cfg.qkv_bias)
@@ -120,7 +125,7 @@ class Attention(nnx.Module):
             new_cache = cache.write(k, v, cache_index)
             with jax.named_scope(ATTENTION_SCOPE):
                 out = blocked_cached_attention(q, new_cache, positions_BxT, cache_index + T - 1,
-                                               window=window)
+                                               window=window, native=self.native)
         return self.o(out.reshape(B, T, cfg.q_dim)), new_cache
 
 

@@ -219,6 +219,7 @@ EARLY_REFUSALS = [
     ("chat_replies", ["--modes", "w4", "--out", "{out}"]),
     ("llm_quant_table", ["--layers", "0", "--out", "{out}"]),
     ("bench_decode", ["--repeats", "0", "--out", "{out}"]),
+    ("bench_decode", ["--long-prompt-tokens", "-1", "--out", "{out}"]),
     ("quantize", ["--workdir", "{fresh}", "--mode", "w4"]),
     ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8"]),  # no config.json there
     ("embed", ["--quant", "w4", "--text", "a"]),

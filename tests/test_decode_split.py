@@ -129,7 +129,7 @@ def test_shardq_kernels_decode_the_same_tokens_as_xla_products():
     # decoding writes the same tokens. The compiled steps show which products each runs.
     # (The weight-only and float kernels sum in another order: equal to rounding, the same
     # tokens here.)
-    from model import native_float
+    from model import native_attention, native_float
     from quant import native_int8
 
     for quant, kernel in (("w8a8", native_int8), ("w8", native_int8), ("none", native_float)):
@@ -143,3 +143,12 @@ def test_shardq_kernels_decode_the_same_tokens_as_xla_products():
                  for fn, args in (decoding.decode_programs(v, PROMPT, NEW) for v in variants)]
         assert target not in texts[1]
         assert (target in texts[0]) == kernel.status()["available"]
+        # attention over the float cache: shardq's kernel by default, XLA's when asked
+        assert (native_attention.TARGET in texts[0]) == native_attention.status()["available"]
+        xla_attention = decoding.DecodeVariant("xla-attention", pre, attention_kernel=False)
+        fn, args = decoding.decode_programs(xla_attention, PROMPT, NEW)
+        text = fn.lower(*args).as_text()
+        assert native_attention.TARGET not in text and (target in text) == (
+            kernel.status()["available"])
+        assert decoding.decode_benchmark([xla_attention], PROMPT, NEW, repeats=1)[0][
+            "tokens"] == rows[0]["tokens"]

@@ -37,8 +37,11 @@ class DecodeVariant:
     kv_int8: bool = False
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
     devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
-    # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float)
+    # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float,
+    # model.native_attention)
     kernels: bool = True
+    # False: XLA's attention over the cache instead of shardq's kernel (the rest unchanged)
+    attention_kernel: bool = True
     # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
     # instead of one lax.scan over the tokens
     streamed: bool = False
@@ -52,7 +55,8 @@ def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
     chat does and returns ([1, new_tokens] tokens, seconds from the first token to the last):
     `new_tokens - 1` one-token calls, the prefill and its compile excluded as chat excludes
     them."""
-    pre, ids = for_decoding(v.model, v.kernels), np.asarray([prompt], np.int32)
+    pre, ids = for_decoding(v.model, v.kernels, v.attention_kernel), np.asarray([prompt],
+                                                                            np.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
 
     def timed(params):
@@ -75,7 +79,7 @@ def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
     # A split step's kernels are sharded: XLA's products split with them, a custom call would
     # gather them whole.
     own = v.kernels and v.devices == 1
-    pre, ids = for_decoding(v.model, own), jnp.asarray([prompt], jnp.int32)
+    pre, ids = for_decoding(v.model, own, v.attention_kernel), jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
     model = nnx.merge(pre.graphdef, pre.params)
     graphdef = pre.graphdef

@@ -35,6 +35,7 @@ from model.hf_tokenizer import HFTokenizerError
 from model.layers import use_native_float
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
+from model.transformer import Attention
 from quant import quantizers as qz
 from quant.convert import ALL_MODES, QuantConfig, quantized_fraction
 from quant.pipeline import quantize as run_quantize
@@ -192,11 +193,16 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
                                report=report)
 
 
-def for_decoding(pre: Pretrained, kernels: bool = True) -> Pretrained:
-    """`pre` with its float32 Dense layers' few-row products in shardq's kernel (`kernels`;
-    `model.native_float`) or XLA's dots: the model a decoding step reads. Never for training:
-    the kernel has no gradient."""
+def for_decoding(pre: Pretrained, kernels: bool = True, attention: bool = True) -> Pretrained:
+    """`pre` with its few-row float32 work in shardq's kernels (`kernels`: the Dense layers'
+    products, `model.native_float`, and, with `attention`, attention over a float cache at one
+    position, `model.native_attention`) or XLA's operations: the model a decoding step reads.
+    Never for training: the kernels have no gradient."""
     model = use_native_float(nnx.merge(pre.graphdef, pre.params), kernels)
+    if not attention:
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, Attention):
+                module.native = False
     return dataclasses.replace(pre, graphdef=nnx.split(model)[0])
 
 

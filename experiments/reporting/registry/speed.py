@@ -80,6 +80,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         argv=launcher("bench_decode", "--json", "--out", "{results}/bench_decode.json"),
         quick_argv=launcher("bench_decode", "--json", "--layers", "2", "--new-tokens", "4",
                             "--repeats", "1", "--rounds", "1", "--prefill-tokens", "64",
+                            "--long-prompt-tokens", "300",
                             "--variants", "float,w8a8,float-scan,w8a8-split2",
                             "--no-xla-flags",
                             "--out", "{results}/bench_decode.json"),

@@ -181,8 +181,17 @@ def bench_decode(d: dict) -> str:
                     f"{r['ms_per_token']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} MB | "
                     f"{r['kv_cache_bytes'] / 1e6:.1f} MB | {busy} |")
     rows += ["", *head("change (same run)", "before", "after", "speed-up")]
-    for c in d["changes"]:
+    long = d.get("long_context")  # files written before the long-context rows have none
+    for c in d["changes"] + (long["changes"] if long else []):
         rows.append(f"| {c['change']} | {c['before']} | {c['after']} | {c['speedup']:.2f}× |")
+    if long:
+        rows += ["", f"At a {long['prompt_tokens']}-token prompt (the same {d['new_tokens']} new "
+                 f"tokens, the same runs):", "", *head("variant", "attention", "tokens/s",
+                                                       "ms/token")]
+        for r in long["variants"]:
+            how = "XLA's" if r["variant"].endswith("-xla-attention") else "shardq's kernel"
+            rows.append(f"| {r['variant']} | {how} | {r['tokens_per_s']:.1f} | "
+                        f"{r['ms_per_token']:.1f} |")
     rows += _bench_decode_levers(d) + _bench_decode_profile(d)
     mv = d["block_matvec"]
     ms = mv["ms"]
