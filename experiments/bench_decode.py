@@ -243,8 +243,9 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
             if (mode, table) not in probes:
                 probes[mode, table] = decoding.probe_layout(model, prompt)
             layout = probes[mode, table]["per_layer"]
-        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices, kernel, streamed,
-                                               grouped))
+        variants.append(decoding.DecodeVariant(n, model, kv8, layout, devices=devices,
+                                               kernels=kernel, streamed=streamed,
+                                               grouped=grouped))
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
 

@@ -40,14 +40,14 @@ class DecodeVariant:
     # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float,
     # model.native_attention)
     kernels: bool = True
-    # False: XLA's attention over the cache instead of shardq's kernel (the rest unchanged)
-    attention_kernel: bool = True
     # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
     # instead of one lax.scan over the tokens
     streamed: bool = False
     # False: each int8 kernel in its own call, where those that read one input (q/k/v,
     # gate/up) share one by default (quant.dense.QuantDense.shared_call)
     grouped: bool = True
+    # False: XLA's attention over the cache instead of shardq's kernel (the rest unchanged)
+    attention_kernel: bool = True
 
 
 def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
