@@ -292,6 +292,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             variants, prompt, args.new_tokens, args.repeats, args.rounds)}
     window = prefill_speed.window_of(float_model.tokenizer.encode(text[:8 * args.prefill_tokens]),
                                      args.prefill_tokens)
+    long = long_prompt(args, float_model.tokenizer.encode(text[:8 * args.long_prompt_tokens]),
+                       float_model.cfg.max_len)
     prefill = prefill_speed.PrefillBench(
         {prefill_label(*k): m for k, m in models.items()}, window)
     threads = llama_cpp.cores()
@@ -313,8 +315,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     profile = {v.name: decode_profile.decode_breakdown(
         *decoding.decode_programs(v, prompt, args.new_tokens), args.new_tokens)
         for v in variants if v.name in PROFILED}
-    long_context = long_rows(args, decoding, models, float_model.tokenizer.encode(
-        text[:8 * args.long_prompt_tokens]))
+    long_context = long_rows(args, decoding, models, long)
     flags = ([] if args.no_xla_flags
              else xla_flag_runs.flag_rows(child_argv(args), args.rounds))
     matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
@@ -334,30 +335,40 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
                         "load_1min_after": os.getloadavg()[0]}}
 
 
-def long_rows(args, decoding, models: dict, tokens: list[int]) -> dict | None:
-    """The long-context rows (LONG_VARIANTS, of the modes benchmarked) after the first
-    `--long-prompt-tokens` tokens of `tokens`, and the attention kernel's change rows."""
+def long_prompt(args, tokens: list[int], max_len: int) -> list[int]:
+    """The long-context rows' prompt: the first `--long-prompt-tokens` of `tokens` ([] for
+    none), checked against the text and the context before anything is timed."""
     n = args.long_prompt_tokens
+    if n and (len(tokens) < n or n + args.new_tokens > max_len):
+        raise ConfigError(f"long_prompt_tokens={n}: must leave room for {args.new_tokens} new "
+                          f"tokens in the context ({max_len}) and the text ({len(tokens)} "
+                          f"tokens)")
+    return tokens[:n]
+
+
+def long_rows(args, decoding, models: dict, prompt: list[int]) -> dict | None:
+    """The long-context rows (LONG_VARIANTS, of the modes benchmarked) after `prompt`, and the
+    attention kernel's change rows (each `-xla-attention` variant against its twin)."""
     have = {mode: models[mode, table] for mode, table in models
             if table == ("float" if mode == "none" else "block")}
     chosen = [(name, have[mode], own) for name, mode, own in LONG_VARIANTS if mode in have]
-    if not n or not chosen:
+    if not prompt or not chosen:
         return None
-    if len(tokens) < n or n + args.new_tokens > chosen[0][1].cfg.max_len:
-        raise ConfigError(f"long_prompt_tokens={n}: must leave room for {args.new_tokens} new "
-                          f"tokens in the context ({chosen[0][1].cfg.max_len}) and the text "
-                          f"({len(tokens)} tokens)")
     variants = [decoding.DecodeVariant(name, model, attention_kernel=own)
                 for name, model, own in chosen]
-    rows = decoding.decode_benchmark(variants, tokens[:n], args.new_tokens, args.repeats,
+    rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
                                      args.rounds)
     by_name = {r["variant"]: r for r in rows}
-    changes = [{"change": f"shardq's attention kernel instead of XLA's attention over the "
-                          f"cache ({a.split('-')[0]}, {n}-token prompt)", "before": a,
-                "after": a.split("-")[0],
-                "speedup": by_name[a.split("-")[0]]["tokens_per_s"] / by_name[a]["tokens_per_s"]}
-               for a in by_name if a.endswith("-xla-attention") and a.split("-")[0] in by_name]
-    return {"prompt_tokens": n, "variants": rows, "changes": changes}
+    changes = []
+    for name, _, own in chosen:
+        twin = name.removesuffix("-xla-attention")
+        if not own and twin in by_name:
+            changes.append({"change": f"shardq's attention kernel instead of XLA's attention "
+                                      f"over the cache ({twin}, {len(prompt)}-token prompt)",
+                            "before": name, "after": twin,
+                            "speedup": by_name[twin]["tokens_per_s"]
+                            / by_name[name]["tokens_per_s"]})
+    return {"prompt_tokens": len(prompt), "variants": rows, "changes": changes}
 
 
 def peer_section(files: dict, runs: dict, rows: list[dict], prefill_rows: list[dict],

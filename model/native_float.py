@@ -6,7 +6,8 @@ kernel ([in, out], as the model stores it) front to back in chunks of consecutiv
 out over XLA's own intra-op threads, and adds the chunks' partial sums in a fixed order: the
 result does not depend on the thread count, and equals XLA's dot to float32 rounding (its sums
 run in another order). A grouped entry multiplies the same rows by several kernels in one call
-(an attention's q, k and v). `model.layers.use_native` routes a model's Dense layers here.
+(an attention's q, k and v). `model.layers.use_native_float` routes a model's Dense layers
+here.
 
 Built like `quant.native_int8` (`model.native_build`); `SHARDQ_FLOAT_KERNEL=off` turns it off.
 """
