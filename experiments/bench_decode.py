@@ -12,8 +12,9 @@ input rotations at every step, each in the layer layout `model.generate` picks b
 with quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer
 scan of float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with
 one scale per row (`-row-head`), float and each int8 path with XLA's products instead of
-shardq's kernels (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: one
-jitted call per token, timed from the first token as chat times it), so the file records what
+shardq's kernels (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: the
+prompt's call, then a loop that hands each token to the host as it comes and stops at the
+end-of-turn token, timed from the first token as chat times it), so the file records what
 the layout, the table, the kernel and chat's path change, measured in the same run. The
 long-context rows time float and w8a8 after a `--long-prompt-tokens` prompt, each with shardq's
 attention kernel and with XLA's attention (`-xla-attention`). Prefill is timed too: one
@@ -62,10 +63,10 @@ class Variant(NamedTuple):
     XLA runs; "probe": the faster of the two on this host, by a short timed run when the model
     is loaded), the embedding table and tied head (TABLES), devices each step is split over
     (parallel/decode_split.py), few-row products in shardq's kernels (quant.native_int8,
-    model.native_float; False: XLA's), one jitted call per token as experiments.chat decodes
-    (True) instead of one scan over the tokens, and the kernels that read one input multiplied
-    in one kernel call (True: q/k/v, gate/up; quant.dense.QuantDense.shared_call) or one call
-    each."""
+    model.native_float; False: XLA's), as experiments.chat decodes (True: tokens streamed to
+    the host from short loops, model.generate.stream) instead of one scan over the tokens, and
+    the kernels that read one input multiplied in one kernel call (True: q/k/v, gate/up;
+    quant.dense.QuantDense.shared_call) or one call each."""
     mode: str
     kv8: bool
     layout: bool | str | None
@@ -145,9 +146,9 @@ CHANGES = (
     ("one scale per row of the int8 table (an int8 x int8 head) instead of blocks of 32 (w8a8)",
      "w8a8", "w8a8-row-head"),
     ("rotated int8 inputs (w8a8-rotated against w8a8)", "w8a8", "w8a8-rotated"),
-    ("one jitted call per token, as experiments.chat decodes, instead of one scan (float)",
+    ("streamed to the host as experiments.chat decodes, instead of one scan (float)",
      "float", "float-chat"),
-    ("one jitted call per token, as experiments.chat decodes, instead of one scan (w8a8)",
+    ("streamed to the host as experiments.chat decodes, instead of one scan (w8a8)",
      "w8a8", "w8a8-chat"),
 )
 

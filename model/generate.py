@@ -94,42 +94,86 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
     return jnp.concatenate([prompt_BxT, out], axis=1)
 
 
+# How many tokens the chat stream's loops decode per call: the first loop STREAM_FIRST_CHUNK,
+# each next one twice as many as the one before, up to STREAM_CHUNK. Every call costs the host
+# a dispatch (it passes every weight array) and its first step runs slower than the steps after
+# it, so a call per token slows int8 decoding; a host callback per token from one long loop
+# costs more still on XLA:CPU. Short loops first keep the first tokens coming quickly.
+STREAM_FIRST_CHUNK = 8
+STREAM_CHUNK = 32
+
+
 @functools.lru_cache(maxsize=16)
-def _stream_step(graphdef, weights, temperature: float, top_k: int):
-    """`stream`'s jitted call (prefill, then one token), one per model structure, weight tree
-    (`weights`: the treedef of (params, per-layer weights)) and sampling setting, so that later
-    replies reuse its compiled programs: the same cache shape (budgets within one block of
-    positions) reuses the step, the same prompt length the prefill.
+def _stream_programs(graphdef, weights, temperature: float, top_k: int):
+    """`stream`'s two jitted calls, one pair per model structure, weight tree (`weights`: the
+    treedef of (params, per-layer weights)) and sampling setting, so that later replies reuse
+    their compiled programs: the same cache shape (budgets within one block of positions)
+    reuses the loop, the same prompt length the prefill.
+
+    `first(leaves, prompt, cache, key)` runs the prompt into the cache and picks the first new
+    token, drawing on the key as `generate` does. `chunk(leaves, token, cache, index, count,
+    key, stop_ids, stopped)` decodes up to `count` (at most `STREAM_CHUNK`) more tokens in one
+    `lax.while_loop`, ending early after a token in `stop_ids` (-1 pads it), or at once when
+    `stopped`: (tokens [1, STREAM_CHUNK], how many it wrote, the last token, cache, key,
+    stopped), the inputs of the next chunk. So a chunk can be dispatched before the one before
+    it has finished, and computes nothing once a stop token has come.
 
     The weights come as a flat list of arrays: flattening the model's own pytree at every call
-    (its variables flatten in Python) would cost a decoding step milliseconds before it starts.
-    The cache is donated: each step writes one position into it in place, where an undonated
-    input would be copied whole into the step's output at every token. The next token comes
-    back as [B, 1], the next step's input."""
+    (its variables flatten in Python) would cost milliseconds before the program starts. The
+    cache is donated: each step writes one position into it in place, where an undonated input
+    would be copied whole into the program's output."""
+
+    def model_of(leaves):
+        params, layers = jax.tree.unflatten(weights, leaves)
+        return nnx.merge(graphdef, params), layers
+
+    def split(key):  # greedy reads no key: no split per step
+        return jax.random.split(key) if temperature > 0.0 else (key, key)
 
     @functools.partial(jax.jit, donate_argnums=2)
-    def step(leaves, tokens, cache, index, key):
-        params, layers = jax.tree.unflatten(weights, leaves)
-        logits, cache = nnx.merge(graphdef, params).decode(tokens, cache, index, layers,
-                                                           last_only=True)
-        return sample_token(logits[:, -1], key, temperature, top_k)[:, None], cache
+    def first(leaves, prompt, cache, key):
+        model, layers = model_of(leaves)
+        logits, cache = model.decode(prompt, cache, 0, layers, last_only=True)
+        key, sub = split(key)
+        return sample_token(logits[:, -1], sub, temperature, top_k)[:, None], cache, key
 
-    return step
+    @functools.partial(jax.jit, donate_argnums=2)
+    def chunk(leaves, token, cache, index, count, key, stop_ids, stopped):
+        model, layers = model_of(leaves)
+
+        def step(state):
+            i, out, token, cache, key, _ = state
+            key, sub = split(key)
+            logits, cache = model.decode(token, cache, index + i, layers, last_only=True)
+            token = sample_token(logits[:, -1], sub, temperature, top_k)[:, None]
+            out = jax.lax.dynamic_update_slice(out, token, (0, i))
+            return i + 1, out, token, cache, key, jnp.any(token[0, 0] == stop_ids)
+
+        state = (jnp.int32(0), jnp.zeros((1, STREAM_CHUNK), jnp.int32), token, cache, key,
+                 stopped)
+        i, out, token, cache, key, stopped = jax.lax.while_loop(
+            lambda s: ~s[5] & (s[0] < count), step, state)
+        return out, i, token, cache, key, stopped
+
+    return first, chunk
 
 
 def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: jax.Array,
            temperature: float = 0.0, top_k: int = 0, stop_ids: tuple[int, ...] = (),
            make_cache=None, per_layer: bool | None = None):
-    """Yield new tokens one at a time (batch 1), stopping after a token in `stop_ids`.
+    """Yield new tokens (batch 1), stopping after a token in `stop_ids`.
 
-    The same prefill + cached single-position steps as `generate`, but each step is its own
-    jitted call so a caller can print tokens as they come and stop early (a chat turn ends at
-    its end-of-turn token, usually long before `max_new_tokens`). The cache is sized for the
-    prompt plus `max_new_tokens`, so every step reuses one compiled program, compiled before
-    the first token is yielded (a caller timing the tokens after the first times decoding, not
-    a compile). Each step is dispatched before the previous token is read, so one step past a
-    stop token is computed and dropped. `per_layer` chooses the layer layout as in `generate`
-    (None: `default_per_layer`).
+    The same prefill + cached single-position steps as `generate` (the same tokens, greedy or
+    sampled), handed out as they are decoded so a caller can print them as they come, and
+    ending at a stop token (a chat turn ends at its end-of-turn token, usually long before
+    `max_new_tokens`). The first token comes from the prompt's call; the rest come a chunk at a
+    time from compiled loops (`STREAM_FIRST_CHUNK` tokens, then twice as many each time, up to
+    `STREAM_CHUNK`), each dispatched before the previous one's tokens are read: the host's work
+    overlaps the device's, and no step runs past a stop token. The cache is sized for the
+    prompt plus `max_new_tokens`, so replies of one budget reuse one compiled loop, compiled
+    before the first token is yielded (a caller timing the tokens after the first times
+    decoding, not a compile). `per_layer` chooses the layer layout as in `generate` (None:
+    `default_per_layer`).
     """
     model = nnx.merge(graphdef, params)
     T = prompt_1xT.shape[1]
@@ -145,24 +189,35 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
         layers, cache = model.unstack_layers(), model.unstack_cache(cache)
 
     leaves, weights = jax.tree.flatten((params, layers))
-    step = _stream_step(graphdef, weights, temperature, top_k)
-    token, cache = step(leaves, prompt_1xT, cache, 0, key)  # prefill: its own program
-    if max_new_tokens > 1:
-        # the one-token program, compiled now (or found in jit's cache) rather than at the
-        # second token: tracing it runs nothing
-        step.lower(leaves, token, cache, T, key).compile()
-    for i in range(max_new_tokens):
-        following = None
-        if i + 1 < max_new_tokens:
-            # The next step is dispatched before this token is read: the host prepares it while
-            # the device still computes this one (a stop token discards it).
-            if temperature > 0.0:  # greedy reads no key: no eager split between steps
-                key, sub = jax.random.split(key)
-            else:
-                sub = key
-            following, cache = step(leaves, token, cache, T + i, sub)
-        value = int(np.asarray(token)[0, 0])
-        yield value
-        if value in stop_ids or following is None:
+    first, chunk = _stream_programs(graphdef, weights, temperature, top_k)
+    token, cache, key = first(leaves, prompt_1xT, cache, key)
+    stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+    stopped = jnp.any(token[0, 0] == stops)
+    state = (token, cache, key, stopped)
+    # compiled now (or found in jit's cache) rather than after the first token is shown
+    chunk.lower(leaves, token, cache, 0, 0, key, stops, stopped).compile()
+
+    def dispatch(done: int, size: int, state):  # `size` tokens after `done` new ones
+        token, cache, key, stopped = state
+        return chunk(leaves, token, cache, T + done - 1, size, key, stops, stopped)
+
+    value = int(np.asarray(token)[0, 0])
+    pending = []  # chunks in flight, with how many tokens each was asked for
+    planned, size = 1, STREAM_FIRST_CHUNK  # new tokens covered so far; the next chunk's size
+
+    def queue(state) -> None:  # the next chunk, behind the ones in flight
+        nonlocal planned, size
+        if planned < max_new_tokens:
+            ask = min(size, max_new_tokens - planned)
+            pending.append((dispatch(planned, ask, state), ask))
+            planned, size = planned + ask, min(2 * size, STREAM_CHUNK)
+
+    queue(state)
+    yield value
+    while pending:
+        (out, n, *state), ask = pending.pop(0)
+        queue(state)  # dispatched before this chunk's tokens are read
+        n = int(n)
+        yield from np.asarray(out)[0, :n].tolist()
+        if n < ask:  # a stop token: a queued chunk runs no step
             return
-        token = following

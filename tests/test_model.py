@@ -163,34 +163,60 @@ def test_per_layer_decoding_matches_and_never_slices_weights_per_step():
 
 
 def test_stream_yields_what_generate_writes():
-    """The chat path (one jitted call per token, per-layer weights unstacked once, eagerly)
-    writes the greedy tokens `generate` writes, and stops after a stop token."""
+    """The chat path (the prompt's call, then loops of a growing number of tokens, each queued
+    before the last one's tokens are read) writes the tokens `generate` writes, greedy and
+    sampled, over several loops and at a budget that ends inside one, and stops after a stop
+    token."""
+    from model.generate import STREAM_FIRST_CHUNK
+
     m = _model()
     graphdef, state = nnx.split(m)
     params = nnx.to_pure_dict(state)
     prompt = jnp.asarray([[5, 6, 7]], jnp.int32)
-    want = np.asarray(generate(graphdef, params, prompt, 6, jax.random.key(0)))[0, 3:].tolist()
-    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0))) == want
-    assert list(stream(graphdef, params, prompt, 6, jax.random.key(0),
-                       stop_ids=(want[1],)))[-1] == want[1]
+    budget = m.cfg.max_len - 3
+    assert budget > 1 + 3 * STREAM_FIRST_CHUNK  # three loops, the last one cut short
+    for temperature in (0.0, 1.0):
+        want = np.asarray(generate(graphdef, params, prompt, budget, jax.random.key(3),
+                                   temperature=temperature))[0, 3:].tolist()
+        assert list(stream(graphdef, params, prompt, budget, jax.random.key(3),
+                           temperature=temperature)) == want
+    stop = want[STREAM_FIRST_CHUNK + 3]  # in the second loop
+    assert list(stream(graphdef, params, prompt, budget, jax.random.key(3), temperature=1.0,
+                       stop_ids=(stop,))) == want[:want.index(stop) + 1]
 
 
-def test_a_streamed_step_writes_the_cache_in_place():
-    """Each of the chat path's steps takes the cache donated (written in place, not copied whole
-    into a new one at every token): the cache it was given is consumed; the weights are not."""
-    from model.generate import _stream_step
+def test_the_chat_paths_loops_stop_at_a_stop_token_and_write_the_cache_in_place():
+    """A loop of the chat path ends after a stop token (the count it returns), and a loop
+    queued after it runs no step; the prompt's call and the loops take the cache donated
+    (written in place, not copied whole into a new one), not the weights."""
+    from model.generate import _stream_programs
 
     m = _model()
     graphdef, state = nnx.split(m)
     params = nnx.to_pure_dict(state)
-    cache = m.init_cache(1, 8)
+    cache = m.init_cache(1, 16)
     leaves, weights = jax.tree.flatten((params, None))
-    step = _stream_step(graphdef, weights, 0.0, 0)
-    token, new_cache = step(leaves, jnp.asarray([[5, 6, 7]], jnp.int32), cache, 0,
-                            jax.random.key(0))
+    first, chunk = _stream_programs(graphdef, weights, 1.0, 0)
+    prompt = jnp.asarray([[5, 6, 7]], jnp.int32)
+    token, after_prompt, key = first(leaves, prompt, cache, jax.random.key(3))
     assert token.shape == (1, 1)
     assert all(x.is_deleted() for x in jax.tree.leaves(cache))
-    assert not any(x.is_deleted() for x in leaves + jax.tree.leaves(new_cache))
+    none = jnp.asarray([-1], jnp.int32)
+    hlo = chunk.lower(leaves, token, after_prompt, 3, 6, key, none, False).compile().as_text()
+    assert "input_output_alias" in hlo  # the loop's cache is the donated buffer
+    out, n, *_ = chunk(leaves, token, after_prompt, 3, 6, key, none, False)
+    assert int(n) == 6
+    assert all(x.is_deleted() for x in jax.tree.leaves(after_prompt))
+    wrote = np.asarray(out)[0, :6].tolist()
+    assert len(set(wrote)) == 6  # sampled: the stop token below comes once
+    token, after_prompt, key = first(leaves, prompt, m.init_cache(1, 16), jax.random.key(3))
+    stops = jnp.asarray([wrote[2], 10_000], jnp.int32)
+    out, n, last, after, key, stopped = chunk(leaves, token, after_prompt, 3, 6, key, stops,
+                                              False)
+    assert int(n) == 3 and bool(stopped) and np.asarray(out)[0, :3].tolist() == wrote[:3]
+    _, n, *_ = chunk(leaves, last, after, 6, 6, key, stops, stopped)
+    assert int(n) == 0
+    assert not any(x.is_deleted() for x in leaves)
 
 
 def _gqa_model(max_len: int) -> DecoderLM:

@@ -40,8 +40,8 @@ class DecodeVariant:
     # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float,
     # model.native_attention)
     kernels: bool = True
-    # True: one jitted call per token, as experiments.chat decodes (model.generate.stream),
-    # instead of one lax.scan over the tokens
+    # True: as experiments.chat decodes (model.generate.stream: each token handed to the host
+    # as the loop chooses it), instead of one lax.scan over the tokens
     streamed: bool = False
     # False: each int8 kernel in its own call, where those that read one input (q/k/v,
     # gate/up) share one by default (quant.dense.QuantDense.shared_call)
@@ -53,7 +53,7 @@ class DecodeVariant:
 def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
     """(timed, args) for a streamed variant: `timed(params)` runs `model.generate.stream` as
     chat does and returns ([1, new_tokens] tokens, seconds from the first token to the last):
-    `new_tokens - 1` one-token calls, the prefill and its compile excluded as chat excludes
+    `new_tokens - 1` streamed steps, the prefill and its compile excluded as chat excludes
     them."""
     pre, ids = for_decoding(v.model, v.kernels, v.attention_kernel), np.asarray([prompt],
                                                                             np.int32)

@@ -173,8 +173,8 @@ def bench_decode(d: dict) -> str:
                   "weight bytes read/token", "KV cache bytes", "cores busy")]
     for r in d["variants"]:
         busy = f"{r['cores_busy']:.2f}" if "cores_busy" in r else "–"
-        # a streamed row runs one jitted call per token, as experiments.chat
-        layout = r["layout"].replace("_", " ") + (", a call per token" if r.get("path") ==
+        # a streamed row hands each token to the host as it comes, as experiments.chat
+        layout = r["layout"].replace("_", " ") + (", streamed" if r.get("path") ==
                                                  "stream" else "")
         rows.append(f"| {r['variant']} | {layout} | "
                     f"{'int8' if r['kv_int8'] else 'float32'} | {r['tokens_per_s']:.1f} | "
