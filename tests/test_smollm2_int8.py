@@ -213,7 +213,14 @@ def test_greedy_replies_agree_between_float_and_int8(truncated):
     assert np.mean(agree) >= 0.8, agree
 
 
-def test_int8_checkpoint_reloads_sharded_with_identical_scores(truncated, tmp_path):
+def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncated, tmp_path):
+    """The same int8 model, replicated on (dp) or sharded over (zero3) 8 devices, is a
+    differently compiled program from the one-device one. This text's space tokens put
+    first-layer activations on a rounding boundary of the int8 grid: should one program divide by
+    the scale and the other multiply by its reciprocal (XLA rewrites one into the other in some
+    programs only), the boundary values round apart and the text's mean NLL moves well beyond
+    rounding. The zero3 copy is the int8 checkpoint saved and reloaded sharded (as evaluate reads
+    it): what was saved comes back bit for bit, split 8 ways, in the layout zero3 places."""
     qcfg = QuantConfig(mode="w8a8", calib_batches=1, rules=("blocks/*", "embed"))
     rows = loading.calibration_rows(truncated.tokenizer, 1, 64)
     qdef, qparams, _, report, meta = quantize_with_meta(
@@ -223,32 +230,21 @@ def test_int8_checkpoint_reloads_sharded_with_identical_scores(truncated, tmp_pa
     gdef, sharded, _ = qckpt.load(tmp_path / "w8a8", truncated.cfg, mesh, sharded=True)
     kernel = sharded["blocks"]["mlp"]["up"]["kernel_q"]
     assert len({str(s.index) for s in kernel.addressable_shards}) == 8  # split 8 ways
-    local = loading.Pretrained("smollm2", truncated.cfg, qdef, qparams, truncated.tokenizer)
-    remote = loading.Pretrained("smollm2", truncated.cfg, gdef, sharded, truncated.tokenizer)
-    # What was saved comes back bit for bit, and scoring in the zero3 layout (each layer gathered
-    # right before it runs) gives the single-device scores exactly.
     for a, b in zip(jax.tree.leaves(jax.device_get(sharded)), jax.tree.leaves(qparams),
                     strict=True):
         np.testing.assert_array_equal(a, b)
-    ids = FIXTURE["tokens"][:3]
-    assert scoring.score_ids(remote, ids) == scoring.score_ids(local, ids)
-
-
-def test_int8_model_scores_bit_identically_on_one_device_and_over_eight(truncated):
-    """The same int8 model, replicated on (dp) or sharded over (zero3) 8 devices, is a
-    differently compiled program from the one-device one. This text's space tokens put
-    first-layer activations on a rounding boundary of the int8 grid: should one program divide by
-    the scale and the other multiply by its reciprocal (XLA rewrites one into the other in some
-    programs only), the boundary values round apart and the text's mean NLL moves well beyond
-    rounding."""
-    q = loading.quantize(truncated, "w8a8", QuantConfig(mode="w8a8", calib_batches=1))
+    # One load and one zero3 program serve both checks: the reloaded layout is zero3's (each
+    # layer gathered right before it runs), leaf for leaf.
+    zero3 = place_model_params(qdef, qparams, mesh, get_strategy("zero3"))
+    assert ([x.sharding for x in jax.tree.leaves(sharded)]
+            == [x.sharding for x in jax.tree.leaves(zero3)])
+    q = loading.Pretrained("smollm2", truncated.cfg, qdef, qparams, truncated.tokenizer, "w8a8")
     ids = [q.tokenizer.encode("In 1969, Apollo 11 landed 2 astronauts on the Moon."),
            FIXTURE["tokens"][0]]
     one_device = scoring.score_ids(q, ids)
-    for strategy in ("dp", "zero3"):
-        placed = place_model_params(q.graphdef, q.params, make_mesh(8), get_strategy(strategy))
-        spread = loading.Pretrained("smollm2", q.cfg, q.graphdef, placed, q.tokenizer,
-                                          "w8a8")
+    dp = place_model_params(qdef, qparams, mesh, get_strategy("dp"))
+    for strategy, gd, placed in (("dp", qdef, dp), ("zero3", gdef, sharded)):
+        spread = loading.Pretrained("smollm2", q.cfg, gd, placed, q.tokenizer, "w8a8")
         assert scoring.score_ids(spread, ids) == one_device, strategy
 
 
