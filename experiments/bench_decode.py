@@ -16,8 +16,9 @@ shardq's kernels (`-xla`), and float and w8a8 as `experiments.chat` decodes them
 prompt's call, then a loop that hands each token to the host as it comes and stops at the
 end-of-turn token, timed from the first token as chat times it), so the file records what
 the layout, the table, the kernel and chat's path change, measured in the same run. The
-long-context rows time float and w8a8 after a `--long-prompt-tokens` prompt, each with shardq's
-attention kernel and with XLA's attention (`-xla-attention`). Prefill is timed too: one
+long-context rows time float, w8a8 and w8a8 with an int8 KV cache (`+kv8`) after a
+`--long-prompt-tokens` prompt, each with shardq's attention kernel and with XLA's attention
+(`-xla-attention`). Prefill is timed too: one
 forward over a `--prefill-tokens` window per model, as scoring runs it. The machine and its
 load average are recorded beside.
 
@@ -107,11 +108,14 @@ VARIANTS = {
 # (its head an int8 x int8 product with per-token activations); "float" the blocks alone.
 TABLES = {"float": (("blocks/*",), 0), "row": (("blocks/*", "embed"), 0),
           "block": (("blocks/*", "embed"), EMBED_BLOCK)}
-# The long-context rows: a prompt this long, float and the default int8 mode each with shardq's
-# attention kernel and with XLA's attention over the cache (the rest of the step unchanged).
+# The long-context rows: a prompt this long, float and the default int8 mode, and the int8 mode
+# with an int8 KV cache, each with shardq's attention kernel and with XLA's attention over the
+# cache (the rest of the step unchanged): (name, int8 mode, shardq's attention, int8 KV cache).
 LONG_PROMPT = 1024
-LONG_VARIANTS = (("float", "none", True), ("float-xla-attention", "none", False),
-                 ("w8a8", "w8a8", True), ("w8a8-xla-attention", "w8a8", False))
+LONG_VARIANTS = (("float", "none", True, False), ("float-xla-attention", "none", False, False),
+                 ("w8a8", "w8a8", True, False), ("w8a8-xla-attention", "w8a8", False, False),
+                 ("w8a8+kv8", "w8a8", True, True),
+                 ("w8a8+kv8-xla-attention", "w8a8", False, True))
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
@@ -168,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2,
                    help="alternating rounds of our timed runs and the peer's (default 2)")
     p.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT,
-                   help="prompt of the long-context rows (float and w8a8, each with shardq's "
-                        "attention kernel and with XLA's attention); 0: none")
+                   help="prompt of the long-context rows (float, w8a8, w8a8+kv8, each with "
+                        "shardq's attention kernel and with XLA's attention); 0: none")
     p.add_argument("--prefill-tokens", type=int, default=512,
                    help="the window each prefill row reads in one forward (default 512)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
@@ -352,23 +356,30 @@ def long_rows(args, decoding, models: dict, prompt: list[int]) -> dict | None:
     attention kernel's change rows (each `-xla-attention` variant against its twin)."""
     have = {mode: models[mode, table] for mode, table in models
             if table == ("float" if mode == "none" else "block")}
-    chosen = [(name, have[mode], own) for name, mode, own in LONG_VARIANTS if mode in have]
+    chosen = [(name, have[mode], own, kv8) for name, mode, own, kv8 in LONG_VARIANTS
+              if mode in have]
     if not prompt or not chosen:
         return None
-    variants = [decoding.DecodeVariant(name, model, attention_kernel=own)
-                for name, model, own in chosen]
+    variants = [decoding.DecodeVariant(name, model, kv8, attention_kernel=own)
+                for name, model, own, kv8 in chosen]
     rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
                                      args.rounds)
     by_name = {r["variant"]: r for r in rows}
     changes = []
-    for name, _, own in chosen:
-        twin = name.removesuffix("-xla-attention")
-        if not own and twin in by_name:
-            changes.append({"change": f"shardq's attention kernel instead of XLA's attention "
-                                      f"over the cache ({twin}, {len(prompt)}-token prompt)",
-                            "before": name, "after": twin,
-                            "speedup": by_name[twin]["tokens_per_s"]
-                            / by_name[name]["tokens_per_s"]})
+    def change(what: str, before: str, after: str) -> None:
+        if before in by_name and after in by_name:
+            changes.append({"change": f"{what} ({after}, {len(prompt)}-token prompt)",
+                            "before": before, "after": after,
+                            "speedup": by_name[after]["tokens_per_s"]
+                            / by_name[before]["tokens_per_s"]})
+
+    for name, _, own, kv8 in chosen:
+        if not own:
+            change("shardq's attention kernel instead of XLA's attention over the cache", name,
+                   name.removesuffix("-xla-attention"))
+        elif kv8:
+            change("int8 KV cache instead of float32, both in shardq's attention kernel",
+                   name.replace("+kv8", ""), name)
     return {"prompt_tokens": len(prompt), "variants": rows, "changes": changes}
 
 

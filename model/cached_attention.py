@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from model import native_attention
-from model.kv_cache import KVCache
 
 # Positions per block; caches are allocated in whole blocks. A short chat turn fits one block,
 # so its decoding runs no block loop at all, while a block stays small against a long cache.
@@ -53,8 +52,9 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
     head n // (N / K), as Llama does). `last_position` (traced or static) is the
     largest query position: blocks past it are never read. With `window` (sliding-window
     attention; an integer or a traced one) query t also stops seeing positions before
-    t - window + 1. With `native`, one query position over a float32 cache is one call of
-    shardq's kernel on a CPU (`model.native_attention`: the same blocks, equal to rounding).
+    t - window + 1. With `native`, one query position over a cache that offers
+    `native_operands()` (a float32 or an int8 one) is one call of shardq's kernel on a CPU
+    (`model.native_attention`: the same blocks, equal to rounding).
     """
     B, T, N, H = q_BxTxNxH.shape
     S = cache.length
@@ -66,12 +66,12 @@ def blocked_cached_attention(q_BxTxNxH: jax.Array, cache, positions_BxT: jax.Arr
     G = N // K
     q = q_BxTxNxH.astype(jnp.float32).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)
     q = q * jnp.asarray(1.0 / math.sqrt(H), jnp.float32)
-    if (native and T == 1 and type(cache) is KVCache and cache.k.dtype == jnp.float32
-            and native_attention.status()["available"]):
+    operands = getattr(cache, "native_operands", lambda: None)() if native and T == 1 else None
+    if operands is not None and native_attention.status()["available"]:
         position = positions_BxT[:, 0].astype(jnp.int32)
         width = jnp.asarray(S if window is None else window, jnp.int32).reshape(1)
         out = jax.lax.platform_dependent(
-            q.reshape(B * K, G, H), cache.k, cache.v, position, width,
+            q.reshape(B * K, G, H), operands, position, width,
             cpu=native_attention.attend,
             default=lambda *_: _blocks(q, cache, positions_BxT, last_position, window).reshape(
                 B * K, G, H))

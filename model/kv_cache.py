@@ -14,6 +14,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 # Keys are stored [B * K, H, S] (transposed) and values [B * K, S, H], the batch and kv-head
 # axes merged into one: the layouts in which attention's two products read a block as it lies,
@@ -56,6 +57,11 @@ class KVCache:
         return KVCache(put(self.k, keys_stored(k_BxTxKxH), index, KEY_POSITIONS),
                        put(self.v, values_stored(v_BxTxKxH), index, VALUE_POSITIONS),
                        self.kv_heads)
+
+    def native_operands(self) -> tuple[jax.Array, ...] | None:
+        """The arrays shardq's attention kernel reads (`model.native_attention`): a float32
+        cache's keys and values; None for another dtype (XLA's blocks run it)."""
+        return (self.k, self.v) if self.k.dtype == jnp.float32 else None
 
     def block(self, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
         """Keys [B * K, H, size] and values [B * K, size, H] at positions start .. start + size

@@ -122,10 +122,10 @@ def _native_products(x: jax.Array, layers) -> list[jax.Array]:
 def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
     """Route `model`'s few-row float32 work through shardq's kernels (`on`) or XLA's
     operations, in place; returns the model: every module whose class sets `NATIVE_FLOAT` (the
-    Dense products, `model.native_float`; attention over a float cache at one position,
-    `model.native_attention`). For decoding only: the kernels have no gradient. The choice is
-    part of the graph definition, so a program traced after it keeps it. XLA cannot split a
-    custom call over devices (it would gather a sharded kernel whole): a model whose kernels
+    Dense products, `model.native_float`; attention over a float32 or int8 cache at one
+    position, `model.native_attention`). For decoding only: the kernels have no gradient. The
+    choice is part of the graph definition, so a program traced after it keeps it. XLA cannot
+    split a custom call over devices (it would gather a sharded kernel whole): a model whose kernels
     are sharded should keep XLA's dots."""
     for _, module in nnx.iter_modules(model):
         if getattr(type(module), "NATIVE_FLOAT", False):

@@ -5,7 +5,7 @@ into a cache folder keyed by the source, the compiler, the CPU's flags and jaxli
 ($SHARDQ_CACHE_DIR, else ~/.cache/shardq), and its entries are registered as XLA custom call
 targets on the CPU. Where there is no C++ compiler, or the build fails, `load` says why and the
 caller keeps XLA's own operations. `quant.native_int8` (int8 products), `model.native_float`
-(float32 products) and `model.native_attention` (attention over a float cache) are built this
+(float32 products) and `model.native_attention` (attention over a KV cache) are built this
 way.
 """
 

@@ -73,8 +73,8 @@ def softcap(x: jax.Array, cap: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    # `model.layers.use_native_float` switches `native`: attention over a float cache at one
-    # position in shardq's kernel (model/native_attention.py)
+    # `model.layers.use_native_float` switches `native`: attention over a float32 or int8 cache
+    # at one position in shardq's kernel (model/native_attention.py)
     NATIVE_FLOAT = True
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

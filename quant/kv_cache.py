@@ -47,6 +47,11 @@ class Int8KVCache:
                            put(self.v_scale, values_stored(v_s), index, VALUE_POSITIONS),
                            self.kv_heads)
 
+    def native_operands(self) -> tuple[jax.Array, ...]:
+        """The arrays shardq's attention kernel reads (`model.native_attention`): the int8 keys
+        and values and their scales, dequantised as the kernel reads them."""
+        return self.k, self.v, self.k_scale, self.v_scale
+
     def block(self, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
         """Dequantised keys [B * K, H, size] and values [B * K, size, H] at positions start ..
         start + size - 1: only the block is converted, never the whole cache."""

@@ -195,7 +195,7 @@ def quantize(pre: Pretrained, mode: str, qcfg: QuantConfig | None = None,
 
 def for_decoding(pre: Pretrained, kernels: bool = True, attention: bool = True) -> Pretrained:
     """`pre` with its few-row float32 work in shardq's kernels (`kernels`: the Dense layers'
-    products, `model.native_float`, and, with `attention`, attention over a float cache at one
+    products, `model.native_float`, and, with `attention`, attention over the cache at one
     position, `model.native_attention`) or XLA's operations: the model a decoding step reads.
     Never for training: the kernels have no gradient."""
     model = use_native_float(nnx.merge(pre.graphdef, pre.params), kernels)

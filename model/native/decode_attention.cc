@@ -12,6 +12,10 @@
 // float32 [B * K, S, H] (model/kv_cache.py's layouts); position int32 [B] (the query's: it sees
 // keys at positions <= it); window int32 [1] (it also stops seeing positions before
 // position - window + 1; a window of S or more hides nothing). Result float32 [B * K, G, H].
+// The int8 entry reads quant/kv_cache.py's int8 cache: keys and values int8 in those layouts,
+// with one float32 scale per position and kv head, key scales [B * K, 1, S] and value scales
+// [B * K, S, 1]; each key is dequantised as it is read, as that cache's blocks are, and each
+// value's scale is folded into its softmax weight.
 
 #include <algorithm>
 #include <cmath>
@@ -53,6 +57,17 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// One stored key or value element as float32, and (AVX-512) sixteen consecutive ones.
+inline float element(const float* p, int64_t i) { return p[i]; }
+inline float element(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+#endif
+
 // p[c] = exp(s[c] - shift) for c < n; returns their sum.
 float exp_and_sum(float* s, int64_t n, float shift) {
   int64_t c = 0;
@@ -75,9 +90,13 @@ float exp_and_sum(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// One kv head's rows: g query heads over positions [first, last] (inclusive) of the cache.
-void attend(const float* q, const float* keys, const float* values, int64_t g_heads, int64_t h,
-            int64_t s_len, int64_t first, int64_t last, float* out) {
+// One kv head's rows: g query heads over positions [first, last] (inclusive) of the cache. T is
+// the stored element (float or int8); an int8 cache has a scale per position for its keys
+// (k_scale) and its values (v_scale), null for a float one.
+template <typename T>
+void attend(const float* q, const T* keys, const T* values, const float* k_scale,
+            const float* v_scale, int64_t g_heads, int64_t h, int64_t s_len, int64_t first,
+            int64_t last, float* out) {
   std::vector<float> m(g_heads, -INFINITY), denom(g_heads, 0.0f), acc(g_heads * h, 0.0f);
   std::vector<float> s(g_heads * kBlock);
   for (int64_t start = first / kBlock * kBlock; start <= last; start += kBlock) {
@@ -86,12 +105,14 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
     // Scores s[g, c] = q[g] . keys[:, c], over the block's visible positions: the keys read
     // row by row (each head dim's positions are contiguous), every query head's sums at once.
     std::fill(s.begin(), s.end(), 0.0f);
+    const float* ks = k_scale != nullptr ? k_scale + c0 : nullptr;
     for (int64_t d = 0; d < h; ++d) {
-      const float* kd = keys + d * s_len + c0;
+      const T* kd = keys + d * s_len + c0;
       int64_t c = 0;
 #if defined(__AVX512F__)
       for (; c + 16 <= n; c += 16) {
-        const __m512 kv = _mm512_loadu_ps(kd + c);
+        __m512 kv = load16(kd + c);
+        if (ks != nullptr) kv = _mm512_mul_ps(kv, _mm512_loadu_ps(ks + c));
         for (int64_t g = 0; g < g_heads; ++g) {
           float* sg = s.data() + g * kBlock + c;
           _mm512_storeu_ps(sg, _mm512_fmadd_ps(_mm512_set1_ps(q[g * h + d]), kv,
@@ -100,9 +121,10 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
       }
 #endif
       for (; c < n; ++c) {
+        const float kc = ks != nullptr ? element(kd, c) * ks[c] : element(kd, c);
         for (int64_t g = 0; g < g_heads; ++g) {
           float& sg = s[g * kBlock + c];
-          sg = std::fma(q[g * h + d], kd[c], sg);
+          sg = std::fma(q[g * h + d], kc, sg);
         }
       }
     }
@@ -113,6 +135,9 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
       const float m_new = std::max(m[g], block_max);
       const float sum = exp_and_sum(sg, n, m_new);
       const float rescale = std::exp(m[g] - m_new);
+      if (v_scale != nullptr) {  // each value's scale, folded into its weight
+        for (int64_t c = 0; c < n; ++c) sg[c] *= v_scale[c0 + c];
+      }
       denom[g] = denom[g] * rescale + sum;
       float* ag = acc.data() + g * h;
       for (int64_t d = 0; d < h; ++d) ag[d] *= rescale;
@@ -124,11 +149,11 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
         __m512 a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
         for (int64_t c = 0; c < n; ++c) {
           const __m512 p = _mm512_set1_ps(sg[c]);
-          const float* vc = values + (c0 + c) * h + d;
-          a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc), a0);
-          a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + 16), a1);
-          a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + 32), a2);
-          a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + 48), a3);
+          const T* vc = values + (c0 + c) * h + d;
+          a0 = _mm512_fmadd_ps(p, load16(vc), a0);
+          a1 = _mm512_fmadd_ps(p, load16(vc + 16), a1);
+          a2 = _mm512_fmadd_ps(p, load16(vc + 32), a2);
+          a3 = _mm512_fmadd_ps(p, load16(vc + 48), a3);
         }
         _mm512_storeu_ps(ag + d, a0);
         _mm512_storeu_ps(ag + d + 16, a1);
@@ -138,7 +163,9 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
 #endif
       for (; d < h; ++d) {
         float a = ag[d];
-        for (int64_t c = 0; c < n; ++c) a = std::fma(sg[c], values[(c0 + c) * h + d], a);
+        for (int64_t c = 0; c < n; ++c) {
+          a = std::fma(sg[c], element(values, (c0 + c) * h + d), a);
+        }
         ag[d] = a;
       }
       m[g] = m_new;
@@ -149,10 +176,15 @@ void attend(const float* q, const float* keys, const float* values, int64_t g_he
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> position,
-                           ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
+// Checks the shapes, then one kv head's rows per chunk, shared out over XLA's threads. Key
+// scales [B * K, 1, S] and value scales [B * K, S, 1] come with an int8 cache (else null).
+template <typename T>
+ffi::Error attention(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
+                     ffi::Span<const int64_t> kd, const T* keys, ffi::Span<const int64_t> vd,
+                     const T* values, const float* k_scale, const float* v_scale,
+                     const ffi::Buffer<ffi::S32>& position, const ffi::Buffer<ffi::S32>& window,
+                     float* out) {
+  const auto qd = q.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || kd[0] != qd[0] ||
       vd[0] != qd[0] || kd[1] != qd[2] || vd[2] != qd[2] || vd[1] != kd[2] ||
       window.element_count() != 1 || position.element_count() < 1 ||
@@ -164,20 +196,45 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t rows = qd[0], g_heads = qd[1], h = qd[2], s_len = kd[2];
   const int64_t per_batch = rows / static_cast<int64_t>(position.element_count());
   const int64_t win = window.typed_data()[0];
-  // One kv head's rows per chunk, shared out over XLA's threads.
   shardq::share_out(pool, rows, rows > 1, [&](int64_t r) {
     const int64_t pos = std::min<int64_t>(position.typed_data()[r / per_batch], s_len - 1);
     const int64_t first = std::max<int64_t>(0, pos - win + 1);
     const float* qr = q.typed_data() + r * g_heads * h;
-    float* o = out->typed_data() + r * g_heads * h;
+    float* o = out + r * g_heads * h;
     if (pos < 0 || first > pos) {  // no position seen: 0 / 0, as XLA's softmax gives
       std::fill(o, o + g_heads * h, NAN);
       return;
     }
-    attend(qr, keys.typed_data() + r * h * s_len, values.typed_data() + r * s_len * h, g_heads,
-           h, s_len, first, pos, o);
+    attend(qr, keys + r * h * s_len, values + r * s_len * h,
+           k_scale != nullptr ? k_scale + r * s_len : nullptr,
+           v_scale != nullptr ? v_scale + r * s_len : nullptr, g_heads, h, s_len, first, pos, o);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                           ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> window,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  return attention<float>(pool, q, keys.dimensions(), keys.typed_data(), values.dimensions(),
+                          values.typed_data(), nullptr, nullptr, position, window,
+                          out->typed_data());
+}
+
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::S8> keys, ffi::Buffer<ffi::S8> values,
+                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::S32> position, ffi::Buffer<ffi::S32> window,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = keys.dimensions();
+  if (kd.size() != 3 || k_scale.element_count() != kd[0] * kd[2] ||
+      v_scale.element_count() != kd[0] * kd[2]) {
+    return ffi::Error::InvalidArgument(
+        "shardq attention: key scales [B*K, 1, S] and value scales [B*K, S, 1] expected");
+  }
+  return attention<int8_t>(pool, q, kd, keys.typed_data(), values.dimensions(),
+                           values.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+                           position, window, out->typed_data());
 }
 
 }  // namespace
@@ -186,6 +243,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardqDecodeAttentionInt8, DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -186,12 +186,12 @@ def bench_decode(d: dict) -> str:
         rows.append(f"| {c['change']} | {c['before']} | {c['after']} | {c['speedup']:.2f}× |")
     if long:
         rows += ["", f"At a {long['prompt_tokens']}-token prompt (the same {d['new_tokens']} new "
-                 f"tokens, the same runs):", "", *head("variant", "attention", "tokens/s",
-                                                       "ms/token")]
+                 f"tokens, the same runs):", "", *head("variant", "attention", "KV cache",
+                                                       "tokens/s", "ms/token")]
         for r in long["variants"]:
             how = "XLA's" if r["variant"].endswith("-xla-attention") else "shardq's kernel"
-            rows.append(f"| {r['variant']} | {how} | {r['tokens_per_s']:.1f} | "
-                        f"{r['ms_per_token']:.1f} |")
+            rows.append(f"| {r['variant']} | {how} | {'int8' if r['kv_int8'] else 'float32'} | "
+                        f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.1f} |")
     rows += _bench_decode_levers(d) + _bench_decode_profile(d)
     mv = d["block_matvec"]
     ms = mv["ms"]
