@@ -197,10 +197,6 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
     # compiled now (or found in jit's cache) rather than after the first token is shown
     chunk.lower(leaves, token, cache, 0, 0, key, stops, stopped).compile()
 
-    def dispatch(done: int, size: int, state):  # `size` tokens after `done` new ones
-        token, cache, key, stopped = state
-        return chunk(leaves, token, cache, T + done - 1, size, key, stops, stopped)
-
     value = int(np.asarray(token)[0, 0])
     pending = []  # chunks in flight, with how many tokens each was asked for
     planned, size = 1, STREAM_FIRST_CHUNK  # new tokens covered so far; the next chunk's size
@@ -209,7 +205,9 @@ def stream(graphdef, params, prompt_1xT: jax.Array, max_new_tokens: int, key: ja
         nonlocal planned, size
         if planned < max_new_tokens:
             ask = min(size, max_new_tokens - planned)
-            pending.append((dispatch(planned, ask, state), ask))
+            token, cache, key, stopped = state  # its first step writes position T + planned - 1
+            pending.append((chunk(leaves, token, cache, T + planned - 1, ask, key, stops,
+                                  stopped), ask))
             planned, size = planned + ask, min(2 * size, STREAM_CHUNK)
 
     queue(state)

@@ -40,8 +40,8 @@ class DecodeVariant:
     # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float,
     # model.native_attention)
     kernels: bool = True
-    # True: as experiments.chat decodes (model.generate.stream: each token handed to the host
-    # as the loop chooses it), instead of one lax.scan over the tokens
+    # True: as experiments.chat decodes (model.generate.stream: short loops whose tokens reach
+    # the host loop by loop), instead of one lax.scan over the tokens
     streamed: bool = False
     # False: each int8 kernel in its own call, where those that read one input (q/k/v,
     # gate/up) share one by default (quant.dense.QuantDense.shared_call)

@@ -173,7 +173,7 @@ def bench_decode(d: dict) -> str:
                   "weight bytes read/token", "KV cache bytes", "cores busy")]
     for r in d["variants"]:
         busy = f"{r['cores_busy']:.2f}" if "cores_busy" in r else "–"
-        # a streamed row hands each token to the host as it comes, as experiments.chat
+        # a streamed row hands its tokens to the host loop by loop, as experiments.chat
         layout = r["layout"].replace("_", " ") + (", streamed" if r.get("path") ==
                                                  "stream" else "")
         rows.append(f"| {r['variant']} | {layout} | "
