@@ -266,13 +266,14 @@ def child_argv(args) -> list[str]:
 def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> dict:
     modules = ("experiments.pretrained.loading", "experiments.pretrained.decoding",
                "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
-               "experiments.speed.block_matvec", "experiments.speed.machine",
-               "experiments.speed.decode_profile", "experiments.speed.xla_flag_runs",
+               "experiments.speed.block_matvec", "experiments.speed.greedy_pick",
+               "experiments.speed.machine", "experiments.speed.decode_profile",
+               "experiments.speed.xla_flag_runs",
                "quant.native_int8")
     split = max(VARIANTS[n].devices for n in names)
-    (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, machine, decode_profile,
-     xla_flag_runs, native_int8) = (startup.begin(*modules, devices=split) if split > 1
-                                    else startup.load(*modules))
+    (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, greedy_pick, machine,
+     decode_profile, xla_flag_runs, native_int8) = (
+        startup.begin(*modules, devices=split) if split > 1 else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
     files = peer_files(args, tools, float_model) if tools is not None else {}
@@ -334,6 +335,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
                      if files else {"skipped": skipped}),
             "block_matvec": matvec,
+            "greedy_pick": greedy_pick.pick_check(float_model.cfg.vocab_size, args.repeats),
             "machine": {**machine.describe(), "cpu_devices": split,
                         "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}

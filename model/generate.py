@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import native_argmax
+
 
 def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
                  top_k: int) -> jax.Array:
     if temperature <= 0.0:
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return native_argmax.argmax(logits_BxV)
     logits = logits_BxV / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]

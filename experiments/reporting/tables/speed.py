@@ -209,12 +209,24 @@ def bench_decode(d: dict) -> str:
     rows += ["", f"One token through all {mv['kernels']} block kernels: float32 dot "
              f"{ms['float32_dot']:.1f} ms, int8 dot on 1 row {ms['int8_dot_1_row']:.1f} ms, "
              f"int8 dot padded to {padded.split('_')[2]} rows {ms[padded]:.1f} ms"
-             f"{in_out}{w8}{kernel}.", "",
+             f"{in_out}{w8}{kernel}.", *_greedy_pick(d), "",
              f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
              f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
              f"{_int8_kernel(d)}1-minute load average {m['load_1min_before']:.1f} before and "
              f"{m['load_1min_after']:.1f} after."]
     return "\n".join(rows)
+
+
+def _greedy_pick(d: dict) -> list[str]:
+    """The greedy pick's line (files written before it, or where shardq's kernel does not
+    build: none)."""
+    pick = d.get("greedy_pick")
+    if not pick or "shardq_kernel" not in pick["us_per_pick"]:
+        return []
+    us = pick["us_per_pick"]
+    return ["", f"The greedy pick over {pick['vocab']:,} logits, µs per token: XLA's argmax "
+                f"{us['xla_argmax']:.0f}, shardq's kernel {us['shardq_kernel']:.0f} (each with "
+                f"one elementwise pass over the logits)."]
 
 
 def _int8_kernel(d: dict) -> str:
