@@ -3,10 +3,10 @@
 
 A decoding step attends once per layer; XLA runs `model.cached_attention`'s block loop as a
 dozen small operations per layer, each costing more than its few bytes. This call runs the
-same blocks with the same online softmax in one operation: equal to XLA's to float32 rounding
-(its sums and its exp run in another order and form), and like it independent of the cache's
-length. `model.layers.use_native_float` switches a model's attention to it, with its Dense
-products.
+same blocks in one operation, each block's softmax apart (the blocks share XLA's threads) and
+combined in order as the online softmax does: equal to XLA's to float32 rounding (its sums and
+its exp run in another order and form), and like it independent of the cache's length.
+`model.layers.use_native_float` switches a model's attention to it, with its Dense products.
 
 Built like `quant.native_int8` (`model.native_build`); `SHARDQ_ATTENTION_KERNEL=off` turns it
 off.

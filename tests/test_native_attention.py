@@ -1,10 +1,11 @@
 """shardq's attention of one query position over a float32 or an int8 KV cache
 (model/native_attention.py) against `model.cached_attention`'s blocks in XLA's operations.
 
-The kernel visits the same blocks with the same online softmax; its sums and its exp run in
-another order and form, so it agrees to float32 rounding. Cases cover grouped-query heads, a
-batch, caches of one and of several blocks, a sliding window, the first position, and a head
-dimension that is not a multiple of the vector width.
+The kernel visits the same blocks, each block's softmax apart and the blocks combined in order;
+its sums and its exp run in another order and form, so it agrees to float32 rounding. Cases
+cover grouped-query heads (more than the four the kernel takes at a time too), a batch, caches
+of one and of several blocks, a sliding window, the first position, and head dimensions that
+are not a multiple of the vector width.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _attend(q, cache, pos, window, native):
 @pytest.mark.parametrize("B,K,G,H,S,pos,window", [
     (1, 3, 3, 64, 256, [169], None), (1, 3, 3, 64, 768, [700], None),
     (2, 2, 2, 64, 512, [400, 30], 100), (1, 1, 4, 48, 256, [0], None),
-    (1, 2, 1, 128, 512, [511], 300)])
+    (1, 2, 1, 128, 512, [511], 300), (1, 1, 6, 64, 768, [590], None),
+    (1, 2, 5, 80, 512, [299], 200)])
 def test_kernel_matches_xla_blocks_to_float_rounding(B, K, G, H, S, pos, window):
     if not native_kernel_built(native_attention.status()):
         return
