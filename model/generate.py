@@ -59,10 +59,12 @@ def prefill(model, prompt_BxT: jax.Array, max_new_tokens: int, cache_dtype=None,
 
 
 def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
-                 key: jax.Array, temperature: float = 0.0, top_k: int = 0) -> jax.Array:
+                 key: jax.Array, temperature: float = 0.0, top_k: int = 0,
+                 return_cache: bool = False):
     """[B, steps] tokens: `first_B` (already chosen, at position `index`), then `steps - 1` more,
     each one single-position forward pass over the cache, in one `lax.scan` (no host round
-    trip per token)."""
+    trip per token). With `return_cache`, (tokens, the cache after them): a caller that donates
+    the cache gets it written in place."""
 
     def step(carry, i):
         token, cache, key = carry
@@ -71,8 +73,8 @@ def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
         nxt = sample_token(logits[:, -1], sub, temperature, top_k)
         return (nxt, cache, key), token
 
-    (_, _, _), out = jax.lax.scan(step, (first_B, cache, key), jnp.arange(steps))
-    return out.T
+    (_, cache, _), out = jax.lax.scan(step, (first_B, cache, key), jnp.arange(steps))
+    return (out.T, cache) if return_cache else out.T
 
 
 def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: jax.Array,
