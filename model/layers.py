@@ -363,15 +363,23 @@ def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
                                         implementation="cudnn", local_window_size=local)
 
 
-def rotary(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, base: float,
-           freqs: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding (rotate-half convention), computed in fp32. `freqs` [H/2]
-    (a layer's own, traced) replaces the ones `base` gives."""
-    half = x_BxTxNxH.shape[-1] // 2
+def rotary_angles(positions_BxT: jax.Array, half: int, base: float,
+                  freqs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [B, T, 1, half] float32 of the rotary angles at `positions_BxT`: `freqs` [half]
+    (a layer's own, traced), else the ones `base` gives.
+
+    They are computed once, apart from the products that rotate q and k: fused into each of
+    them, XLA:CPU would evaluate sin and cos again for every element of every head."""
     if freqs is None:
         freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]  # B,T,H/2
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    sin, cos = jax.lax.optimization_barrier((jnp.sin(angles), jnp.cos(angles)))
+    return sin[:, :, None, :], cos[:, :, None, :]
+
+
+def rotary(x_BxTxNxH: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotary position embedding (rotate-half convention) with `rotary_angles`' tables,
+    computed in fp32."""
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxNxH.dtype)

@@ -41,6 +41,7 @@ from model.layers import (
     dtype_of,
     fused_causal_attention,
     rotary,
+    rotary_angles,
     shared_input,
 )
 
@@ -104,8 +105,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
-        q = rotary(q, positions_BxT, cfg.rope_base, freqs)
-        k = rotary(k, positions_BxT, cfg.rope_base, freqs)
+        sin, cos = rotary_angles(positions_BxT, cfg.head_dim // 2, cfg.rope_base, freqs)
+        q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale
             scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
