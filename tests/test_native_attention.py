@@ -81,7 +81,8 @@ def _int8_case(seed, B, K, G, H, S):
 
 @pytest.mark.parametrize("B,K,G,H,S,pos,window", [
     (1, 3, 3, 64, 256, [169], None), (1, 3, 3, 64, 768, [700], None),
-    (2, 2, 2, 64, 512, [400, 30], 100), (1, 2, 1, 48, 256, [255], 17)])
+    (2, 2, 2, 64, 512, [400, 30], 100), (1, 2, 1, 48, 256, [255], 17),
+    (1, 2, 5, 80, 512, [299], 200)])
 def test_int8_cache_kernel_matches_xla_blocks_to_float_rounding(B, K, G, H, S, pos, window):
     """The int8 entry reads the int8 cache as stored (keys dequantised as read, each value's
     scale folded into its weight) and agrees with XLA's blocks, which dequantise each block

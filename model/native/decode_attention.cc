@@ -204,6 +204,11 @@ void block_partial(const float* q, const T* keys, const T* values, const float* 
     float block_max = -INFINITY;
     for (int64_t c = 0; c < n; ++c) block_max = std::max(block_max, sg[c]);
     m[g] = block_max;
+    if (block_max == -INFINITY) {  // no score above -inf: weights 0, as exp(-inf) gives
+      std::fill(sg, sg + n, 0.0f);
+      denom[g] = 0.0f;
+      continue;
+    }
     denom[g] = exp_and_sum(sg, n, block_max);
     if (v_scale != nullptr) {  // each value's scale, folded into its weight
       for (int64_t c = 0; c < n; ++c) sg[c] *= v_scale[c0 + c];
@@ -257,7 +262,8 @@ ffi::Error attention(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
     row_first[r] = static_cast<int64_t>(row_of.size());
     const int64_t pos = std::min<int64_t>(position.typed_data()[r / per_batch], s_len - 1);
     const int64_t first = std::max<int64_t>(0, pos - win + 1);
-    for (int64_t start = first / kBlock * kBlock; pos >= 0 && start <= pos; start += kBlock) {
+    if (pos < 0 || first > pos) continue;  // no position seen: no chunk (NaN below)
+    for (int64_t start = first / kBlock * kBlock; start <= pos; start += kBlock) {
       row_of.push_back(r);
       c0s.push_back(std::max(first, start));
       c1s.push_back(std::min(pos + 1, start + kBlock));
@@ -288,6 +294,7 @@ ffi::Error attention(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& q,
       std::fill(og, og + h, 0.0f);
       for (int64_t c = row_first[r]; c < row_first[r + 1]; ++c) {
         const float* p = partial.data() + c * stride;
+        if (p[g] == -INFINITY) continue;  // a block of zero weights adds nothing
         const float m_new = std::max(m, p[g]);
         const float old = std::exp(m - m_new), mine = std::exp(p[g] - m_new);
         denom = denom * old + p[g_heads + g] * mine;
