@@ -37,8 +37,8 @@ class DecodeVariant:
     kv_int8: bool = False
     per_layer: bool | None = None  # False: the layer scan; None: model.generate's default
     devices: int = 1  # >1: each step split over that many devices (parallel/decode_split.py)
-    # False: XLA's products instead of shardq's kernels (quant.native_int8, model.native_float,
-    # model.native_attention)
+    # False: XLA's operations instead of shardq's kernels (quant.native_int8, model.native_float,
+    # model.native_attention, model.native_argmax)
     kernels: bool = True
     # True: as experiments.chat decodes (model.generate.stream: short loops whose tokens reach
     # the host loop by loop), instead of one lax.scan over the tokens
@@ -137,14 +137,16 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
                           f"the context of {variants[0].model.cfg.max_len}")
     progs = [decode_programs(v, prompt, new_tokens) for v in variants]
 
+    def own_args(v, args):  # a scan call consumes its cache: each gets a copy, made untimed
+        return args if v.streamed else fresh_args(args)
+
     def call(v, fn, args):  # (tokens, seconds): a streamed call times itself (no prefill)
-        if not v.streamed:
-            args = fresh_args(args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         return out if v.streamed else (out[0], time.perf_counter() - t0)
 
-    tokens = [np.asarray(call(v, *p)[0])[0] for v, p in zip(variants, progs, strict=True)]
+    tokens = [np.asarray(call(v, fn, own_args(v, args))[0])[0]
+              for v, (fn, args) in zip(variants, progs, strict=True)]
     times: list[list[list[float]]] = [[] for _ in variants]
     cpu, agree = [0.0] * len(variants), [True] * len(variants)
     for _ in range(rounds):
@@ -152,6 +154,7 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
             t.append([])
         for _ in range(repeats):
             for i, (fn, args) in enumerate(progs):
+                args = own_args(variants[i], args)
                 c0 = _cpu_seconds()
                 out, sec = call(variants[i], fn, args)
                 times[i][-1].append(sec)
