@@ -126,19 +126,20 @@ CHANGES = (
     ("layer layout by a timed probe instead of the fixed rule (w8a8)", "w8a8", "w8a8-probed"),
     ("each step split over 2 devices by output features (float)", "float", "float-split2"),
     ("each step split over 2 devices by output features (w8a8)", "w8a8", "w8a8-split2"),
-    ("shardq's float kernel instead of XLA's dots (float, per-layer weights)", "float-xla",
-     "float"),
-    ("shardq's int8 kernel instead of XLA's products (w8, layer scan)", "w8-xla", "w8-scan"),
-    ("shardq's int8 kernel instead of XLA's products (w8a8, layer scan)", "w8a8-xla",
-     "w8a8-scan"),
-    ("shardq's int8 kernel instead of XLA's products (w8a8, per-layer weights)",
-     "w8a8-per-layer-xla", "w8a8"),
+    ("shardq's kernels (float products, attention, greedy pick) instead of XLA's operations "
+     "(float, per-layer weights)", "float-xla", "float"),
+    ("shardq's kernels (int8 products, attention, greedy pick) instead of XLA's operations "
+     "(w8, layer scan)", "w8-xla", "w8-scan"),
+    ("shardq's kernels (int8 products, attention, greedy pick) instead of XLA's operations "
+     "(w8a8, layer scan)", "w8a8-xla", "w8a8-scan"),
+    ("shardq's kernels (int8 products, attention, greedy pick) instead of XLA's operations "
+     "(w8a8, per-layer weights)", "w8a8-per-layer-xla", "w8a8"),
     ("one kernel call for q/k/v and one for gate/up, each input quantised once, instead of "
      "one call per kernel (w8)", "w8-ungrouped", "w8"),
     ("one kernel call for q/k/v and one for gate/up, each input quantised once, instead of "
      "one call per kernel (w8a8)", "w8a8-ungrouped", "w8a8"),
-    ("the default int8 path (the kernel, per-layer weights, the table in int8 blocks) instead "
-     "of the float-head path in XLA's products and the layer scan (w8a8)",
+    ("the default int8 path (the kernels, per-layer weights, the table in int8 blocks) instead "
+     "of the float-head path in XLA's operations and the layer scan (w8a8)",
      "w8a8-float-head-xla", "w8a8"),
     ("int8 weights (w8) against float", "float", "w8"),
     ("int8 weights and activations (w8a8) against float", "float", "w8a8"),

@@ -13,14 +13,26 @@ from model import native_argmax
 
 
 def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
-                 top_k: int) -> jax.Array:
+                 top_k: int, native: bool = True) -> jax.Array:
+    """The next token [B] from the logits: greedy (`temperature` 0: in shardq's kernel with
+    `native`, `model.native_argmax`, else XLA's argmax), or sampled at `temperature` from the
+    `top_k` most likely (0: all)."""
     if temperature <= 0.0:
-        return native_argmax.argmax(logits_BxV)
+        return native_argmax.argmax(logits_BxV) if native else jnp.argmax(
+            logits_BxV, axis=-1).astype(jnp.int32)
     logits = logits_BxV / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def picks_in_kernel(model) -> bool:
+    """Whether a decoding step of `model` picks greedy tokens in shardq's kernel: where its
+    layers run shardq's kernels (`model.layers.use_native_float`; int8 layers by default), not
+    where a caller keeps XLA's operations (a step split over devices, whose logits are sharded
+    over the vocabulary: a custom call would gather them whole)."""
+    return any(getattr(m, "native", False) for _, m in nnx.iter_modules(model))
 
 
 def default_per_layer(model) -> bool:
@@ -66,11 +78,13 @@ def decode_steps(model, first_B: jax.Array, cache, layers, index, steps: int,
     trip per token). With `return_cache`, (tokens, the cache after them): a caller that donates
     the cache gets it written in place."""
 
+    native = picks_in_kernel(model)
+
     def step(carry, i):
         token, cache, key = carry
         logits, cache = model.decode(token[:, None], cache, index + i, layers)
         key, sub = jax.random.split(key)
-        nxt = sample_token(logits[:, -1], sub, temperature, top_k)
+        nxt = sample_token(logits[:, -1], sub, temperature, top_k, native)
         return (nxt, cache, key), token
 
     (_, cache, _), out = jax.lax.scan(step, (first_B, cache, key), jnp.arange(steps))
@@ -92,7 +106,7 @@ def generate(graphdef, params, prompt_BxT: jax.Array, max_new_tokens: int, key: 
     logits, cache, layers = prefill(model, prompt_BxT, max_new_tokens, cache_dtype, make_cache,
                                     per_layer)
     key, sub = jax.random.split(key)
-    first = sample_token(logits, sub, temperature, top_k)
+    first = sample_token(logits, sub, temperature, top_k, picks_in_kernel(model))
     out = decode_steps(model, first, cache, layers, prompt_BxT.shape[1], max_new_tokens, key,
                        temperature, top_k)
     return jnp.concatenate([prompt_BxT, out], axis=1)
@@ -139,17 +153,19 @@ def _stream_programs(graphdef, weights, temperature: float, top_k: int):
         model, layers = model_of(leaves)
         logits, cache = model.decode(prompt, cache, 0, layers, last_only=True)
         key, sub = split(key)
-        return sample_token(logits[:, -1], sub, temperature, top_k)[:, None], cache, key
+        return sample_token(logits[:, -1], sub, temperature, top_k,
+                            picks_in_kernel(model))[:, None], cache, key
 
     @functools.partial(jax.jit, donate_argnums=2)
     def chunk(leaves, token, cache, index, count, key, stop_ids, stopped):
         model, layers = model_of(leaves)
+        native = picks_in_kernel(model)
 
         def step(state):
             i, out, token, cache, key, _ = state
             key, sub = split(key)
             logits, cache = model.decode(token, cache, index + i, layers, last_only=True)
-            token = sample_token(logits[:, -1], sub, temperature, top_k)[:, None]
+            token = sample_token(logits[:, -1], sub, temperature, top_k, native)[:, None]
             out = jax.lax.dynamic_update_slice(out, token, (0, i))
             return i + 1, out, token, cache, key, jnp.any(token[0, 0] == stop_ids)
 

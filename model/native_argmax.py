@@ -35,7 +35,8 @@ def status() -> dict:
 def _kernel(x: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
                             vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32))
+    # an index has no gradient: the pick is a constant to differentiation, as jnp.argmax is
+    return call(jax.lax.stop_gradient(x).astype(jnp.float32))
 
 
 def _xla(x: jax.Array) -> jax.Array:

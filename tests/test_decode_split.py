@@ -129,7 +129,7 @@ def test_shardq_kernels_decode_the_same_tokens_as_xla_products():
     # decoding writes the same tokens. The compiled steps show which products each runs.
     # (The weight-only and float kernels sum in another order: equal to rounding, the same
     # tokens here.)
-    from model import native_attention, native_float
+    from model import native_argmax, native_attention, native_float
     from quant import native_int8
 
     for quant, kernel in (("w8a8", native_int8), ("w8", native_int8), ("none", native_float)):
@@ -143,6 +143,9 @@ def test_shardq_kernels_decode_the_same_tokens_as_xla_products():
                  for fn, args in (decoding.decode_programs(v, PROMPT, NEW) for v in variants)]
         assert target not in texts[1]
         assert (target in texts[0]) == kernel.status()["available"]
+        # the greedy pick goes with the kernels: shardq's where they run, XLA's argmax not
+        assert native_argmax.TARGET not in texts[1]
+        assert (native_argmax.TARGET in texts[0]) == native_argmax.status()["available"]
         # attention over the float cache: shardq's kernel by default, XLA's when asked
         assert (native_attention.TARGET in texts[0]) == native_attention.status()["available"]
         xla_attention = decoding.DecodeVariant("xla-attention", pre, attention_kernel=False)

@@ -12,6 +12,7 @@
 // share of an int8 decoding step for a vocabulary of tens of thousands; here sixteen lanes keep
 // their own first maximum and the lanes are compared at the end.
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -84,6 +85,9 @@ ffi::Error GreedyPick(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
     return ffi::Error::InvalidArgument("shardq greedy pick: x [..., V] with V > 0 expected");
   }
   const int64_t n = dims.back();
+  if (n > INT32_MAX) {
+    return ffi::Error::InvalidArgument("shardq greedy pick: V must fit an int32 index");
+  }
   const int64_t rows = static_cast<int64_t>(x.element_count()) / n;
   const float* data = x.typed_data();
   int32_t* out = y->typed_data();
