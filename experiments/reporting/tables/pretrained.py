@@ -55,17 +55,24 @@ def _outlier_rows(d: dict) -> list[str]:
              *head("Dense input", "layer", "channel", "peak", "× median channel",
                    "carriers", "carriers first in their row", "carriers' text",
                    "median token's largest input")]
-    shown = out["top"][:3]  # the largest overall, then each other distinct input's largest
-    for module in sorted(out["per_module"].values(), key=lambda v: -v["max"]):
-        if all(module["per_layer"] != out["per_module"][e["module"]]["per_layer"]
-               for e in shown):
-            shown.append(module["peak"])
     order = ("q", "k", "v", "o", "gate", "up", "down")  # a block's order, for the labels
 
     def label(module: str) -> str:  # every Dense that reads the same input
         same = [p.split("/")[-1] for p, v in out["per_module"].items()
                 if v["per_layer"] == out["per_module"][module]["per_layer"]]
         return "/".join(sorted(same, key=lambda n: (order.index(n) if n in order else 99, n)))
+
+    # q, k and v read one input, so one activation can fill several of the top entries
+    shown: list[dict] = []
+    for e in out["top"]:
+        if len(shown) < 3 and all((label(e["module"]), e["layer"], e["channel"])
+                                  != (label(s["module"]), s["layer"], s["channel"])
+                                  for s in shown):
+            shown.append(e)
+    for module in sorted(out["per_module"].values(), key=lambda v: -v["max"]):
+        if all(module["per_layer"] != out["per_module"][e["module"]]["per_layer"]
+               for e in shown):
+            shown.append(module["peak"])
 
     for e in shown:
         c = e["carriers"]
