@@ -16,16 +16,18 @@ def gemma3_parity(d: dict) -> str:
 
 
 def gemma3_quant(d: dict) -> str:
-    """SmolLM2's table layout; the modes quantise the blocks only, so the float embedding (the
-    tied head too) is the bytes every int8 row keeps."""
+    """SmolLM2's table layout, with what the smallest int8 row keeps of the float bytes: with
+    262,144 rows the tied embedding (the head too) is most of the model."""
     float_row = d["rows"][0]
     int8 = [r for r in d["rows"][1:] if r["quantized_fraction"] > 0]
     note = ""
     if int8:
         least = min(int8, key=lambda r: r["param_bytes"])
-        note = (f"\n\nThe int8 modes quantise the blocks only: of the float model's "
-                f"{float_row['param_bytes']:,} bytes the smallest int8 row ({least['quant']}) "
-                f"keeps {least['param_bytes']:,}, most of it the float32 embedding that is also "
-                f"the tied head (int8 share {least['quantized_fraction']:.3f} of the "
-                f"parameters).")
+        share = least["param_bytes"] / float_row["param_bytes"]
+        held = ("the blocks and the tied embedding (the head too)"
+                if least["quantized_fraction"] >= 0.999 else
+                f"{least['quantized_fraction']:.1%} of the parameters, the rest float")
+        note = (f"\n\nThe smallest int8 row ({least['quant']}) holds {least['param_bytes']:,} of "
+                f"the float model's {float_row['param_bytes']:,} bytes ({share:.3f}×), with "
+                f"{held} in int8.")
     return smollm2_quant(d) + note
