@@ -28,6 +28,10 @@ cores; decoding at the same depth (the prompt) and prefill of the same window. E
 in `--rounds` alternating rounds (ours, then the peer's, then ours again ...) so that a change in
 the machine's load hits both sides; the file records the peer rows, its build and our ratios to
 it. Without the tools one line says the peer rows are skipped.
+
+The run starts again with transparent huge pages asked of malloc, as the decoding launchers do
+(experiments/cli/huge_pages.py; `SHARDQ_HUGE_PAGES=0` keeps 4 KiB pages), and times float and
+w8a8 in child processes started both ways.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from experiments.cli import startup
+from experiments.cli import huge_pages, startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -118,6 +122,8 @@ LONG_VARIANTS = (("float", "none", True, False), ("float-xla-attention", "none",
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
+# the variants timed with and without transparent huge pages (experiments/cli/huge_pages.py)
+HUGE_PAGE_VARIANTS = ("float", "w8a8")
 # (what changed, variant before, variant after): ratios the results file records
 CHANGES = (
     ("per-layer weights instead of the stacked layer scan (float)", "float-scan", "float"),
@@ -182,8 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-dir", default="runs/llama_cpp",
                    help="where the peer's GGUF files are made once (default runs/llama_cpp)")
     p.add_argument("--no-xla-flags", action="store_true",
-                   help=f"skip the XLA flag rows ({FLAGS_VARIANT} timed in child processes "
-                        "under each flag set of experiments/speed/xla_flag_runs.py)")
+                   help=f"skip the rows timed in child processes: the XLA flag rows "
+                        f"({FLAGS_VARIANT} under each flag set of "
+                        f"experiments/speed/xla_flag_runs.py) and the huge page rows "
+                        f"({', '.join(HUGE_PAGE_VARIANTS)} with and without transparent huge "
+                        f"pages)")
     p.add_argument("--decode-only", action="store_true",
                    help="time the decode variants only (no prefill, peer, breakdown, matrix-"
                         "vector check or flag rows): what the flag rows' child runs do")
@@ -256,9 +265,10 @@ def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) 
     return variants, {prefill_label(*k): v for k, v in probes.items()}
 
 
-def child_argv(args) -> list[str]:
-    """The flags a child run of the XLA flag rows gets: the flag variant, same model and timing."""
-    argv = ["--variants", FLAGS_VARIANT, "--model", args.model, "--new-tokens",
+def child_argv(args, variants: str = FLAGS_VARIANT) -> list[str]:
+    """The flags a child run of the XLA flag or huge page rows gets: `variants`, the same model
+    and timing."""
+    argv = ["--variants", variants, "--model", args.model, "--new-tokens",
             str(args.new_tokens), "--repeats", str(args.repeats), "--rounds", "1"]
     return (argv + (["--layers", str(args.layers)] if args.layers is not None else [])
             + (["--step", str(args.step)] if args.step is not None else []))
@@ -269,11 +279,11 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
                "experiments.pretrained.prefill_speed", "experiments.training.pydoc_corpus",
                "experiments.speed.block_matvec", "experiments.speed.greedy_pick",
                "experiments.speed.machine", "experiments.speed.decode_profile",
-               "experiments.speed.xla_flag_runs",
+               "experiments.speed.xla_flag_runs", "experiments.speed.huge_page_runs",
                "quant.native_int8")
     split = max(VARIANTS[n].devices for n in names)
     (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, greedy_pick, machine,
-     decode_profile, xla_flag_runs, native_int8) = (
+     decode_profile, xla_flag_runs, huge_page_runs, native_int8) = (
         startup.begin(*modules, devices=split) if split > 1 else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
@@ -294,8 +304,9 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             # which build of shardq's kernel the int8 variants ran (or why XLA's products)
             "int8_kernel": {k: v for k, v in native_int8.status().items() if k != "library"}}
     if args.decode_only:
-        return {**head, "variants": decoding.decode_benchmark(
-            variants, prompt, args.new_tokens, args.repeats, args.rounds)}
+        rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
+                                         args.rounds)
+        return {**head, "variants": rows, "huge_pages": page_state()}
     window = prefill_speed.window_of(float_model.tokenizer.encode(text[:8 * args.prefill_tokens]),
                                      args.prefill_tokens)
     long = long_prompt(args, float_model.tokenizer.encode(text[:8 * args.long_prompt_tokens]),
@@ -324,6 +335,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     long_context = long_rows(args, decoding, models, long)
     flags = ([] if args.no_xla_flags
              else xla_flag_runs.flag_rows(child_argv(args), args.rounds))
+    pages = ([] if args.no_xla_flags else huge_page_runs.huge_page_rows(
+        child_argv(args, ",".join(HUGE_PAGE_VARIANTS)), args.rounds))
     matvec = block_matvec.matvec_check(float_model.cfg, args.repeats)
     by_name = {r["variant"]: r for r in rows}
     changes = [{"change": what, "before": a, "after": b,
@@ -332,6 +345,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     return {**head, "variants": rows, "changes": changes, "long_context": long_context,
             "layout_probe": probes,
             "profile": profile, "xla_flags": {"variant": FLAGS_VARIANT, "rows": flags},
+            "huge_pages": {**page_state(), "rows": pages},
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
             "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
                      if files else {"skipped": skipped}),
@@ -340,6 +354,14 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "machine": {**machine.describe(), "cpu_devices": split,
                         "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
+
+
+def page_state() -> dict:
+    """Whether this process asked malloc for transparent huge pages, the kernel's mode, and the
+    bytes of its memory in huge pages now."""
+    return {"thp": huge_pages.thp_mode(),
+            "asked": huge_pages.HUGETLB in os.environ.get(huge_pages.TUNABLES, ""),
+            "bytes": huge_pages.huge_page_bytes()}
 
 
 def long_prompt(args, tokens: list[int], max_len: int) -> list[int]:
@@ -427,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
                         for c in out["changes"] + (out["long_context"] or {}).get("changes", [])},
             "xla_flags": {r["xla_flags"]: round(r["speedup"], 2)
                           for r in out["xla_flags"]["rows"]},
+            "huge_pages": {r["variant"]: round(r["speedup"], 2)
+                           for r in out["huge_pages"]["rows"]},
             "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
                                      for r in out["prefill"]["rows"]},
             "peer": out["peer"].get("skipped") or {
@@ -438,4 +462,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    huge_pages.restart_with_huge_pages()
     main()

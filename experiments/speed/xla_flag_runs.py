@@ -27,11 +27,9 @@ FLAG_SETS = {
 }
 
 
-def child_speed(argv: list[str], extra_flags: str) -> float:
-    """tokens/s of the one variant `experiments.bench_decode --decode-only *argv` times in a
-    child process whose XLA_FLAGS add `extra_flags`."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), extra_flags) if f)
+def child_speeds(argv: list[str], env: dict[str, str], what: str) -> dict[str, float]:
+    """tokens/s per variant that `experiments.bench_decode --decode-only *argv` times in a child
+    process started with `env` (`what` names the setting in an error)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
         done = subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--decode-only",
@@ -39,9 +37,21 @@ def child_speed(argv: list[str], extra_flags: str) -> float:
                               text=True, check=False)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
-            raise RuntimeError(f"XLA_FLAGS={extra_flags!r}: the child run failed: {tail}")
-        (row,) = json.loads(out.read_text())["variants"]
-    return row["tokens_per_s"]
+            raise RuntimeError(f"{what}: the child run failed: {tail}")
+        result = json.loads(out.read_text())
+    return {r["variant"]: r["tokens_per_s"] for r in result["variants"]} | {
+        "huge_page_bytes": (result.get("huge_pages") or {}).get("bytes")}
+
+
+def child_speed(argv: list[str], extra_flags: str) -> float:
+    """tokens/s of the one variant `experiments.bench_decode --decode-only *argv` times in a
+    child process whose XLA_FLAGS add `extra_flags`."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), extra_flags) if f)
+    speeds = child_speeds(argv, env, f"XLA_FLAGS={extra_flags!r}")
+    speeds.pop("huge_page_bytes")
+    (speed,) = speeds.values()
+    return speed
 
 
 def flag_rows(argv: list[str], rounds: int, flag_sets: dict[str, str] | None = None

@@ -212,9 +212,19 @@ def bench_decode(d: dict) -> str:
              f"{in_out}{w8}{kernel}.", *_greedy_pick(d), "",
              f"Host: {m['host_cpu']['model']} ({m['cpus']} cores, int8 flags "
              f"{', '.join(m['host_cpu']['int8_flags']) or 'none'}), JAX {m['jax_version']}, "
-             f"{_int8_kernel(d)}1-minute load average {m['load_1min_before']:.1f} before and "
-             f"{m['load_1min_after']:.1f} after."]
+             f"{_int8_kernel(d)}{_pages(d)}1-minute load average "
+             f"{m['load_1min_before']:.1f} before and {m['load_1min_after']:.1f} after."]
     return "\n".join(rows)
+
+
+def _pages(d: dict) -> str:
+    """What the run's own process held in transparent huge pages (files before it: nothing)."""
+    p = d.get("huge_pages")
+    if not p or "asked" not in p:
+        return ""
+    held = f", {p['bytes'] / 1e6:,.0f} MB in them at the end" if p.get("bytes") is not None else ""
+    return (f"{'huge pages asked of malloc' if p['asked'] else '4 KiB pages (none asked)'} "
+            f"(kernel mode {p['thp']}){held}, ")
 
 
 def _greedy_pick(d: dict) -> list[str]:
@@ -254,6 +264,18 @@ def _bench_decode_levers(d: dict) -> list[str]:
                  *head("change", "flags", "tokens/s", "baseline tokens/s", "speed-up")]
         rows += [f"| {r['change']} | `{r['xla_flags']}` | {r['tokens_per_s']:.1f} | "
                  f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}× |" for r in flags]
+    pages = (d.get("huge_pages") or {}).get("rows")
+    if pages:
+        mb = lambda xs: "–" if None in xs else f"{min(xs) / 1e6:,.0f}–{max(xs) / 1e6:,.0f}"
+        rows += ["", "Transparent huge pages (the decoding launchers ask glibc's malloc for "
+                 "them at start-up), timed in child processes that start with them and "
+                 "without (`SHARDQ_HUGE_PAGES=0`), alternating:", "",
+                 *head("variant", "tokens/s with", "tokens/s without", "speed-up",
+                       "MB in huge pages with", "MB in huge pages without")]
+        rows += [f"| {r['variant']} | {r['tokens_per_s']:.1f} | "
+                 f"{r['without_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                 f"{mb(r['huge_page_bytes'])} | {mb(r['without_huge_page_bytes'])} |"
+                 for r in pages]
     return rows
 
 
