@@ -29,9 +29,9 @@ in `--rounds` alternating rounds (ours, then the peer's, then ours again ...) so
 the machine's load hits both sides; the file records the peer rows, its build and our ratios to
 it. Without the tools one line says the peer rows are skipped.
 
-The run starts again with transparent huge pages asked of malloc, as the decoding launchers do
-(experiments/cli/huge_pages.py; `SHARDQ_HUGE_PAGES=0` keeps 4 KiB pages), and times float and
-w8a8 in child processes started both ways.
+Float and w8a8 are also timed in child processes that start with glibc's malloc asking for
+transparent huge pages and without (experiments/speed/huge_page_runs.py), and w8a8 under XLA:CPU
+flag sets (experiments/speed/xla_flag_runs.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from experiments.cli import huge_pages, startup
+from experiments.cli import startup
 from experiments.cli.config import (
     ConfigError,
     Parser,
@@ -122,7 +122,7 @@ LONG_VARIANTS = (("float", "none", True, False), ("float-xla-attention", "none",
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
-# the variants timed with and without transparent huge pages (experiments/cli/huge_pages.py)
+# the variants timed with and without transparent huge pages (experiments/speed/huge_page_runs.py)
 HUGE_PAGE_VARIANTS = ("float", "w8a8")
 # (what changed, variant before, variant after): ratios the results file records
 CHANGES = (
@@ -306,7 +306,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     if args.decode_only:
         rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
                                          args.rounds)
-        return {**head, "variants": rows, "huge_pages": page_state()}
+        return {**head, "variants": rows, "huge_pages": huge_page_runs.page_state()}
     window = prefill_speed.window_of(float_model.tokenizer.encode(text[:8 * args.prefill_tokens]),
                                      args.prefill_tokens)
     long = long_prompt(args, float_model.tokenizer.encode(text[:8 * args.long_prompt_tokens]),
@@ -345,7 +345,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
     return {**head, "variants": rows, "changes": changes, "long_context": long_context,
             "layout_probe": probes,
             "profile": profile, "xla_flags": {"variant": FLAGS_VARIANT, "rows": flags},
-            "huge_pages": {**page_state(), "rows": pages},
+            "huge_pages": {**huge_page_runs.page_state(), "rows": pages},
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
             "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
                      if files else {"skipped": skipped}),
@@ -354,14 +354,6 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "machine": {**machine.describe(), "cpu_devices": split,
                         "load_1min_before": load_before,
                         "load_1min_after": os.getloadavg()[0]}}
-
-
-def page_state() -> dict:
-    """Whether this process asked malloc for transparent huge pages, the kernel's mode, and the
-    bytes of its memory in huge pages now."""
-    return {"thp": huge_pages.thp_mode(),
-            "asked": huge_pages.HUGETLB in os.environ.get(huge_pages.TUNABLES, ""),
-            "bytes": huge_pages.huge_page_bytes()}
 
 
 def long_prompt(args, tokens: list[int], max_len: int) -> list[int]:
@@ -462,5 +454,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    huge_pages.restart_with_huge_pages()
     main()

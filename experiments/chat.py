@@ -25,7 +25,7 @@ import json
 import math
 import sys
 
-from experiments.cli import huge_pages, model_flags, startup
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_text, fail
 from experiments.pretrained import model_ref
 from model.gguf import GGUFError
@@ -148,5 +148,4 @@ def echo(text: str) -> None:
 
 
 if __name__ == "__main__":
-    huge_pages.restart_with_huge_pages()
     main()

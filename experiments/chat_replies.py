@@ -19,7 +19,7 @@ import math
 
 from tqdm import tqdm
 
-from experiments.cli import huge_pages, model_flags, startup
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, check_text, fail
 from experiments.pretrained.chat_prompts import PROMPTS
 from experiments.reporting.results_io import results_path, write_result
@@ -111,5 +111,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    huge_pages.restart_with_huge_pages()
     main()

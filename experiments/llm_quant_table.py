@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments.cli import huge_pages, model_flags, startup
+from experiments.cli import model_flags, startup
 from experiments.cli.config import ConfigError, Parser, check_output_file, fail
 from experiments.pretrained import eval_text, model_ref
 from experiments.reporting.plots import activation_profile
@@ -193,5 +193,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    huge_pages.restart_with_huge_pages()
     main()

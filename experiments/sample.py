@@ -16,7 +16,7 @@ import argparse
 import functools
 import json
 
-from experiments.cli import huge_pages, startup
+from experiments.cli import startup
 from experiments.cli.config import ConfigError, Parser, check_sampling, fail
 from experiments.training import run_tokenizer
 from experiments.training.config import load_config
@@ -82,5 +82,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    huge_pages.restart_with_huge_pages()
     main()

@@ -1,35 +1,78 @@
-"""Transparent huge pages as a decoding lever: the decoding launchers start with them asked of
-glibc's malloc (experiments/cli/huge_pages.py); here float and the default int8 mode are timed
-in child processes that start that way and in children that keep 4 KiB pages
-(`SHARDQ_HUGE_PAGES=0`), alternating round by round so that a change in the machine's load hits
-both. Each child records how much of its memory the kernel put in huge pages.
+"""Transparent huge pages as a decoding lever, tried and recorded: float and the default int8
+mode timed in child processes that start with glibc's malloc asking the kernel for huge pages
+(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`; XLA:CPU's buffers come from that malloc) and in
+children that do not, alternating round by round so that a change in the machine's load hits
+both. The tunable is read once, when a process starts, hence the children. Each child records
+how much of its memory the kernel put in huge pages: the control that the setting took.
+
+Where the kernel gives huge pages to every allocation (`always` in
+/sys/kernel/mm/transparent_hugepage/enabled) or to none (`never`), or glibc predates the
+tunable (2.35), the two kinds of child are alike, and their bytes in huge pages say so.
+JAX-free.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Mapping
+from pathlib import Path
 
-from experiments.cli import huge_pages
 from experiments.speed.xla_flag_runs import child_speeds
 
+TUNABLES = "GLIBC_TUNABLES"
+HUGETLB = "glibc.malloc.hugetlb=1"
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
-def child_environments(environ=os.environ) -> dict[bool, dict[str, str]]:
-    """{True: a child that asks for huge pages as a launcher does by default, False: one that
-    keeps 4 KiB pages}, both from `environ` without what this process itself added."""
-    base = huge_pages.without_ours(environ)
-    base.pop(huge_pages.SWITCH, None)
-    return {True: base, False: {**base, huge_pages.SWITCH: "0"}}
+
+def thp_mode(sysfs: Path = THP) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never); None off Linux."""
+    try:
+        text = sysfs.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's anonymous memory in transparent huge pages (Linux), None where
+    the kernel does not say."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def page_state() -> dict:
+    """The kernel's mode, whether this process started with malloc asking for huge pages, and
+    the bytes of its memory in huge pages now."""
+    return {"thp": thp_mode(), "asked": "glibc.malloc.hugetlb" in os.environ.get(TUNABLES, ""),
+            "bytes": huge_page_bytes()}
+
+
+def child_environments(environ: Mapping[str, str] = os.environ) -> dict[bool, dict[str, str]]:
+    """{True: `environ` with malloc asking for huge pages, False: `environ` without any hugetlb
+    tunable}; the other tunables kept in both."""
+    rest = [t for t in environ.get(TUNABLES, "").split(":")
+            if t and not t.startswith("glibc.malloc.hugetlb")]
+    off = {k: v for k, v in environ.items() if k != TUNABLES}
+    if rest:
+        off[TUNABLES] = ":".join(rest)
+    return {True: {**off, TUNABLES: ":".join([*rest, HUGETLB])}, False: off}
 
 
 def huge_page_rows(argv: list[str], rounds: int) -> list[dict]:
     """One row per variant `argv` names: tokens/s with huge pages and without (medians over
-    `rounds` alternating rounds), the speed-up, and the children's bytes in huge pages."""
+    `rounds` alternating rounds), the speed-up, and each child's bytes in huge pages."""
     envs = child_environments()
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for _ in range(rounds):
         for on, env in envs.items():
-            runs[on].append(child_speeds(argv, env, f"{huge_pages.SWITCH}={int(on)}"))
+            runs[on].append(child_speeds(argv, env, f"huge pages {'on' if on else 'off'}"))
     variants = [k for k in runs[True][0] if k != "huge_page_bytes"]
     rows = []
     for v in variants:
@@ -37,7 +80,7 @@ def huge_page_rows(argv: list[str], rounds: int) -> list[dict]:
         rows.append({"variant": v, "tokens_per_s": statistics.median(on),
                      "without_tokens_per_s": statistics.median(off),
                      "speedup": statistics.median(on) / statistics.median(off),
-                     "runs_tokens_per_s": on, "without_runs_tokens_per_s": off})
-    return [{**r, "huge_page_bytes": [c["huge_page_bytes"] for c in runs[True]],
-             "without_huge_page_bytes": [c["huge_page_bytes"] for c in runs[False]]}
-            for r in rows]
+                     "runs_tokens_per_s": on, "without_runs_tokens_per_s": off,
+                     "huge_page_bytes": [c["huge_page_bytes"] for c in runs[True]],
+                     "without_huge_page_bytes": [c["huge_page_bytes"] for c in runs[False]]})
+    return rows

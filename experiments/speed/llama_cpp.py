@@ -22,7 +22,6 @@ import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from experiments.cli import huge_pages
 from experiments.cli.config import ConfigError
 
 ENV = "SHARDQ_LLAMA_CPP"
@@ -93,9 +92,7 @@ def cores() -> int:
 
 def _run(argv: list[str], what: str) -> subprocess.CompletedProcess:
     try:
-        # the peer runs as its users start it: without the huge pages our launchers ask for
-        proc = subprocess.run(argv, capture_output=True, text=True, check=False,
-                              env=huge_pages.without_ours(os.environ))
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     except OSError as e:
         raise PeerError(f"{what}: cannot run {argv[0]} ({e})") from None
     if proc.returncode != 0:

@@ -223,7 +223,7 @@ def _pages(d: dict) -> str:
     if not p or "asked" not in p:
         return ""
     held = f", {p['bytes'] / 1e6:,.0f} MB in them at the end" if p.get("bytes") is not None else ""
-    return (f"{'huge pages asked of malloc' if p['asked'] else '4 KiB pages (none asked)'} "
+    return (f"{'huge pages' if p['asked'] else 'no huge pages'} asked of malloc "
             f"(kernel mode {p['thp']}){held}, ")
 
 
@@ -249,7 +249,8 @@ def _int8_kernel(d: dict) -> str:
 
 
 def _bench_decode_levers(d: dict) -> list[str]:
-    """The layout probe's choice and the XLA flag rows (files written before them: none)."""
+    """The layout probe's choice, the XLA flag rows and the huge page rows (files written
+    before them: none)."""
     rows = []
     for model, probe in (d.get("layout_probe") or {}).items():
         speeds = ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
@@ -267,9 +268,10 @@ def _bench_decode_levers(d: dict) -> list[str]:
     pages = (d.get("huge_pages") or {}).get("rows")
     if pages:
         mb = lambda xs: "–" if None in xs else f"{min(xs) / 1e6:,.0f}–{max(xs) / 1e6:,.0f}"
-        rows += ["", "Transparent huge pages (the decoding launchers ask glibc's malloc for "
-                 "them at start-up), timed in child processes that start with them and "
-                 "without (`SHARDQ_HUGE_PAGES=0`), alternating:", "",
+        rows += ["", "Transparent huge pages for XLA's buffers, timed in child processes that "
+                 "start with glibc's malloc asking for them (`GLIBC_TUNABLES=glibc.malloc."
+                 "hugetlb=1`) and without, alternating (MB in huge pages: each child's, at its "
+                 "end):", "",
                  *head("variant", "tokens/s with", "tokens/s without", "speed-up",
                        "MB in huge pages with", "MB in huge pages without")]
         rows += [f"| {r['variant']} | {r['tokens_per_s']:.1f} | "
