@@ -267,7 +267,11 @@ def _bench_decode_levers(d: dict) -> list[str]:
                  f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}× |" for r in flags]
     pages = (d.get("huge_pages") or {}).get("rows")
     if pages:
-        mb = lambda xs: "–" if None in xs else f"{min(xs) / 1e6:,.0f}–{max(xs) / 1e6:,.0f}"
+        def mb(xs: list) -> str:  # the children's range
+            if None in xs:
+                return "–"
+            lo, hi = f"{min(xs) / 1e6:,.0f}", f"{max(xs) / 1e6:,.0f}"
+            return lo if lo == hi else f"{lo}–{hi}"
         rows += ["", "Transparent huge pages for XLA's buffers, timed in child processes that "
                  "start with glibc's malloc asking for them (`GLIBC_TUNABLES=glibc.malloc."
                  "hugetlb=1`) and without, alternating (MB in huge pages: each child's, at its "
