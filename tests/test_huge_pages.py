@@ -80,7 +80,7 @@ def test_child_rows_alternate_and_take_medians(monkeypatch):
 
     monkeypatch.setattr(huge_page_runs, "child_speeds", fake_child)
     rows = huge_page_runs.huge_page_rows(["--variants", "float,w8a8"], rounds=2)
-    assert calls == [True, False, True, False]
+    assert calls == [True, False, False, True]  # neither always first
     f, w = rows
     assert (f["variant"], f["tokens_per_s"], f["without_tokens_per_s"]) == ("float", 12.0, 8.5)
     assert w["speedup"] == 32.0 / 29.0

@@ -1,9 +1,10 @@
 """Transparent huge pages as a decoding lever, tried and recorded: float and the default int8
 mode timed in child processes that start with glibc's malloc asking the kernel for huge pages
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`; XLA:CPU's buffers come from that malloc) and in
-children that do not, alternating round by round so that a change in the machine's load hits
-both. The tunable is read once, when a process starts, hence the children. Each child records
-how much of its memory the kernel put in huge pages: the control that the setting took.
+children that do not, in rounds whose order reverses every other round (with, without; without,
+with ...) so that a change in the machine's load hits both and neither always runs first. The
+tunable is read once, when a process starts, hence the children. Each child records how much
+of its memory the kernel put in huge pages: the control that the setting took.
 
 Where the kernel gives huge pages to every allocation (`always` in
 /sys/kernel/mm/transparent_hugepage/enabled) or to none (`never`), or glibc predates the
@@ -18,7 +19,7 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
-from experiments.speed.xla_flag_runs import child_speeds
+from experiments.speed.xla_flag_runs import child_speeds, round_order
 
 TUNABLES = "GLIBC_TUNABLES"
 HUGETLB = "glibc.malloc.hugetlb=1"
@@ -67,12 +68,12 @@ def child_environments(environ: Mapping[str, str] = os.environ) -> dict[bool, di
 
 def huge_page_rows(argv: list[str], rounds: int) -> list[dict]:
     """One row per variant `argv` names: tokens/s with huge pages and without (medians over
-    `rounds` alternating rounds), the speed-up, and each child's bytes in huge pages."""
+    `rounds` rounds), the speed-up, and each child's bytes in huge pages."""
     envs = child_environments()
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    for _ in range(rounds):
-        for on, env in envs.items():
-            runs[on].append(child_speeds(argv, env, f"huge pages {'on' if on else 'off'}"))
+    for i in range(rounds):
+        for on in round_order([True, False], i):
+            runs[on].append(child_speeds(argv, envs[on], f"huge pages {'on' if on else 'off'}"))
     variants = [k for k in runs[True][0] if k != "huge_page_bytes"]
     rows = []
     for v in variants:

@@ -1,9 +1,10 @@
 """XLA:CPU flags as decoding levers: one decode variant timed in child processes that differ only
 in `XLA_FLAGS` (flags are read once, when a process starts its backend).
 
-The children run `experiments.bench_decode --decode-only` one after another in alternating
-rounds (the baseline with this process's own flags, then each flag set, then again), so that a
-change in the machine's load hits them alike; each row is the median over its rounds.
+The children run `experiments.bench_decode --decode-only` one after another in rounds (the
+baseline with this process's own flags, then each flag set; the next round in reverse order),
+so that a change in the machine's load hits them alike and none always runs first; each row is
+the median over its rounds.
 """
 
 from __future__ import annotations
@@ -54,15 +55,22 @@ def child_speed(argv: list[str], extra_flags: str) -> float:
     return speed
 
 
+def round_order(settings: list, round_index: int) -> list:
+    """The children of one round: in order, then reversed in the next round (A B, B A, A B ...),
+    so no setting always runs first, right after the parent's own work or the last round."""
+    return settings if round_index % 2 == 0 else settings[::-1]
+
+
 def flag_rows(argv: list[str], rounds: int, flag_sets: dict[str, str] | None = None
               ) -> list[dict]:
-    """One row per flag set: its tokens/s and the baseline's (medians over `rounds` alternating
-    rounds) and the speed-up; `argv` picks the variant, model and timing (bench_decode flags)."""
+    """One row per flag set: its tokens/s and the baseline's (medians over `rounds` rounds, the
+    order reversed every other round) and the speed-up; `argv` picks the variant, model and
+    timing (bench_decode flags)."""
     flag_sets = FLAG_SETS if flag_sets is None else flag_sets
     runs: dict[str, list[float]] = {"": []} | {flags: [] for flags in flag_sets.values()}
-    for _ in range(rounds):
-        for flags, speeds in runs.items():
-            speeds.append(child_speed(argv, flags))
+    for i in range(rounds):
+        for flags in round_order(list(runs), i):
+            runs[flags].append(child_speed(argv, flags))
     base = statistics.median(runs[""])
     return [{"change": what, "xla_flags": flags, "baseline_tokens_per_s": base,
              "tokens_per_s": statistics.median(runs[flags]),
