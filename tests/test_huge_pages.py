@@ -76,7 +76,7 @@ def test_child_rows_alternate_and_take_medians(monkeypatch):
         on = H in env.get("GLIBC_TUNABLES", "")
         calls.append(on)
         f, w = speeds[on][sum(1 for c in calls if c == on) - 1]
-        return {"float": f, "w8a8": w, "huge_page_bytes": 100 if on else 0}
+        return {"float": f, "w8a8": w}, 100 if on else 0
 
     monkeypatch.setattr(huge_page_runs, "child_speeds", fake_child)
     rows = huge_page_runs.huge_page_rows(["--variants", "float,w8a8"], rounds=2)

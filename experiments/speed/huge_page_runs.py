@@ -70,18 +70,17 @@ def huge_page_rows(argv: list[str], rounds: int) -> list[dict]:
     """One row per variant `argv` names: tokens/s with huge pages and without (medians over
     `rounds` rounds), the speed-up, and each child's bytes in huge pages."""
     envs = child_environments()
-    runs: dict[bool, list[dict]] = {True: [], False: []}
+    runs: dict[bool, list[tuple[dict[str, float], int | None]]] = {True: [], False: []}
     for i in range(rounds):
         for on in round_order([True, False], i):
             runs[on].append(child_speeds(argv, envs[on], f"huge pages {'on' if on else 'off'}"))
-    variants = [k for k in runs[True][0] if k != "huge_page_bytes"]
     rows = []
-    for v in variants:
-        on, off = ([r[v] for r in runs[flag]] for flag in (True, False))
+    for v in runs[True][0][0]:
+        on, off = ([speeds[v] for speeds, _ in runs[flag]] for flag in (True, False))
         rows.append({"variant": v, "tokens_per_s": statistics.median(on),
                      "without_tokens_per_s": statistics.median(off),
                      "speedup": statistics.median(on) / statistics.median(off),
                      "runs_tokens_per_s": on, "without_runs_tokens_per_s": off,
-                     "huge_page_bytes": [c["huge_page_bytes"] for c in runs[True]],
-                     "without_huge_page_bytes": [c["huge_page_bytes"] for c in runs[False]]})
+                     "huge_page_bytes": [b for _, b in runs[True]],
+                     "without_huge_page_bytes": [b for _, b in runs[False]]})
     return rows

@@ -28,9 +28,11 @@ FLAG_SETS = {
 }
 
 
-def child_speeds(argv: list[str], env: dict[str, str], what: str) -> dict[str, float]:
-    """tokens/s per variant that `experiments.bench_decode --decode-only *argv` times in a child
-    process started with `env` (`what` names the setting in an error)."""
+def child_speeds(argv: list[str], env: dict[str, str], what: str
+                 ) -> tuple[dict[str, float], int | None]:
+    """({variant: tokens/s} that `experiments.bench_decode --decode-only *argv` times in a child
+    process started with `env`, the child's bytes in huge pages); `what` names the setting in
+    an error."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
         done = subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--decode-only",
@@ -40,8 +42,8 @@ def child_speeds(argv: list[str], env: dict[str, str], what: str) -> dict[str, f
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
             raise RuntimeError(f"{what}: the child run failed: {tail}")
         result = json.loads(out.read_text())
-    return {r["variant"]: r["tokens_per_s"] for r in result["variants"]} | {
-        "huge_page_bytes": (result.get("huge_pages") or {}).get("bytes")}
+    return ({r["variant"]: r["tokens_per_s"] for r in result["variants"]},
+            (result.get("huge_pages") or {}).get("bytes"))
 
 
 def child_speed(argv: list[str], extra_flags: str) -> float:
@@ -49,9 +51,7 @@ def child_speed(argv: list[str], extra_flags: str) -> float:
     child process whose XLA_FLAGS add `extra_flags`."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), extra_flags) if f)
-    speeds = child_speeds(argv, env, f"XLA_FLAGS={extra_flags!r}")
-    speeds.pop("huge_page_bytes")
-    (speed,) = speeds.values()
+    (speed,) = child_speeds(argv, env, f"XLA_FLAGS={extra_flags!r}")[0].values()
     return speed
 
 

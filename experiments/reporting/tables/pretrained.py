@@ -64,10 +64,11 @@ def _outlier_rows(d: dict) -> list[str]:
 
     # q, k and v read one input, so one activation can fill several of the top entries
     shown: list[dict] = []
+    seen: set[tuple] = set()
     for e in out["top"]:
-        if len(shown) < 3 and all((label(e["module"]), e["layer"], e["channel"])
-                                  != (label(s["module"]), s["layer"], s["channel"])
-                                  for s in shown):
+        key = (label(e["module"]), e["layer"], e["channel"])
+        if len(shown) < 3 and key not in seen:
+            seen.add(key)
             shown.append(e)
     for module in sorted(out["per_module"].values(), key=lambda v: -v["max"]):
         if all(module["per_layer"] != out["per_module"][e["module"]]["per_layer"]
