@@ -16,8 +16,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -94,15 +96,20 @@ void rows_times_kernel(const float* x, int64_t rows, int64_t k, const float* w, 
   }
 }
 
-// x times every kernel: each kernel's rows split into chunks that XLA's intra-op threads claim
-// (when the kernels are large enough to pay for waking them), each chunk's partial sums in its
-// own buffer, then each kernel's partials added in chunk order.
+// x [rows, k] times every kernel: each kernel's rows split into chunks that XLA's intra-op
+// threads claim (when the kernels are large enough to pay for waking them), each chunk's
+// partial sums in its own part of one buffer, then each kernel's partials added in chunk order.
+// One buffer, allocated and freed by the calling thread: a buffer per chunk would be an
+// allocation per chunk on whichever thread ran it, and a free across threads, on every call.
 ffi::Error products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                     const std::vector<Kernel>& kernels) {
   const float* xs = x.typed_data();
   const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
-  std::vector<int64_t> kernel, first, last;  // the chunks: kernel i's rows [first, last)
-  int64_t bytes = 0;
+  struct Chunk {
+    int64_t kernel, first, last, offset;  // kernel's rows [first, last), partials at offset
+  };
+  std::vector<Chunk> chunk;
+  int64_t bytes = 0, floats = 0;
   for (size_t i = 0; i < kernels.size(); ++i) {
     const int64_t row_bytes = std::max<int64_t>(1, kernels[i].n * 4);
     // Chunks of whole eight-row groups, about kChunkBytes each and at least kMinChunkRows rows
@@ -111,27 +118,31 @@ ffi::Error products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
     const int64_t chunk_rows =
         std::max<int64_t>(kMinChunkRows, (kChunkBytes / row_bytes + 7) / 8 * 8);
     for (int64_t r = 0; r < k; r += chunk_rows) {
-      kernel.push_back(static_cast<int64_t>(i));
-      first.push_back(r);
-      last.push_back(std::min(k, r + chunk_rows));
+      chunk.push_back({static_cast<int64_t>(i), r, std::min(k, r + chunk_rows), floats});
+      floats += (rows * kernels[i].n + 15) / 16 * 16;  // chunks' partials on their own lines
     }
     bytes += kernels[i].n * k * 4;
   }
-  const int64_t chunks = static_cast<int64_t>(kernel.size());
-  std::vector<std::vector<float>> partial(chunks);
+  const int64_t chunks = static_cast<int64_t>(chunk.size());
+  // uninitialised here: each chunk zeroes its own part on the thread that runs it
+  std::unique_ptr<float, decltype(&std::free)> partial(
+      static_cast<float*>(std::aligned_alloc(64, std::max<int64_t>(16, floats) * 4)), &std::free);
+  if (partial == nullptr) return ffi::Error::Internal("shardq float kernel: out of memory");
   shardq::share_out(pool, chunks, bytes >= kParallelBytes, [&](int64_t c) {
-    const Kernel& kn = kernels[kernel[c]];
-    partial[c].assign(rows * kn.n, 0.0f);
-    rows_times_kernel(xs, rows, k, kn.w, kn.n, first[c], last[c], partial[c].data());
+    const Chunk& ch = chunk[c];
+    const Kernel& kn = kernels[ch.kernel];
+    float* p = partial.get() + ch.offset;
+    std::fill(p, p + rows * kn.n, 0.0f);
+    rows_times_kernel(xs, rows, k, kn.w, kn.n, ch.first, ch.last, p);
   });
   std::vector<bool> started(kernels.size(), false);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const Kernel& kn = kernels[kernel[c]];
+  for (const Chunk& ch : chunk) {
+    const Kernel& kn = kernels[ch.kernel];
     const int64_t size = rows * kn.n;
-    const float* p = partial[c].data();
-    if (!started[kernel[c]]) {
+    const float* p = partial.get() + ch.offset;
+    if (!started[ch.kernel]) {
       std::memcpy(kn.out, p, size * sizeof(float));
-      started[kernel[c]] = true;
+      started[ch.kernel] = true;
     } else {
       for (int64_t i = 0; i < size; ++i) kn.out[i] += p[i];
     }
