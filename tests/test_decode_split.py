@@ -94,19 +94,26 @@ def test_registry_claim_fails_when_a_split_int8_variant_writes_other_tokens():
     assert not split_int8_agrees({"variants": rows})
 
 
-def test_flag_rows_alternate_children_and_take_medians(monkeypatch):
+def test_flag_rows_alternate_children_take_medians_and_time_a_control(monkeypatch):
     calls = []
-    speeds = {"": [10.0, 12.0], "--a": [15.0, 21.0]}
+    # the baseline and the control share their (empty) flags: their runs come in turn
+    speeds = {"": [10.0, 13.0, 12.0, 11.0], "--a": [15.0, 21.0]}
 
     def fake_child(argv, flags):
         calls.append(flags)
         return speeds[flags][sum(1 for c in calls if c == flags) - 1]
 
     monkeypatch.setattr(xla_flag_runs, "child_speed", fake_child)
-    (row,) = xla_flag_runs.flag_rows(["--variants", "w8a8"], rounds=2, flag_sets={"a": "--a"})
-    assert calls == ["", "--a", "--a", ""]  # each round reverses the last: neither always first
-    assert row["baseline_tokens_per_s"] == 11.0 and row["tokens_per_s"] == 18.0
-    assert row["speedup"] == 18.0 / 11.0
+    control, row = xla_flag_runs.flag_rows(["--variants", "w8a8"], rounds=2,
+                                           flag_sets={"a": "--a"})
+    # baseline, control, flag set; then reversed: none always first
+    assert calls == ["", "", "--a", "--a", "", ""]
+    assert control["control"] and not row["control"]
+    assert control["change"] == xla_flag_runs.CONTROL and control["xla_flags"] == ""
+    assert control["baseline_runs_tokens_per_s"] == [10.0, 11.0]  # rounds 1 and 2: first, last
+    assert control["runs_tokens_per_s"] == [13.0, 12.0]
+    assert row["baseline_tokens_per_s"] == 10.5 and row["tokens_per_s"] == 18.0
+    assert row["speedup"] == 18.0 / 10.5 and control["speedup"] == 12.5 / 10.5
 
 
 def test_layout_probe_is_remembered_per_host_and_model(tmp_path):
@@ -174,3 +181,27 @@ def test_timed_calls_write_a_fresh_copy_of_the_cache_in_place():
         np.testing.assert_array_equal(runs[0], runs[1])
     rows = decoding.decode_benchmark([v], PROMPT, NEW, repeats=2)
     assert rows[0]["tokens_agree"]
+
+
+def test_benchmark_turns_reverse_and_a_timed_speed_is_one_call(monkeypatch):
+    calls: list[str] = []
+    real = decoding.decode_programs
+
+    def recording(v, prompt, new_tokens):
+        fn, args = real(v, prompt, new_tokens)
+
+        def run(*call_args):
+            calls.append(v.name)
+            return fn(*call_args)
+
+        return run, args
+
+    monkeypatch.setattr(decoding, "decode_programs", recording)
+    pre = models()["none"]
+    variants = [decoding.DecodeVariant("a", pre), decoding.DecodeVariant("b", pre)]
+    decoding.decode_benchmark(variants, PROMPT, NEW, repeats=2, rounds=2)
+    # one untimed call each (the tokens), then the timed turns: A B, B A, A B, B A
+    assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2
+    calls.clear()
+    run = decoding.timed_speed(variants[0], PROMPT, NEW)  # compiled by one untimed call
+    assert calls == ["a"] and run() > 0 and calls == ["a", "a"]

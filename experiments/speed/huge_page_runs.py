@@ -19,7 +19,8 @@ import statistics
 from collections.abc import Mapping
 from pathlib import Path
 
-from experiments.speed.xla_flag_runs import child_speeds, round_order
+from experiments.speed.interleaving import round_order
+from experiments.speed.xla_flag_runs import child_speeds
 
 TUNABLES = "GLIBC_TUNABLES"
 HUGETLB = "glibc.malloc.hugetlb=1"

@@ -2,9 +2,11 @@
 in `XLA_FLAGS` (flags are read once, when a process starts its backend).
 
 The children run `experiments.bench_decode --decode-only` one after another in rounds (the
-baseline with this process's own flags, then each flag set; the next round in reverse order),
-so that a change in the machine's load hits them alike and none always runs first; each row is
-the median over its rounds.
+baseline with this process's own flags, a second child with those same flags as the control,
+then each flag set; the next round in reverse order), so that a change in the machine's load
+hits them alike and none always runs first; each row is the median over its rounds. The
+control's speed-up is what separates two identical children: a flag set's speed-up means
+something only beyond it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from experiments.speed.interleaving import round_order
+
+BASELINE = "baseline"
+# A second child with the baseline's own flags, timed as a flag set is: the speed-up two
+# identical children show, against which a flag set's speed-up is read.
+CONTROL = "none (a second baseline child: the spread of identical children)"
 # what the flags change -> the flags (added to this process's own XLA_FLAGS)
 FLAG_SETS = {
     "YNNPACK also fuses elementwise operations and reductions":
@@ -55,25 +63,20 @@ def child_speed(argv: list[str], extra_flags: str) -> float:
     return speed
 
 
-def round_order(settings: list, round_index: int) -> list:
-    """The children of one round: in order, then reversed in the next round (A B, B A, A B ...),
-    so no setting always runs first, right after the parent's own work or the last round."""
-    return settings if round_index % 2 == 0 else settings[::-1]
-
-
 def flag_rows(argv: list[str], rounds: int, flag_sets: dict[str, str] | None = None
               ) -> list[dict]:
-    """One row per flag set: its tokens/s and the baseline's (medians over `rounds` rounds, the
-    order reversed every other round) and the speed-up; `argv` picks the variant, model and
-    timing (bench_decode flags)."""
+    """One row per flag set, and first the CONTROL row: its tokens/s and the baseline's
+    (medians over `rounds` rounds, the order reversed every other round) and the speed-up;
+    `argv` picks the variant, model and timing (bench_decode flags)."""
     flag_sets = FLAG_SETS if flag_sets is None else flag_sets
-    runs: dict[str, list[float]] = {"": []} | {flags: [] for flags in flag_sets.values()}
+    settings = {BASELINE: "", CONTROL: "", **flag_sets}  # what -> the flags it adds
+    runs: dict[str, list[float]] = {what: [] for what in settings}
     for i in range(rounds):
-        for flags in round_order(list(runs), i):
-            runs[flags].append(child_speed(argv, flags))
-    base = statistics.median(runs[""])
-    return [{"change": what, "xla_flags": flags, "baseline_tokens_per_s": base,
-             "tokens_per_s": statistics.median(runs[flags]),
-             "speedup": statistics.median(runs[flags]) / base,
-             "runs_tokens_per_s": runs[flags], "baseline_runs_tokens_per_s": runs[""]}
-            for what, flags in flag_sets.items()]
+        for what in round_order(list(settings), i):
+            runs[what].append(child_speed(argv, settings[what]))
+    base = statistics.median(runs[BASELINE])
+    return [{"change": what, "xla_flags": settings[what], "control": what == CONTROL,
+             "baseline_tokens_per_s": base, "tokens_per_s": statistics.median(runs[what]),
+             "speedup": statistics.median(runs[what]) / base,
+             "runs_tokens_per_s": runs[what], "baseline_runs_tokens_per_s": runs[BASELINE]}
+            for what in settings if what != BASELINE]
