@@ -27,7 +27,10 @@ llama-quantize's Q8_0 of it, made once in `--peer-dir`, at as many threads as th
 cores; decoding at the same depth (the prompt) and prefill of the same window. Everything runs
 in `--rounds` alternating rounds (ours, then the peer's, then ours again ...) so that a change in
 the machine's load hits both sides; the file records the peer rows, its build and our ratios to
-it. Without the tools one line says the peer rows are skipped.
+it. After the rounds, float and w8a8 meet F32 and Q8_0 again in `--pairs` back-to-back pairs (one
+run of each, the order reversed every other pair), each pair's ratio recorded: a drift in the
+host's memory bandwidth between rounds moves the rounds' ratio, not a pair's. Without the tools
+one line says the peer rows are skipped.
 
 Float and w8a8 are also timed in child processes that start with glibc's malloc asking for
 transparent huge pages and without (experiments/speed/huge_page_runs.py), and w8a8 under XLA:CPU
@@ -122,6 +125,8 @@ LONG_VARIANTS = (("float", "none", True, False), ("float-xla-attention", "none",
 # the variant the decode breakdown and the XLA flag runs look at: the default int8 mode
 PROFILED = ("float", "w8a8")
 FLAGS_VARIANT = "w8a8"
+# (our variant, the peer's format) timed in back-to-back pairs (experiments/speed/paired_runs.py)
+PAIRED = (("float", "F32"), ("w8a8", "Q8_0"))
 # the variants timed with and without transparent huge pages (experiments/speed/huge_page_runs.py)
 HUGE_PAGE_VARIANTS = ("float", "w8a8")
 # (what changed, variant before, variant after): ratios the results file records
@@ -182,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "shardq's attention kernel and with XLA's attention); 0: none")
     p.add_argument("--prefill-tokens", type=int, default=512,
                    help="the window each prefill row reads in one forward (default 512)")
+    p.add_argument("--pairs", type=int, default=6,
+                   help="back-to-back pairs of one run of ours and one of the peer's (float / "
+                        "F32, w8a8 / Q8_0) after the rounds, each pair's ratio recorded "
+                        "(default 6)")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help=f"llama.cpp's tools (llama-bench, llama-quantize: DIR or DIR/bin) for "
                         f"the peer rows (default: ${llama_cpp.ENV}; absent: no peer rows)")
@@ -207,7 +216,7 @@ def check(args) -> tuple[list[str], llama_cpp.Tools | None, str]:
     if unknown or not names:
         raise ConfigError(f"variants={args.variants!r}: allowed a comma-separated subset of "
                           f"{', '.join(VARIANTS)}")
-    for name in ("new_tokens", "repeats", "rounds", "prefill_tokens"):
+    for name in ("new_tokens", "repeats", "rounds", "prefill_tokens", "pairs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.long_prompt_tokens < 0:
@@ -280,10 +289,10 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
                "experiments.speed.block_matvec", "experiments.speed.greedy_pick",
                "experiments.speed.machine", "experiments.speed.decode_profile",
                "experiments.speed.xla_flag_runs", "experiments.speed.huge_page_runs",
-               "quant.native_int8")
+               "experiments.speed.paired_runs", "quant.native_int8")
     split = max(VARIANTS[n].devices for n in names)
     (loading, decoding, prefill_speed, pydoc_corpus, block_matvec, greedy_pick, machine,
-     decode_profile, xla_flag_runs, huge_page_runs, native_int8) = (
+     decode_profile, xla_flag_runs, huge_page_runs, paired_runs, native_int8) = (
         startup.begin(*modules, devices=split) if split > 1 else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
@@ -328,6 +337,7 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
 
     rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
                                      args.rounds, between_rounds)
+    pairs = peer_pairs(args, decoding, paired_runs, variants, prompt, tools, files, threads)
     prefill_rows = prefill.rows()
     profile = {v.name: decode_profile.decode_breakdown(
         *decoding.decode_programs(v, prompt, args.new_tokens), args.new_tokens)
@@ -347,7 +357,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             "profile": profile, "xla_flags": {"variant": FLAGS_VARIANT, "rows": flags},
             "huge_pages": {**huge_page_runs.page_state(), "rows": pages},
             "prefill": {"window_tokens": args.prefill_tokens, "rows": prefill_rows},
-            "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads), **built}
+            "peer": ({**peer_section(files, peer_runs, rows, prefill_rows, threads),
+                      "paired": pairs, **built}
                      if files else {"skipped": skipped}),
             "block_matvec": matvec,
             "greedy_pick": greedy_pick.pick_check(float_model.cfg.vocab_size, args.repeats),
@@ -399,6 +410,23 @@ def long_rows(args, decoding, models: dict, prompt: list[int]) -> dict | None:
     return {"prompt_tokens": len(prompt), "variants": rows, "changes": changes}
 
 
+def peer_pairs(args, decoding, paired_runs, variants: list, prompt: list[int],
+               tools: llama_cpp.Tools | None, files: dict, threads: int) -> list[dict]:
+    """Each PAIRED variant against its peer format, `args.pairs` back-to-back pairs of one run
+    each (experiments/speed/paired_runs.py): [] without the peer's files."""
+    by = {v.name: v for v in variants}
+    sides = {}
+    for name, fmt in PAIRED:
+        if name in by and fmt in files:
+            def peer(path=files[fmt]) -> float:
+                return llama_cpp.bench(tools, path, threads, n_prompt=0, n_gen=args.new_tokens,
+                                       depth=len(prompt), reps=1)["avg_ts"]
+            sides[name, fmt] = (decoding.timed_speed(by[name], prompt, args.new_tokens), peer)
+    rows = paired_runs.paired_runs({f"{n} / {f}": run for (n, f), run in sides.items()},
+                                   args.pairs) if sides else []
+    return [{"ours": n, "peer": f, **row} for (n, f), row in zip(sides, rows, strict=True)]
+
+
 def peer_section(files: dict, runs: dict, rows: list[dict], prefill_rows: list[dict],
                  threads: int) -> dict:
     """The peer's rows, its build and our ratios to it (decoding and prefill)."""
@@ -439,15 +467,18 @@ def main(argv: list[str] | None = None) -> dict:
         summary |= {
             "changes": {c["change"]: round(c["speedup"], 2)
                         for c in out["changes"] + (out["long_context"] or {}).get("changes", [])},
-            "xla_flags": {r["xla_flags"]: round(r["speedup"], 2)
+            "xla_flags": {r["xla_flags"] or "none (control)": round(r["speedup"], 2)
                           for r in out["xla_flags"]["rows"]},
             "huge_pages": {r["variant"]: round(r["speedup"], 2)
                            for r in out["huge_pages"]["rows"]},
             "prefill_tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1)
                                      for r in out["prefill"]["rows"]},
             "peer": out["peer"].get("skipped") or {
-                part: {r["ratio"]: round(r["value"], 2) for r in out["peer"][f"{part}_ratios"]}
-                for part in ("decode", "prefill")},
+                **{part: {r["ratio"]: round(r["value"], 2)
+                          for r in out["peer"][f"{part}_ratios"]}
+                   for part in ("decode", "prefill")},
+                "paired": {r["label"]: round(r["median_ratio"], 2)
+                           for r in out["peer"]["paired"]}},
             "load_1min": round(out["machine"]["load_1min_after"], 1)}
     print(json.dumps(summary) if args.json else summary)
     return out

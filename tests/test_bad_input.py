@@ -220,6 +220,7 @@ EARLY_REFUSALS = [
     ("llm_quant_table", ["--layers", "0", "--out", "{out}"]),
     ("bench_decode", ["--repeats", "0", "--out", "{out}"]),
     ("bench_decode", ["--long-prompt-tokens", "-1", "--out", "{out}"]),
+    ("bench_decode", ["--pairs", "0", "--out", "{out}"]),
     ("quantize", ["--workdir", "{fresh}", "--mode", "w4"]),
     ("quantize", ["--workdir", "{fresh}", "--mode", "w8a8"]),  # no config.json there
     ("embed", ["--quant", "w4", "--text", "a"]),

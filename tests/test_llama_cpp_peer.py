@@ -17,7 +17,7 @@ from experiments.cli.config import ConfigError
 from experiments.pretrained import exporter, loading, prefill_speed
 from experiments.reporting.registry import speed as registry
 from experiments.reporting.tables import common, speed
-from experiments.speed import llama_cpp
+from experiments.speed import llama_cpp, paired_runs
 from tests import gguf_files
 from tests.helpers import cli, one_line_error
 
@@ -250,6 +250,33 @@ def test_peer_table_and_claim():
     assert not registry._peer_ratios_hold(d)
     assert registry._peer_ratios_hold({**committed, "peer": {"skipped": "no tools"}})
     assert not registry._peer_ratios_hold({**committed, "peer": {}})
+
+
+def with_pairs(committed: dict) -> dict:
+    """with_peer's file plus three back-to-back pairs of float against F32."""
+    d = with_peer(committed)
+    (row,) = paired_runs.paired_runs({"float / F32": (iter([66.0, 72.0, 70.0]).__next__,
+                                                      iter([70.0, 72.0, 68.0]).__next__)}, 3)
+    d["peer"]["paired"] = [{"ours": "float", "peer": "F32", **row}]
+    return d
+
+
+def test_pairs_table_and_claim():
+    committed = {**common.load("bench_decode.json"), "peer": {"skipped": "no tools"}}
+    d = with_pairs(committed)
+    table = speed.bench_decode(d)
+    r = d["peer"]["paired"][0]
+    assert (f"| our float / llama.cpp F32 | decode, 3 back-to-back pairs: median (range) | "
+            f"{r['median_ratio']:.2f}× ({r['min_ratio']:.2f}–{r['max_ratio']:.2f}) |") in table
+    assert registry._peer_ratios_hold(d)
+    d["peer"]["paired"][0]["ratios"][1] *= 1.01  # a ratio that is not its pair's
+    assert not registry._peer_ratios_hold(d)
+    d = with_pairs(committed)
+    d["peer"]["paired"][0]["median_ratio"] = statistics.mean(d["peer"]["paired"][0]["ratios"])
+    assert not registry._peer_ratios_hold(d)  # a summary that is not the ratios' median
+    d = with_pairs(committed)
+    d["peer"]["paired"][0]["peer_tokens_per_s"].pop()  # a pair without its peer run
+    assert not registry._peer_ratios_hold(d)
 
 
 def test_prefill_rounds(tmp_path):

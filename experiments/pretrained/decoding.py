@@ -21,6 +21,7 @@ from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained, for_decoding
+from experiments.speed.interleaving import round_order
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
 from parallel.decode_split import split_params
@@ -117,6 +118,23 @@ def fresh_args(args: tuple) -> tuple:
     return params, first, jax.block_until_ready(jax.tree.map(lambda a: a.copy(), cache)), layers
 
 
+def timed_speed(v: DecodeVariant, prompt: list[int], new_tokens: int) -> Callable[[], float]:
+    """A run of variant `v` (a scan variant) that returns its tokens/s: one timed call of its
+    program, as `decode_benchmark` times each; compiled here, by one untimed call."""
+    if v.streamed:
+        raise ValueError(f"{v.name}: a streamed variant times itself (decode_benchmark)")
+    fn, args = decode_programs(v, prompt, new_tokens)
+    jax.block_until_ready(fn(*fresh_args(args)))
+
+    def run() -> float:
+        call_args = fresh_args(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*call_args))
+        return new_tokens / (time.perf_counter() - t0)
+
+    return run
+
+
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -127,11 +145,11 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
                      between: Callable[[], None] | None = None) -> list[dict]:
     """Batch-1 greedy decoding speed of each variant: `repeats` timed calls of `new_tokens`
     cached steps each (one jitted `lax.scan`, the prefill excluded), the variants interleaved
-    (A, B, C, A, B, C, ...) so that a change in the machine's load hits them alike, in `rounds`
-    rounds with `between()` run after each (another program timed in turn with these: a peer);
-    the median of every timed call is reported, and each round's. Every variant writes the same
-    tokens' worth of work; `tokens` lets a caller check they agree (`tokens_agree`: the same in
-    every call)."""
+    (A, B, C, C, B, A, A, B, C ...) so that a change in the machine's load hits them alike, in
+    `rounds` rounds with `between()` run after each (another program timed in turn with these:
+    a peer); the median of every timed call is reported, and each round's. Every variant
+    writes the same tokens' worth of work; `tokens` lets a caller check they agree
+    (`tokens_agree`: the same in every call)."""
     if not prompt or len(prompt) + new_tokens > variants[0].model.cfg.max_len:
         raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
                           f"the context of {variants[0].model.cfg.max_len}")
@@ -149,11 +167,13 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
               for v, (fn, args) in zip(variants, progs, strict=True)]
     times: list[list[list[float]]] = [[] for _ in variants]
     cpu, agree = [0.0] * len(variants), [True] * len(variants)
-    for _ in range(rounds):
+    for r in range(rounds):
         for t in times:
             t.append([])
-        for _ in range(repeats):
-            for i, (fn, args) in enumerate(progs):
+        for turn in range(r * repeats, (r + 1) * repeats):
+            # A, B, C, then C, B, A: no variant always runs first, after the last one's turn
+            for i in round_order(list(range(len(progs))), turn):
+                fn, args = progs[i]
                 args = own_args(variants[i], args)
                 c0 = _cpu_seconds()
                 out, sec = call(variants[i], fn, args)

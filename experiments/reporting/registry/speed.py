@@ -3,6 +3,8 @@ and per change, and the GPU benchmark."""
 
 from __future__ import annotations
 
+import statistics
+
 from experiments.reporting.registry.claims import holds
 from experiments.reporting.registry.experiment import Experiment, launcher
 
@@ -46,7 +48,19 @@ def _peer_ratios_hold(d: dict) -> bool:
                 abs(r["value"] * theirs[r["peer"], test] / speeds[r["ours"]] - 1) < 1e-9
                 for r in peer[key]):
             return False
-    return True
+    return all(_pairs_hold(r) for r in peer.get("paired", []))
+
+
+def _pairs_hold(r: dict) -> bool:
+    """Each back-to-back pair's ratio is its own two speeds', and the median and range are
+    those ratios'."""
+    ours, peer = r["ours_tokens_per_s"], r["peer_tokens_per_s"]
+    if not len(ours) == len(peer) == len(r["ratios"]) == r["pairs"] > 0:
+        return False
+    ratios = [a / b for a, b in zip(ours, peer, strict=True)]
+    return (all(abs(a / b - 1) < 1e-9 for a, b in zip(ratios, r["ratios"], strict=True))
+            and abs(statistics.median(ratios) / r["median_ratio"] - 1) < 1e-9
+            and (min(ratios), max(ratios)) == (r["min_ratio"], r["max_ratio"]))
 
 
 EXPERIMENTS: tuple[Experiment, ...] = (

@@ -263,8 +263,9 @@ def _bench_decode_levers(d: dict) -> list[str]:
         rows += ["", f"XLA:CPU flags, {d['xla_flags']['variant']} timed in child processes "
                  f"that differ only in `XLA_FLAGS`, alternating with a baseline child:", "",
                  *head("change", "flags", "tokens/s", "baseline tokens/s", "speed-up")]
-        rows += [f"| {r['change']} | `{r['xla_flags']}` | {r['tokens_per_s']:.1f} | "
-                 f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}× |" for r in flags]
+        rows += [f"| {r['change']} | {f'`{fl}`' if (fl := r['xla_flags']) else '(none)'} | "
+                 f"{r['tokens_per_s']:.1f} | {r['baseline_tokens_per_s']:.1f} | "
+                 f"{r['speedup']:.2f}× |" for r in flags]
     pages = (d.get("huge_pages") or {}).get("rows")
     if pages:
         def mb(xs: list) -> str:  # the children's range
@@ -345,6 +346,10 @@ def _bench_decode_peer(d: dict) -> list[str]:
     rows += ["", *head("ours / llama.cpp (same run)", "part", "ratio")]
     for part, key in (("decode", "decode_ratios"), ("prefill", "prefill_ratios")):
         rows += [f"| {r['ratio']} | {part} | {r['value']:.2f}× |" for r in peer.get(key, [])]
+    # files written before the pairs have none
+    rows += [f"| our {r['ours']} / llama.cpp {r['peer']} | decode, {r['pairs']} back-to-back "
+             f"pairs: median (range) | {r['median_ratio']:.2f}× ({r['min_ratio']:.2f}–"
+             f"{r['max_ratio']:.2f}) |" for r in peer.get("paired", [])]
     return rows + _weight_rates(d, by)
 
 
