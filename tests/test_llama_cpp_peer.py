@@ -16,7 +16,7 @@ import pytest
 from experiments.cli.config import ConfigError
 from experiments.pretrained import exporter, loading, prefill_speed
 from experiments.reporting.registry import speed as registry
-from experiments.reporting.tables import common, speed
+from experiments.reporting.tables import common, headline, speed
 from experiments.speed import llama_cpp, paired_runs
 from tests import gguf_files
 from tests.helpers import cli, one_line_error
@@ -269,6 +269,8 @@ def test_pairs_table_and_claim():
     assert (f"| our float / llama.cpp F32 | decode, 3 back-to-back pairs: median (range) | "
             f"{r['median_ratio']:.2f}× ({r['min_ratio']:.2f}–{r['max_ratio']:.2f}) |") in table
     assert registry._peer_ratios_hold(d)
+    summary, _ = headline._decode(d, Path("."))
+    assert f"float / F32 in 3 back-to-back pairs, median {r['median_ratio']:.2f}×" in summary
     d["peer"]["paired"][0]["ratios"][1] *= 1.01  # a ratio that is not its pair's
     assert not registry._peer_ratios_hold(d)
     d = with_pairs(committed)

@@ -113,6 +113,9 @@ def _decode(d: dict, results: Path) -> tuple[str, str]:
     ratios = {x["ratio"]: x["value"] for x in (d.get("peer") or {}).get("decode_ratios", [])}
     peer = "".join(f"; {k} {v:.2f}×" for k, v in ratios.items()
                    if k.startswith(("our float /", "our w8a8 /", "our w8a8-chat /")))
+    # files written before the back-to-back pairs have none
+    peer += "".join(f"; {p['ours']} / {p['peer']} in {p['pairs']} back-to-back pairs, median "
+                    f"{p['median_ratio']:.2f}×" for p in (d.get("peer") or {}).get("paired", []))
     return (f"float {r['float']:.1f}, w8a8 {r['w8a8']:.1f}{rotated}{chat} tokens/s{peer}",
             "int8 should beat float (memory-bound); llama.cpp is the peer")
 

@@ -261,7 +261,8 @@ def _bench_decode_levers(d: dict) -> list[str]:
     flags = (d.get("xla_flags") or {}).get("rows")
     if flags:
         rows += ["", f"XLA:CPU flags, {d['xla_flags']['variant']} timed in child processes "
-                 f"that differ only in `XLA_FLAGS`, alternating with a baseline child:", "",
+                 f"that differ only in `XLA_FLAGS`, alternating with a baseline child "
+                 f"(the control: a second child with the baseline's own flags):", "",
                  *head("change", "flags", "tokens/s", "baseline tokens/s", "speed-up")]
         rows += [f"| {r['change']} | {f'`{fl}`' if (fl := r['xla_flags']) else '(none)'} | "
                  f"{r['tokens_per_s']:.1f} | {r['baseline_tokens_per_s']:.1f} | "
