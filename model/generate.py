@@ -18,8 +18,7 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float,
     `native`, `model.native_argmax`, else XLA's argmax), or sampled at `temperature` from the
     `top_k` most likely (0: all)."""
     if temperature <= 0.0:
-        return native_argmax.argmax(logits_BxV) if native else jnp.argmax(
-            logits_BxV, axis=-1).astype(jnp.int32)
+        return (native_argmax.argmax if native else native_argmax.xla_argmax)(logits_BxV)
     logits = logits_BxV / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]

@@ -39,7 +39,8 @@ def _kernel(x: jax.Array) -> jax.Array:
     return call(jax.lax.stop_gradient(x).astype(jnp.float32))
 
 
-def _xla(x: jax.Array) -> jax.Array:
+def xla_argmax(x: jax.Array) -> jax.Array:
+    """XLA's argmax along the last axis, as an int32 index (what `argmax` gives off the CPU)."""
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
@@ -48,5 +49,5 @@ def argmax(x: jax.Array) -> jax.Array:
     on a CPU where it builds and x is float32 or narrower, XLA's argmax elsewhere."""
     if x.shape[-1] == 0 or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) \
             or not status()["available"]:
-        return _xla(x)
-    return jax.lax.platform_dependent(x, cpu=_kernel, default=_xla)
+        return xla_argmax(x)
+    return jax.lax.platform_dependent(x, cpu=_kernel, default=xla_argmax)

@@ -70,6 +70,10 @@ def test_greedy_sampling_picks_there():
     pick = jax.jit(lambda x: sample_token(x, None, 0.0, 0))
     assert native_argmax.TARGET in pick.lower(logits).as_text()
     np.testing.assert_array_equal(np.asarray(pick(logits)), np.asarray(jnp.argmax(logits, -1)))
+    xla = jax.jit(lambda x: sample_token(x, None, 0.0, 0, native=False))
+    assert native_argmax.TARGET not in xla.lower(logits).as_text()
+    assert xla(logits).dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(xla(logits)), np.asarray(pick(logits)))
 
 
 def test_bench_decode_pick_check_times_both_forms_on_the_same_pick():
