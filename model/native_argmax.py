@@ -32,13 +32,6 @@ def status() -> dict:
     return native_build.load(SOURCE, {TARGET: "ShardqGreedyPick"}, ENV_SWITCH)[1]
 
 
-def _kernel(x: jax.Array) -> jax.Array:
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
-                            vmap_method="broadcast_all")
-    # an index has no gradient: the pick is a constant to differentiation, as jnp.argmax is
-    return call(jax.lax.stop_gradient(x).astype(jnp.float32))
-
-
 def xla_argmax(x: jax.Array) -> jax.Array:
     """XLA's argmax along the last axis, as an int32 index (what `argmax` gives off the CPU)."""
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -47,7 +40,4 @@ def xla_argmax(x: jax.Array) -> jax.Array:
 def argmax(x: jax.Array) -> jax.Array:
     """int32 index of the largest entry along x's last axis (`jnp.argmax`'s): shardq's kernel
     on a CPU where it builds and x is float32 or narrower, XLA's argmax elsewhere."""
-    if x.shape[-1] == 0 or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) \
-            or not status()["available"]:
-        return xla_argmax(x)
-    return jax.lax.platform_dependent(x, cpu=_kernel, default=xla_argmax)
+    return native_build.last_axis_call(TARGET, x, jnp.int32, xla_argmax, status())

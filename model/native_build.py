@@ -114,3 +114,22 @@ def load(source: Path, targets: dict[str, str], switch: str
                       "reason": str(e).splitlines()[0] if str(e) else repr(e)}
     _loaded.append(lib)
     return lib, {"available": True, "library": str(path), "compiler": " ".join(cxx)}
+
+
+def last_axis_call(target: str, x: jax.Array, out_dtype, xla, status: dict) -> jax.Array:
+    """A reduction of x's last axis (one value per row): the kernel registered as `target` on a
+    CPU, `xla(x)` elsewhere, and everywhere where the kernel is not available (`status`), the
+    axis is empty or x is not float32 or narrower. The kernel reads float32 and has no gradient
+    (its result is a constant to differentiation)."""
+    import jax.numpy as jnp
+
+    if x.shape[-1] == 0 or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) \
+            or not status["available"]:
+        return xla(x)
+
+    def kernel(x):
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape[:-1], out_dtype),
+                                vmap_method="broadcast_all")
+        return call(jax.lax.stop_gradient(x).astype(jnp.float32))
+
+    return jax.lax.platform_dependent(x, cpu=kernel, default=xla)
