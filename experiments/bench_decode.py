@@ -337,7 +337,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
 
     rows = decoding.decode_benchmark(variants, prompt, args.new_tokens, args.repeats,
                                      args.rounds, between_rounds)
-    pairs = peer_pairs(args, decoding, paired_runs, variants, prompt, tools, files, threads)
+    pairs = peer_pairs(args, decoding, paired_runs, variants, prompt, tools, files, threads,
+                       tests["tg"])
     prefill_rows = prefill.rows()
     profile = {v.name: decode_profile.decode_breakdown(
         *decoding.decode_programs(v, prompt, args.new_tokens), args.new_tokens)
@@ -411,16 +412,17 @@ def long_rows(args, decoding, models: dict, prompt: list[int]) -> dict | None:
 
 
 def peer_pairs(args, decoding, paired_runs, variants: list, prompt: list[int],
-               tools: llama_cpp.Tools | None, files: dict, threads: int) -> list[dict]:
+               tools: llama_cpp.Tools | None, files: dict, threads: int,
+               tg: dict) -> list[dict]:
     """Each PAIRED variant against its peer format, `args.pairs` back-to-back pairs of one run
-    each (experiments/speed/paired_runs.py): [] without the peer's files."""
+    each (experiments/speed/paired_runs.py), the peer's run the rounds' decode test `tg`: []
+    without the peer's files."""
     by = {v.name: v for v in variants}
     sides = {}
     for name, fmt in PAIRED:
         if name in by and fmt in files:
             def peer(path=files[fmt]) -> float:
-                return llama_cpp.bench(tools, path, threads, n_prompt=0, n_gen=args.new_tokens,
-                                       depth=len(prompt), reps=1)["avg_ts"]
+                return llama_cpp.bench(tools, path, threads, **tg, reps=1)["avg_ts"]
             sides[name, fmt] = (decoding.timed_speed(by[name], prompt, args.new_tokens), peer)
     rows = paired_runs.paired_runs({f"{n} / {f}": run for (n, f), run in sides.items()},
                                    args.pairs) if sides else []

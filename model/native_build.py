@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 # -ffp-contract=off: no multiply-add contracted into one rounding where the source did not ask
 # for one, which would part a kernel's arithmetic from the reference's.
@@ -121,8 +122,6 @@ def last_axis_call(target: str, x: jax.Array, out_dtype, xla, status: dict) -> j
     CPU, `xla(x)` elsewhere, and everywhere where the kernel is not available (`status`), the
     axis is empty or x is not float32 or narrower. The kernel reads float32 and has no gradient
     (its result is a constant to differentiation)."""
-    import jax.numpy as jnp
-
     if x.shape[-1] == 0 or x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) \
             or not status["available"]:
         return xla(x)
