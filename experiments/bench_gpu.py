@@ -22,7 +22,9 @@ others still run. MFU counts model FLOPs only (6 per parameter per token plus ca
 4096^3 to 16384^3, interleaved, with a check of the compiled int8 program (no operand widened)
 and the GEMM implementation XLA picked for each. Inference: one forward pass (every position's
 logits, as scoring and prefill compute them) of the same 1.3b model over 8 x 2048 tokens, in
-bf16 and in its int8 forms `w8` and `w8a8` (quant/, no calibration needed), tokens/s.
+bf16 and in its int8 forms `w8` and `w8a8` (quant/, no calibration needed), tokens/s. Decode:
+batch-1 greedy decoding and one window's prefill of SmolLM2 and the same 1.3b model, bf16
+against w8 and w8a8 (experiments/speed/gpu_decode.py).
 
 The results file is rewritten after every variant (`complete` false until the end), so a run cut
 short keeps what it measured. Without a GPU it prints one line saying the GPU parts are
@@ -52,7 +54,7 @@ OUT = results_path("bench_gpu.json")  # GPU figures only
 # reproduction's own folder, $SHARDQ_RESULTS_DIR, may hold one under the same name).
 COMMITTED = Path(__file__).with_name("results") / OUT.name
 NOT_GPU_OUT = results_path("bench_gpu_not_gpu.json")  # a skip record or a --tiny run (ignored)
-PARTS = ("attention", "training", "matmuls", "inference")
+PARTS = ("attention", "training", "matmuls", "inference", "decode")
 # (strategy, remat, attention) per training variant the GPU benchmark times; the first two are
 # the baseline (full rematerialisation, XLA's attention).
 VARIANTS = (("dp", "full", "xla"), ("zero3", "full", "xla"), ("dp", "full", "cudnn"),
@@ -60,9 +62,12 @@ VARIANTS = (("dp", "full", "xla"), ("zero3", "full", "xla"), ("dp", "full", "cud
             ("zero3", "save_dots", "cudnn"), ("dp", "none", "cudnn"))
 FULL = {"preset": "1.3b", "global_batch": 16, "seq_len": 2048, "steps": 5, "warmup": 2,
         "matmuls": (4096, 8192, 16384), "matmul_repeats": 10,
-        "inference_batch": 8}
+        "inference_batch": 8, "decode_pretrained": "smollm2", "decode_preset": "1.3b",
+        "decode_prompt": 128, "decode_tokens": 128, "decode_window": 512, "decode_repeats": 5}
 TINY = {"preset": "tiny", "global_batch": 2, "seq_len": 32, "steps": 2, "warmup": 1,
-        "matmuls": (64, 128), "matmul_repeats": 2, "inference_batch": 2}
+        "matmuls": (64, 128), "matmul_repeats": 2, "inference_batch": 2,
+        "decode_pretrained": "smollm2", "decode_layers": 2, "decode_preset": "tiny",
+        "decode_prompt": 8, "decode_tokens": 8, "decode_window": 16, "decode_repeats": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +129,8 @@ def summarise(out: dict, path) -> dict:
             "hlo_keeps_s8": (all(r["hlo_keeps_s8"] for r in out["matmuls"])
                              if out["matmuls"] else None),
             "prefill_tokens_per_s": {r["mode"]: round(r["tokens_per_s"]) for r in out["inference"]},
+            "decode_tokens_per_s": {f"{r['model']}/{r['form']}": round(r["decode_tokens_per_s"], 1)
+                                    for r in out.get("decode", [])},
             "seconds": round(out["seconds"], 1), "written": str(path)}
 
 

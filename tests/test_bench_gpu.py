@@ -4,13 +4,19 @@ matmuls with the compiled-HLO check) on tiny shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from experiments.cli.config import ConfigError
+from experiments.pretrained import decoding
+from experiments.reporting.tables import speed as speed_tables
 from experiments.speed import gpu as accel_bench
+from experiments.speed import gpu_decode
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention
@@ -78,6 +84,24 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path, monkey
     assert inference["w8"]["param_bytes"] == inference["w8a8"]["param_bytes"] < \
         0.6 * inference["none"]["param_bytes"]
     assert summary["prefill_tokens_per_s"].keys() == inference.keys()
+    # Batch-1 decoding and prefill of SmolLM2 (2 layers) and the tiny preset, bf16 and int8,
+    # through the CPU tables' decode path.
+    decode = {(r["model"], r["form"]): r for r in d["decode"]}
+    assert list(decode) == [(m, f) for m in ("smollm2", "tiny") for f in gpu_decode.FORMS]
+    assert d["decode_skipped"] == {} and summary["decode_tokens_per_s"].keys() == {
+        f"{m}/{f}" for m, f in decode}
+    for r in d["decode"]:
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
+        assert r["prefill_last_tokens_per_s"] > 0 and r["tokens_agree_between_runs"]
+        assert (r["prompt_tokens"], r["new_tokens"], r["prefill_window"]) == (8, 8, 16)
+        assert r["weights"] == ("pretrained" if r["model"] == "smollm2" else "random")
+    # int8 stored (the tied table too), against bf16's two bytes a weight; greedy tokens of the
+    # real weights mostly unchanged by int8
+    smol = {f: decode["smollm2", f] for f in gpu_decode.FORMS}
+    assert smol["w8"]["param_bytes"] == smol["w8a8"]["param_bytes"] < \
+        0.6 * smol["bf16"]["param_bytes"]
+    assert smol["bf16"]["same_tokens_as_bf16"] == 1.0
+    assert min(smol[f]["same_tokens_as_bf16"] for f in ("w8", "w8a8")) >= 0.5
     assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
     # Drawn again from the file alone; a file that is not a measured run, and flags that are
     # refused, are one line each (all in one process: each start would re-import JAX).
@@ -132,3 +156,59 @@ def test_peak_table_and_the_widening_check():
            "  %f = s32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%wrapped_convert_computation\n}")
     assert accel_bench.widened_operands(hlo)
     assert not accel_bench.widened_operands(hlo.replace("wrapped_convert", "wrapped_pad"))
+
+
+def test_decode_forms_and_a_model_not_installed():
+    # The bf16 form stores and computes in bf16; the int8 forms compute in bf16 from int8
+    # kernels. A pretrained model that cannot be loaded is a reason, and the preset still runs.
+    tiny = gpu_decode.preset_model("tiny")
+    forms = gpu_decode.forms(tiny)
+    assert list(forms) == list(gpu_decode.FORMS)
+    bf16 = forms["bf16"]
+    assert (bf16.cfg.param_dtype, bf16.cfg.compute_dtype) == ("bfloat16", "bfloat16")
+    assert {a.dtype for a in jax.tree.leaves(bf16.params)} == {jnp.dtype(jnp.bfloat16)}
+    for mode in ("w8", "w8a8"):
+        m = forms[mode]
+        assert m.quant == mode and m.cfg.compute_dtype == "bfloat16"
+        assert jnp.dtype(jnp.int8) in {a.dtype for a in jax.tree.leaves(m.params)}
+    got = list(gpu_decode.decode_models({"decode_pretrained": "no-such-model",
+                                         "decode_preset": "tiny"}))
+    assert [(name, weights) for name, _, weights in got] == [("no-such-model", ""),
+                                                             ("tiny", "random")]
+    assert isinstance(got[0][1], str) and "no-such-model" in got[0][1]
+    assert got[1][1].cfg == tiny.cfg
+
+
+def test_a_pretrained_model_not_installed_runs_as_its_shapes(monkeypatch):
+    # On an accelerator's host without SmolLM2's package, its preset's shapes (random weights)
+    # are timed in its place, and the rows and the table say so.
+    def not_installed(name, n_layers=None):
+        raise ConfigError(f"model={name!r}: its package is not installed")
+
+    monkeypatch.setattr(gpu_decode.loading, "load", not_installed)
+    (name, model, weights), _ = gpu_decode.decode_models(
+        {"decode_pretrained": "smollm2", "decode_layers": 2, "decode_preset": "tiny"})
+    assert name == "smollm2" and weights.startswith("random (ConfigError: model='smollm2'")
+    assert model.cfg == dataclasses.replace(MODEL_PRESETS["smollm2"], n_layers=2)
+    row = {"model": "smollm2", "weights": weights, "form": "bf16", "layers": 2,
+           "param_bytes": 1, "decode_tokens_per_s": 2.0, "weight_gb_per_s": 1.0,
+           "same_tokens_as_bf16": 1.0, "prefill_tokens_per_s": 3.0,
+           "prefill_last_tokens_per_s": 4.0, "new_tokens": 8, "prompt_tokens": 8,
+           "prefill_window": 16}
+    table = "\n".join(speed_tables._gpu_decode_rows([row], {}))
+    assert "| smollm2 (2 layers, random weights) | bf16 |" in table
+    assert "smollm2: random weights of its shapes, since ConfigError" in table
+
+
+def test_the_decode_programs_lower_for_a_gpu_without_the_cpu_kernels():
+    # The decode path picks shardq's CPU kernels per platform; lowered for CUDA (no GPU needed
+    # to lower), none of them is left in the program, where the CPU lowering holds them.
+    pre = gpu_decode.forms(gpu_decode.preset_model("tiny"))["w8a8"]
+    fn, args = decoding.decode_programs(decoding.DecodeVariant("w8a8", pre), [1, 2, 3, 4], 4)
+
+    def targets(text):
+        calls = re.findall(r'custom_call @(\w+)|call_target_name = "(\w+)"', text)
+        return {name for pair in calls for name in pair if name.startswith("shardq_")}
+
+    assert targets(fn.lower(*args).as_text())  # this (CPU) backend's program
+    assert not targets(jax.export.export(fn, platforms=["cuda"])(*args).mlir_module())

@@ -23,6 +23,7 @@ from flax import nnx
 
 from experiments.cli.runtime import backend_refusal
 from experiments.reporting.results_io import write_result
+from experiments.speed import gpu_decode
 from model import MODEL_PRESETS, DecoderLM, ModelConfig
 from model.flops import param_bytes, param_count, train_flops_per_token
 from model.layers import causal_attention, fused_causal_attention
@@ -248,7 +249,7 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
     training part for each (strategy, remat, attention) of `variants`, rewriting the results
     file `path` after every row so that a run cut short keeps what it measured."""
     out.update(preset=shape["preset"], attention_parity=[], training=[], matmuls=[],
-               inference=[], complete=False)
+               inference=[], decode=[], decode_skipped={}, complete=False)
     # The parity checks' head dimension (the last of each ATTENTION_CHECKS entry) decides too.
     refusal = backend_refusal(ModelConfig(d_model=ATTENTION_CHECKS[0][-1], n_heads=1,
                                           attention="cudnn", compute_dtype="bfloat16"))
@@ -279,4 +280,19 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
             out["inference"].append(row)
             write_result(path, out)
             print(json.dumps({k: row[k] for k in ("mode", "step_s", "tokens_per_s")}), flush=True)
+    if "decode" in parts:
+        for name, model, weights in gpu_decode.decode_models(shape):
+            if isinstance(model, str):
+                out["decode_skipped"][name] = model
+            else:
+                try:
+                    out["decode"] += gpu_decode.model_rows(model, shape, weights)
+                except (RuntimeError, NotImplementedError) as e:  # out of memory, a kernel
+                    # this chip lacks: the model's row says so and the next one runs
+                    model = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                    out["decode_skipped"][name] = model
+            write_result(path, out)
+            print(json.dumps({name: model} if isinstance(model, str) else
+                             {f"{r['model']}/{r['form']}": round(r["decode_tokens_per_s"], 1)
+                              for r in out["decode"] if r["model"] == name}), flush=True)
     out["complete"] = True

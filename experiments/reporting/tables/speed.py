@@ -420,7 +420,42 @@ def bench_gpu(d: dict) -> str:
         for r in d["inference"]:
             rows.append(f"| {r['mode']} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} | "
                         f"{r['tokens_per_s'] / base:.2f}× | {r['param_bytes']:,} |")
+    if d.get("decode") or d.get("decode_skipped"):
+        rows += [*([""] if rows[-1] else []),
+                 *_gpu_decode_rows(d.get("decode", []), d.get("decode_skipped", {}))]
     return "\n".join(rows)
+
+
+def _gpu_decode_rows(decode: list[dict], skipped: dict) -> list[str]:
+    rows = []
+    if decode:
+        r0 = decode[0]
+        rows += [f"Batch 1: greedy decoding of {r0['new_tokens']} tokens after a "
+                 f"{r0['prompt_tokens']}-token prompt, and prefill of a "
+                 f"{r0['prefill_window']}-token window (scoring's logits at every position; "
+                 f"generation's at the last):", ""]
+    rows += head("model", "form", "parameter bytes", "decode tokens/s", "vs bf16",
+                 "weights read", "same tokens as bf16", "prefill tokens/s", "vs bf16",
+                 "prefill, last position")
+    bf16 = {r["model"]: r for r in decode if r["form"] == "bf16"}
+    for r in decode:
+        b = bf16.get(r["model"], r)
+        weights = r.get("weights", "pretrained").split(" (")[0]
+        rows.append(f"| {r['model']} ({r['layers']} layers, {weights} weights) | {r['form']} | "
+                    f"{r['param_bytes']:,} | "
+                    f"{r['decode_tokens_per_s']:,.1f} | "
+                    f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}× | "
+                    f"{r['weight_gb_per_s']:,.0f} GB/s | {100 * r['same_tokens_as_bf16']:.0f}% | "
+                    f"{r['prefill_tokens_per_s']:,.0f} | "
+                    f"{r['prefill_tokens_per_s'] / b['prefill_tokens_per_s']:.2f}× | "
+                    f"{r['prefill_last_tokens_per_s']:,.0f} |")
+    for name, why in skipped.items():
+        rows.append(f"| {name} | not run: {why.replace('|', '/')[:140]} | | | | | | | | |")
+    why = {r["model"]: r["weights"][len("random ("):-1] for r in decode
+           if r.get("weights", "").startswith("random (")}
+    rows += [f"\n{name}: random weights of its shapes, since {reason}" for name, reason in
+             why.items()]
+    return rows
 
 
 def _gpu_matmul_rows(matmuls: list[dict]) -> list[str]:

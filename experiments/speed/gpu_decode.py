@@ -1,0 +1,119 @@
+"""Batch-1 decoding and prefill on one accelerator, bf16 against int8 (the `decode` part of
+`experiments.bench_gpu`).
+
+Each model runs in three forms: bf16 (weights and compute), and its int8 forms `w8` (int8
+kernels, float activations) and `w8a8` (int8 kernels and per-token int8 activations), both made
+by `quant/` from the float32 weights without calibration and computing in bf16. Decoding is
+`experiments.pretrained.decoding.decode_benchmark`, the program the CPU tables time (greedy
+steps from the KV cache in one jitted scan after an untimed prefill), the forms interleaved;
+prefill is `experiments.pretrained.prefill_speed.PrefillBench` over one window (scoring's
+logits at every position, and generation's prefill into a fresh cache). Where the pretrained
+model cannot be loaded (its package is not installed on the accelerator's host), its preset's
+shapes run with random weights, and its rows say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.cli.config import ConfigError
+from experiments.pretrained import decoding, loading
+from experiments.pretrained.loading import Pretrained, abstract_graphdef
+from experiments.pretrained.prefill_speed import PrefillBench, window_of
+from experiments.training import pydoc_corpus
+from model import MODEL_PRESETS, DecoderLM
+from model.gguf import GGUFError
+
+FORMS = ("bf16", "w8", "w8a8")  # the float model, then quant/'s modes of the same name
+BF16 = "bfloat16"
+
+
+def as_bf16(pre: Pretrained) -> Pretrained:
+    """`pre` with bf16 weights and compute: the float model an accelerator serves."""
+    cfg = dataclasses.replace(pre.cfg, param_dtype=BF16, compute_dtype=BF16)
+    params = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        pre.params)
+    return dataclasses.replace(pre, cfg=cfg, graphdef=abstract_graphdef(cfg), params=params)
+
+
+def forms(pre: Pretrained) -> dict[str, Pretrained]:
+    """{form: model} of FORMS; the int8 forms quantise `pre`'s float32 weights and compute in
+    bf16 (their scales stay float32)."""
+    cfg = dataclasses.replace(pre.cfg, compute_dtype=BF16)
+    f32 = dataclasses.replace(pre, cfg=cfg, graphdef=abstract_graphdef(cfg))
+    return {"bf16": as_bf16(pre), **{m: loading.quantize(f32, m) for m in FORMS[1:]}}
+
+
+def preset_model(preset: str, layers: int | None = None) -> Pretrained:
+    """A randomly initialised decoder of `preset` (float32 weights; its first `layers`
+    layers): its speed is its shapes'."""
+    cfg = MODEL_PRESETS[preset]
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, n_layers=min(layers, cfg.n_layers))
+    params = nnx.to_pure_dict(nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    return Pretrained(preset, cfg, abstract_graphdef(cfg), params, tokenizer=None)
+
+
+def prompt_ids(pre: Pretrained, n: int) -> list[int]:
+    """`n` tokens of the validation text: the model's own tokens, or its bytes for a
+    byte-level model (no tokenizer)."""
+    text = pydoc_corpus.split_text("validation")
+    ids = (pre.tokenizer.encode(text[:8 * n]) if pre.tokenizer is not None
+           else [b % pre.cfg.vocab_size for b in text.encode()])
+    return window_of(ids, n)
+
+
+def model_rows(pre: Pretrained, shape: dict, weights: str) -> list[dict]:
+    """Decode and prefill rows of `pre`'s FORMS, each form's decode tokens against bf16's;
+    `weights` says what the weights are (pretrained, or random and why)."""
+    models = forms(pre)
+    prompt = prompt_ids(pre, shape["decode_prompt"])
+    variants = [decoding.DecodeVariant(form, m) for form, m in models.items()]
+    decoded = decoding.decode_benchmark(variants, prompt, shape["decode_tokens"],
+                                        shape["decode_repeats"])
+    bench = PrefillBench(models, prompt_ids(pre, shape["decode_window"]))
+    for _ in range(shape["decode_repeats"]):
+        bench.time_round(1)
+    prefill = {r["variant"]: r for r in bench.rows()}
+    reference = np.asarray(decoded[0]["tokens"])
+    rows = []
+    for form, d in zip(FORMS, decoded, strict=True):
+        rows.append({
+            "model": pre.name, "weights": weights, "form": form, "layers": pre.cfg.n_layers,
+            "param_bytes": d["weight_bytes_per_token"], "prompt_tokens": d["prompt_tokens"],
+            "new_tokens": d["new_tokens"], "decode_tokens_per_s": d["tokens_per_s"],
+            "decode_ms_per_token": d["ms_per_token"], "decode_runs_s": d["runs_s"],
+            # each token reads every weight once: the rate the memory delivers them at
+            "weight_gb_per_s": d["weight_bytes_per_token"] * d["tokens_per_s"] / 1e9,
+            "tokens_agree_between_runs": d["tokens_agree"],
+            "same_tokens_as_bf16": float(np.mean(np.asarray(d["tokens"]) == reference)),
+            "prefill_window": bench.window,
+            "prefill_tokens_per_s": prefill[form]["tokens_per_s"],
+            "prefill_last_tokens_per_s": prefill[form + "-last"]["tokens_per_s"]})
+    return rows
+
+
+def decode_models(shape: dict) -> Iterator[tuple[str, Pretrained | str, str]]:
+    """(name, model, weights) of the pretrained model and the preset that `shape` names
+    (bench_gpu's FULL or TINY), loaded one at a time. Where the pretrained model cannot be
+    loaded (its package is not installed on the accelerator's host) and a preset of its name
+    exists, that preset's shapes run with random weights: its speed is its shapes'; its weights
+    say why. With neither, the reason in place of the model."""
+    name = shape["decode_pretrained"]
+    try:
+        got: Pretrained | str = loading.load(name, n_layers=shape.get("decode_layers"))
+        weights = "pretrained"
+    except (ConfigError, GGUFError, OSError) as e:
+        got = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        weights = ""
+        if name in MODEL_PRESETS:
+            got, weights = preset_model(name, shape.get("decode_layers")), f"random ({got})"
+    yield name, got, weights
+    yield shape["decode_preset"], preset_model(shape["decode_preset"]), "random"
