@@ -21,6 +21,7 @@ from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained, for_decoding
+from experiments.speed.gc_pause import gc_paused
 from experiments.speed.interleaving import round_order
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
@@ -64,9 +65,11 @@ def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
         tokens = stream(pre.graphdef, params, ids, new_tokens, jax.random.key(0),
                         make_cache=make_cache, per_layer=v.per_layer)
         out = [next(tokens)]
-        t0 = time.perf_counter()
-        out += list(tokens)
-        return np.asarray([out]), time.perf_counter() - t0
+        with gc_paused():
+            t0 = time.perf_counter()
+            out += list(tokens)
+            sec = time.perf_counter() - t0
+        return np.asarray([out]), sec
 
     return timed, (pre.params,)
 
@@ -128,9 +131,11 @@ def timed_speed(v: DecodeVariant, prompt: list[int], new_tokens: int) -> Callabl
 
     def run() -> float:
         call_args = fresh_args(args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*call_args))
-        return new_tokens / (time.perf_counter() - t0)
+        with gc_paused():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*call_args))
+            sec = time.perf_counter() - t0
+        return new_tokens / sec
 
     return run
 
@@ -159,9 +164,13 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
         return args if v.streamed else fresh_args(args)
 
     def call(v, fn, args):  # (tokens, seconds): a streamed call times itself (no prefill)
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        return out if v.streamed else (out[0], time.perf_counter() - t0)
+        if v.streamed:  # times itself, its collector paused
+            return jax.block_until_ready(fn(*args))
+        with gc_paused():
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            sec = time.perf_counter() - t0
+        return out[0], sec
 
     tokens = [np.asarray(call(v, fn, own_args(v, args))[0])[0]
               for v, (fn, args) in zip(variants, progs, strict=True)]

@@ -21,6 +21,7 @@ from flax import nnx
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained
 from experiments.pretrained.scoring import make_score_fn
+from experiments.speed.gc_pause import gc_paused
 from model.generate import prefill, sample_token
 from parallel.inference import mesh_of
 
@@ -73,9 +74,10 @@ class PrefillBench:
         runs: dict[str, list[float]] = {name: [] for name in self.programs}
         for _ in range(repeats):
             for name, (fn, params) in self.programs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(params, self.tokens))
-                runs[name].append(time.perf_counter() - t0)
+                with gc_paused():
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(params, self.tokens))
+                    runs[name].append(time.perf_counter() - t0)
         for name, t in runs.items():
             self.times[name].append(t)
 

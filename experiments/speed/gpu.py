@@ -24,6 +24,7 @@ from flax import nnx
 from experiments.cli.runtime import backend_refusal
 from experiments.reporting.results_io import write_result
 from experiments.speed import gpu_decode
+from experiments.speed.gc_pause import gc_paused
 from model import MODEL_PRESETS, DecoderLM, ModelConfig
 from model.flops import param_bytes, param_count, train_flops_per_token
 from model.layers import causal_attention, fused_causal_attention
@@ -49,9 +50,10 @@ def _median_time(fn, warmup: int, steps: int) -> tuple[float, list[float]]:
         jax.block_until_ready(fn())
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
+        with gc_paused():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
     return float(np.median(times)), times
 
 
