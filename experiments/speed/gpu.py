@@ -210,9 +210,10 @@ def matmul_ratio(n: int, repeats: int = 10) -> dict:
         jax.block_until_ready(fn(*args))
     for _ in range(repeats):
         for name, (fn, args) in programs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - t0)
+            with gc_paused():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[name].append(time.perf_counter() - t0)
     ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     widened = widened_operands(hlo["int8"]) + widened_operands(hlo["int8_kmajor"])
     return {"n": n, "bf16_ms": ms["bf16"], "int8_ms": ms["int8"],
