@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments.cli.config import ConfigError
@@ -100,8 +101,8 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path, monkey
     smol = {f: decode["smollm2", f] for f in gpu_decode.FORMS}
     assert smol["w8"]["param_bytes"] == smol["w8a8"]["param_bytes"] < \
         0.6 * smol["bf16"]["param_bytes"]
-    assert smol["bf16"]["same_tokens_as_bf16"] == 1.0
-    assert min(smol[f]["same_tokens_as_bf16"] for f in ("w8", "w8a8")) >= 0.5
+    assert smol["bf16"]["tokens_as_bf16"] == 8
+    assert min(smol[f]["tokens_as_bf16"] for f in ("w8", "w8a8")) >= 4
     assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
     # Drawn again from the file alone; a file that is not a measured run, and flags that are
     # refused, are one line each (all in one process: each start would re-import JAX).
@@ -192,11 +193,12 @@ def test_a_pretrained_model_not_installed_runs_as_its_shapes(monkeypatch):
     assert model.cfg == dataclasses.replace(MODEL_PRESETS["smollm2"], n_layers=2)
     row = {"model": "smollm2", "weights": weights, "form": "bf16", "layers": 2,
            "param_bytes": 1, "decode_tokens_per_s": 2.0, "weight_gb_per_s": 1.0,
-           "same_tokens_as_bf16": 1.0, "prefill_tokens_per_s": 3.0,
+           "tokens_as_bf16": 8, "prefill_tokens_per_s": 3.0,
            "prefill_last_tokens_per_s": 4.0, "new_tokens": 8, "prompt_tokens": 8,
            "prefill_window": 16}
     table = "\n".join(speed_tables._gpu_decode_rows([row], {}))
-    assert "| smollm2 (2 layers, random weights) | bf16 |" in table
+    assert "| smollm2 (2 layers, random weights) | bf16 |" in table and "| 8 of 8 |" in table
+    assert gpu_decode.leading_agreement(np.array([5, 6, 7, 8]), np.array([5, 6, 0, 8])) == 2
     assert "smollm2: random weights of its shapes, since ConfigError" in table
 
 

@@ -435,7 +435,7 @@ def _gpu_decode_rows(decode: list[dict], skipped: dict) -> list[str]:
                  f"{r0['prefill_window']}-token window (scoring's logits at every position; "
                  f"generation's at the last):", ""]
     rows += head("model", "form", "parameter bytes", "decode tokens/s", "vs bf16",
-                 "weights read", "same tokens as bf16", "prefill tokens/s", "vs bf16",
+                 "weights read", "tokens as bf16's", "prefill tokens/s", "vs bf16",
                  "prefill, last position")
     bf16 = {r["model"]: r for r in decode if r["form"] == "bf16"}
     for r in decode:
@@ -445,7 +445,8 @@ def _gpu_decode_rows(decode: list[dict], skipped: dict) -> list[str]:
                     f"{r['param_bytes']:,} | "
                     f"{r['decode_tokens_per_s']:,.1f} | "
                     f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}× | "
-                    f"{r['weight_gb_per_s']:,.0f} GB/s | {100 * r['same_tokens_as_bf16']:.0f}% | "
+                    f"{r['weight_gb_per_s']:,.0f} GB/s | "
+                    f"{r['tokens_as_bf16']} of {r['new_tokens']} | "
                     f"{r['prefill_tokens_per_s']:,.0f} | "
                     f"{r['prefill_tokens_per_s'] / b['prefill_tokens_per_s']:.2f}× | "
                     f"{r['prefill_last_tokens_per_s']:,.0f} |")
