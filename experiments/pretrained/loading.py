@@ -102,8 +102,13 @@ def load(name: str = "smollm2", n_layers: int | None = None,
 def as_float32(pre: Pretrained) -> Pretrained:
     """`pre` with float32 parameters and arithmetic: a bfloat16 run's weights widened (exactly),
     so that a comparison with its int8 twin measures the int8 rounding, not bfloat16's."""
-    cfg = dataclasses.replace(pre.cfg, param_dtype="float32", compute_dtype="float32")
-    params = jax.tree.map(lambda a: a.astype(jnp.float32)
+    return with_dtype(pre, "float32")
+
+
+def with_dtype(pre: Pretrained, dtype: str) -> Pretrained:
+    """`pre` with its floating parameters stored and its arithmetic run in `dtype`."""
+    cfg = dataclasses.replace(pre.cfg, param_dtype=dtype, compute_dtype=dtype)
+    params = jax.tree.map(lambda a: a.astype(dtype)
                           if jnp.issubdtype(a.dtype, jnp.floating) else a, pre.params)
     return dataclasses.replace(pre, cfg=cfg, graphdef=abstract_graphdef(cfg), params=params)
 

@@ -57,7 +57,7 @@ class PrefillBench:
         if not window or len(window) > longest:
             raise ConfigError(f"prefill_tokens={len(window)}: must be in 1..{longest} (the "
                               f"model's context)")
-        tokens = np.asarray([window], np.int32)
+        tokens = jax.device_put(np.asarray([window], np.int32))  # on the device once
         self.window = len(window)
         self.models = {**models, **{name + LAST: m for name, m in models.items()}}
         self.programs = {name: (make_score_fn(m.graphdef, mesh_of(m.params)), m.params)

@@ -21,9 +21,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.cli.config import ConfigError
 from experiments.cli.runtime import backend_refusal
 from experiments.reporting.results_io import write_result
-from experiments.speed import gpu_decode
 from experiments.speed.gc_pause import gc_paused
 from model import MODEL_PRESETS, DecoderLM, ModelConfig
 from model.flops import param_bytes, param_count, train_flops_per_token
@@ -284,18 +284,18 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
             write_result(path, out)
             print(json.dumps({k: row[k] for k in ("mode", "step_s", "tokens_per_s")}), flush=True)
     if "decode" in parts:
-        for name, model, weights in gpu_decode.decode_models(shape):
-            if isinstance(model, str):
-                out["decode_skipped"][name] = model
-            else:
-                try:
-                    out["decode"] += gpu_decode.model_rows(model, shape, weights)
-                except (RuntimeError, NotImplementedError) as e:  # out of memory, a kernel
-                    # this chip lacks: the model's row says so and the next one runs
-                    model = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                    out["decode_skipped"][name] = model
+        from experiments.speed import gpu_decode  # loads the tokenizer and GGUF readers too
+
+        for name in (shape["decode_pretrained"], shape["decode_preset"]):
+            model = None  # the last model freed before the next loads
+            try:
+                model, weights, why = gpu_decode.load_model(name, shape)
+                out["decode"] += gpu_decode.model_rows(model, shape, weights, why)
+                said = {f"{r['model']}/{r['form']}": round(r["decode_tokens_per_s"], 1)
+                        for r in out["decode"] if r["model"] == name}
+            except (ConfigError, RuntimeError, NotImplementedError) as e:  # not installed and
+                # no preset; out of memory; a kernel this chip lacks: said, and the next runs
+                out["decode_skipped"][name] = said = gpu_decode.error_line(e)
             write_result(path, out)
-            print(json.dumps({name: model} if isinstance(model, str) else
-                             {f"{r['model']}/{r['form']}": round(r["decode_tokens_per_s"], 1)
-                              for r in out["decode"] if r["model"] == name}), flush=True)
+            print(json.dumps({name: said}), flush=True)
     out["complete"] = True

@@ -22,8 +22,7 @@ ORDER = (
     "smollm2_ft_embed_int8",
     "smollm2_quant_window128", "smollm2_ft_quant",
     "equivalence_smollm2", "export_train", "export_safetensors", "export_gguf",
-    "export_reference", "export_parity", "bench_gpu", "bench_gpu_no_triton", "bench_gpu_inference",
-    "fault_injection",
+    "export_reference", "export_parity", "bench_gpu", "bench_gpu_no_triton", "fault_injection",
     "parity_gemma3", "gemma3_quant", "gemma3_embed_int8", "llama_cpp_int8",
 )
 

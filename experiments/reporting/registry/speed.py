@@ -164,17 +164,6 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         needs="gpu",
     ),
     Experiment(
-        name="bench_gpu_inference",
-        argv=launcher("bench_gpu", "--parts", "inference,decode", "--json",
-                      "--out", "{results}/bench_gpu_inference.json"),
-        quick_argv=launcher("bench_gpu", "--tiny", "--parts", "inference,decode", "--json",
-                            "--out", "{results}/bench_gpu_inference.json"),
-        outputs=("bench_gpu_inference.json",),
-        expected_s=300, quick_expected_s=60,
-        feeds="GPU inference table: int8 against bf16, prefill and batch-1 decoding",
-        needs="gpu",
-    ),
-    Experiment(
         name="bench_gpu_no_triton",
         argv=launcher("bench_gpu", "--parts", "training,matmuls",
                       "--variants", "dp/full/xla,dp/save_dots/cudnn", "--json",

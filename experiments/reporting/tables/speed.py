@@ -430,30 +430,28 @@ def _gpu_decode_rows(decode: list[dict], skipped: dict) -> list[str]:
     rows = []
     if decode:
         r0 = decode[0]
-        rows += [f"Batch 1: greedy decoding of {r0['new_tokens']} tokens after a "
-                 f"{r0['prompt_tokens']}-token prompt, and prefill of a "
-                 f"{r0['prefill_window']}-token window (scoring's logits at every position; "
-                 f"generation's at the last):", ""]
-    rows += head("model", "form", "parameter bytes", "decode tokens/s", "vs bf16",
-                 "weights read", "tokens as bf16's", "prefill tokens/s", "vs bf16",
-                 "prefill, last position")
+        rows += [f"Batch 1, every form in the {r0['layout'].replace('_', ' ')}: greedy decoding "
+                 f"of {r0['new_tokens']} tokens after a prompt of {r0['prompt_tokens']}, and "
+                 f"prefill of a window of {r0['prefill_window']} tokens (scoring's logits at "
+                 f"every position; generation's at the last):", ""]
+    rows += head("model", "form", "parameter bytes", "decode tokens/s", "decode vs bf16",
+                 "stored bytes × tokens/s", "tokens as bf16's", "prefill tokens/s",
+                 "prefill vs bf16", "prefill tokens/s, last position only")
     bf16 = {r["model"]: r for r in decode if r["form"] == "bf16"}
     for r in decode:
         b = bf16.get(r["model"], r)
-        weights = r.get("weights", "pretrained").split(" (")[0]
-        rows.append(f"| {r['model']} ({r['layers']} layers, {weights} weights) | {r['form']} | "
-                    f"{r['param_bytes']:,} | "
-                    f"{r['decode_tokens_per_s']:,.1f} | "
+        same = (f"{r['tokens_as_bf16']} of {r['new_tokens']}" if r["weights"] == "pretrained"
+                else "— (random weights)")
+        rows.append(f"| {r['model']} ({r['layers']} layers, {r['weights']} weights) | "
+                    f"{r['form']} | {r['param_bytes']:,} | {r['decode_tokens_per_s']:,.1f} | "
                     f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}× | "
-                    f"{r['weight_gb_per_s']:,.0f} GB/s | "
-                    f"{r['tokens_as_bf16']} of {r['new_tokens']} | "
+                    f"{r['stored_gb_per_s']:,.1f} GB/s | {same} | "
                     f"{r['prefill_tokens_per_s']:,.0f} | "
                     f"{r['prefill_tokens_per_s'] / b['prefill_tokens_per_s']:.2f}× | "
                     f"{r['prefill_last_tokens_per_s']:,.0f} |")
     for name, why in skipped.items():
         rows.append(f"| {name} | not run: {why.replace('|', '/')[:140]} | | | | | | | | |")
-    why = {r["model"]: r["weights"][len("random ("):-1] for r in decode
-           if r.get("weights", "").startswith("random (")}
+    why = {r["model"]: r["weights_why"] for r in decode if r.get("weights_why")}
     rows += [f"\n{name}: random weights of its shapes, since {reason}" for name, reason in
              why.items()]
     return rows
