@@ -141,6 +141,13 @@ def check_sampling(model: ModelConfig, prompt_len: int, max_new_tokens: int, tem
                           f"tokens must fit the context of {model.max_len}")
 
 
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line: its type and the first line of its message (at most `limit`
+    characters), where a result records a failure instead of stopping."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
 def fail(prog: str, message: str, code: int = 2) -> typing.NoReturn:
     """The one-line error every launcher prints for bad input."""
     print(f"{prog}: error: {message}", file=sys.stderr)

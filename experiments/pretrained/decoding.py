@@ -21,7 +21,7 @@ from flax import nnx
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained, for_decoding
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import gc_paused, timed_call
 from experiments.speed.interleaving import round_order
 from model.flops import param_bytes
 from model.generate import decode_steps, default_per_layer, prefill, sample_token, stream
@@ -130,12 +130,7 @@ def timed_speed(v: DecodeVariant, prompt: list[int], new_tokens: int) -> Callabl
     jax.block_until_ready(fn(*fresh_args(args)))
 
     def run() -> float:
-        call_args = fresh_args(args)
-        with gc_paused():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*call_args))
-            sec = time.perf_counter() - t0
-        return new_tokens / sec
+        return new_tokens / timed_call(fn, *fresh_args(args))[1]
 
     return run
 
@@ -166,10 +161,7 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
     def call(v, fn, args):  # (tokens, seconds): a streamed call times itself (no prefill)
         if v.streamed:  # times itself, its collector paused
             return jax.block_until_ready(fn(*args))
-        with gc_paused():
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
-            sec = time.perf_counter() - t0
+        out, sec = timed_call(fn, *args)
         return out[0], sec
 
     tokens = [np.asarray(call(v, fn, own_args(v, args))[0])[0]

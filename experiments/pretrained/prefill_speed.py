@@ -12,7 +12,6 @@ C, ...), so a caller can interleave rounds with other measurements (the llama.cp
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import numpy as np
@@ -21,7 +20,7 @@ from flax import nnx
 from experiments.cli.config import ConfigError
 from experiments.pretrained.loading import Pretrained
 from experiments.pretrained.scoring import make_score_fn
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import timed_call
 from model.generate import prefill, sample_token
 from parallel.inference import mesh_of
 
@@ -74,10 +73,7 @@ class PrefillBench:
         runs: dict[str, list[float]] = {name: [] for name in self.programs}
         for _ in range(repeats):
             for name, (fn, params) in self.programs.items():
-                with gc_paused():
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(params, self.tokens))
-                    runs[name].append(time.perf_counter() - t0)
+                runs[name].append(timed_call(fn, params, self.tokens)[1])
         for name, t in runs.items():
             self.times[name].append(t)
 

@@ -4,13 +4,11 @@ matrix-vector products cost on this host, apart from the rest of the model
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import timed_call
 from quant import native_int8
 from quant.dense import CONTRACT_IN, MIN_INT8_ROWS, int8_matmul, int8_matmul_t
 
@@ -64,10 +62,7 @@ def matvec_check(cfg, repeats: int) -> dict:
         jax.block_until_ready(fn(ws, x))
     for _ in range(repeats):
         for name, (fn, ws, x) in cases.items():
-            with gc_paused():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(ws, x))
-                times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_call(fn, ws, x)[1])
     out = {"kernels": len(shapes), "int8_bytes": int(sum(w.size for w in w_q)),
            "ms": {k: 1e3 * float(np.median(v)) for k, v in times.items()}}
     del w_f, w_q, w_t

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import timed_call
 from experiments.speed.step_profile import op_times, parse_hlo, read_trace, union_length
 from model import native_float
 from model.transformer import ATTENTION_SCOPE
@@ -61,10 +60,7 @@ def decode_breakdown(fn, args: tuple, new_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
         try:
-            with gc_paused():
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled(*args))
-                wall = time.perf_counter() - t0
+            wall = timed_call(compiled, *args)[1]
         finally:
             jax.profiler.stop_trace()
         events = read_trace(Path(tmp))

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+
+import jax
 
 
 @contextlib.contextmanager
@@ -24,3 +27,11 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_on:
             gc.enable()
+
+
+def timed_call(fn: Callable, *args) -> tuple[object, float]:
+    """(fn(*args), once its arrays are ready; the seconds that took), the collector paused."""
+    with gc_paused():
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        return out, time.perf_counter() - t0

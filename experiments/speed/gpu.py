@@ -21,10 +21,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments.cli.config import ConfigError
+from experiments.cli.config import ConfigError, error_line
 from experiments.cli.runtime import backend_refusal
 from experiments.reporting.results_io import write_result
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import timed_call
 from model import MODEL_PRESETS, DecoderLM, ModelConfig
 from model.flops import param_bytes, param_count, train_flops_per_token
 from model.layers import causal_attention, fused_causal_attention
@@ -50,10 +50,7 @@ def _median_time(fn, warmup: int, steps: int) -> tuple[float, list[float]]:
         jax.block_until_ready(fn())
     times = []
     for _ in range(steps):
-        with gc_paused():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
+        times.append(timed_call(fn)[1])
     return float(np.median(times)), times
 
 
@@ -210,10 +207,7 @@ def matmul_ratio(n: int, repeats: int = 10) -> dict:
         jax.block_until_ready(fn(*args))
     for _ in range(repeats):
         for name, (fn, args) in programs.items():
-            with gc_paused():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_call(fn, *args)[1])
     ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     widened = widened_operands(hlo["int8"]) + widened_operands(hlo["int8_kmajor"])
     return {"n": n, "bf16_ms": ms["bf16"], "int8_ms": ms["int8"],
@@ -244,7 +238,7 @@ def train_variant(shape: dict, strategy: str, remat: str, attention: str) -> dic
                          shape["steps"], shape["warmup"])
     except (RuntimeError, NotImplementedError) as e:  # out of memory (JaxRuntimeError), a
         # kernel this chip or library lacks: a result here; anything else is a bug and stops
-        return {**label, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
+        return {**label, "error": error_line(e)}
 
 
 def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> None:
@@ -295,7 +289,7 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
                         for r in out["decode"] if r["model"] == name}
             except (ConfigError, RuntimeError, NotImplementedError) as e:  # not installed and
                 # no preset; out of memory; a kernel this chip lacks: said, and the next runs
-                out["decode_skipped"][name] = said = gpu_decode.error_line(e)
+                out["decode_skipped"][name] = said = error_line(e)
             write_result(path, out)
             print(json.dumps({name: said}), flush=True)
     out["complete"] = True

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
-from experiments.cli.config import ConfigError
+from experiments.cli.config import ConfigError, error_line
 from experiments.pretrained import decoding, loading
 from experiments.pretrained.loading import Pretrained, abstract_graphdef
 from experiments.pretrained.prefill_speed import PrefillBench, window_of
@@ -50,11 +50,6 @@ def preset_model(preset: str, layers: int | None = None) -> Pretrained:
         cfg = dataclasses.replace(cfg, n_layers=min(layers, cfg.n_layers))
     params = nnx.to_pure_dict(nnx.state(DecoderLM(cfg, rngs=nnx.Rngs(0)), nnx.Param))
     return Pretrained(preset, cfg, abstract_graphdef(cfg), params, tokenizer=None)
-
-
-def error_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
 def load_model(name: str, shape: dict) -> tuple[Pretrained, str, str]:

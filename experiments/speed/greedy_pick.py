@@ -4,13 +4,11 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.speed.gc_pause import gc_paused
+from experiments.speed.gc_pause import timed_call
 from model import native_argmax
 
 PICKS = 64  # picks per timed call, each waiting for the one before
@@ -37,9 +35,6 @@ def pick_check(vocab: int, repeats: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in forms}
     for _ in range(repeats):
         for name, fn in forms.items():
-            with gc_paused():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(logits))
-                times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_call(fn, logits)[1])
     return {"vocab": vocab, "picks_per_call": PICKS, "same_pick": len(set(picked.values())) == 1,
             "us_per_pick": {k: 1e6 * float(np.median(v)) / PICKS for k, v in times.items()}}

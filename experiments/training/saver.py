@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 
+from experiments.cli.config import error_line
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity
 from experiments.training.guards import WriteFailed
@@ -78,4 +79,4 @@ def reason(e: Exception) -> str:
         return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}, errno {e.errno}" + (f", {e.filename}" if e.filename else "")
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return error_line(e, 160)
