@@ -1,12 +1,11 @@
-"""`DecoderLM` parameters -> a llama.cpp GGUF (architecture llama or gemma3): the metadata
-llama.cpp reads, the tensors of model/llama_export.py's plan (float32, or Q8_0 for an int8
-model), the tokenizer's keys copied from the GGUF the model came from.
+"""`DecoderLM` parameters -> a llama.cpp GGUF (architecture llama, qwen2, qwen3 or gemma3): the
+metadata llama.cpp reads, the tensors of model/llama_export.py's plan (float32, or Q8_0 for an
+int8 model), the tokenizer's keys copied from the GGUF the model came from.
 
 What a GGUF cannot say is refused in one line rather than written as another model: a family
-with no GGUF architecture that shardq reads back (mistral's sliding window, qwen2's biases,
-qwen3's q/k norm), and, for Gemma 3, anything off the architecture's conventions (which layers
-slide, the local RoPE base, the query scale), which readers assume rather than read (see
-model/llama_gguf.py). The file is read back once written and its config compared.
+with no GGUF architecture that shardq reads back (mistral's sliding window), and, for Gemma 3,
+anything off the conventions its readers assume rather than read (which layers slide, the query
+scale; see model/llama_gguf.py). The file is read back once written and its config compared.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from model.gguf import GGUFFile
 from model.llama_export import GGUF_ARCH, ExportError, family, mismatch, plan, tensors
 from model.llama_gguf import (
     GEMMA3_GLOBAL_EVERY,
-    GEMMA3_LOCAL_BASE,
-    GEMMA3_QUERY_PRE_ATTN_SCALAR,
     config_from_gguf,
+    gemma3_layer_pattern,
+    gemma3_query_scalar,
 )
 
 _ARRAY_TYPES = {"int8": "INT8", "uint8": "UINT8", "int16": "INT16", "uint16": "UINT16",
@@ -66,10 +65,9 @@ def check_gguf(cfg: ModelConfig) -> str:
     arch = gguf_arch(cfg)
     if arch == "gemma3":
         assumed = dataclasses.replace(
-            cfg, layer_pattern="".join("g" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "s"
-                                       for i in range(cfg.n_layers)),
-            rope_local_base=GEMMA3_LOCAL_BASE, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
-            final_softcap=0.0)
+            cfg, layer_pattern=gemma3_layer_pattern(cfg.n_layers),
+            query_pre_attn_scalar=gemma3_query_scalar(cfg.n_layers, cfg.d_model, cfg.n_heads,
+                                                      cfg.head_dim))
         mismatch(cfg, assumed, "a gemma3 GGUF")
     return arch
 
@@ -85,12 +83,14 @@ def _architecture_keys(w: GGUFWriter, cfg: ModelConfig, arch: str, context_lengt
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     if arch == "gemma3":
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern(GEMMA3_GLOBAL_EVERY)  # what llama.cpp assumes anyway
         w.add_rope_freq_base_swa(cfg.rope_local_base)
+        if cfg.final_softcap:
+            w.add_final_logit_softcapping(cfg.final_softcap)
 
 
 def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndarray], *,

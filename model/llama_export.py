@@ -14,10 +14,10 @@ kernels [in, out] become [out, in] in both formats.
 Rotary rows: our q/k kernels are in the rotate-half order, which is Hugging Face's, so they are
 written as they are; llama.cpp's Llama converter interleaves the two halves of every head, so a
 llama GGUF gets that permutation (`gguf_permute`, the inverse of `llama_gguf._unpermute`); its
-Gemma 3 converter keeps the rotate-half order. Gemma's norms multiply by (1 + w): Hugging Face
-stores w, llama.cpp stores 1 + w, so a gemma3 GGUF gets every norm plus one (the reader
-subtracts it; float32's 1 + w keeps fewer of w's low bits when |w| < 1, so a random w comes back
-within an ulp of 1 + w, while a w read from a GGUF comes back exactly).
+Qwen2, Qwen3 and Gemma 3 converters keep the rotate-half order. Gemma's norms multiply by
+(1 + w): Hugging Face stores w, llama.cpp stores 1 + w, so a gemma3 GGUF gets every norm plus
+one (the reader subtracts it; float32's 1 + w keeps fewer of w's low bits when |w| < 1, so a
+random w comes back within an ulp of 1 + w, while a w read from a GGUF comes back exactly).
 
 An int8 model goes to GGUF as Q8_0 (model/gguf_q8.py): `read` then gives a quantised leaf as
 `Int8Rows` (int8 [..., out, in] and one scale per row, the layout `quant/` stores), and `plan`
@@ -41,7 +41,7 @@ FORMATS = ("safetensors", "gguf")
 GGUF_FILE = "model.gguf"
 SAFETENSORS_FILE = "model.safetensors"
 # Hugging Face model_type -> its GGUF architecture (llama.cpp's name, and one our reader reads).
-GGUF_ARCH = {"llama": "llama", "gemma3_text": "gemma3"}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 class ExportError(ValueError):
@@ -94,9 +94,9 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
     """NNX path -> GGUF name ("{}" is the layer)."""
-    layer = llama_gguf._layer_map("gemma3" if cfg.post_norms else "llama")
+    layer = llama_gguf.layer_map(GGUF_ARCH.get(family(cfg), "llama"))
     return ({path: name for name, (path, _) in llama_gguf._TOP_MAP.items()}
-            | {path: f"blk.{{}}.{stem}.weight" for stem, (path, _) in layer.items()})
+            | {path: f"blk.{{}}.{name}" for name, (path, _) in layer.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ def gguf_permute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _permuted_heads(cfg: ModelConfig, path: str, fmt: str) -> int | None:
     """The head count whose rows llama.cpp interleaves for this tensor (None: none)."""
-    if fmt != "gguf" or cfg.norm_plus_one:  # Gemma's rows stay in the rotate-half order
+    if fmt != "gguf" or GGUF_ARCH.get(family(cfg)) not in llama_gguf.PERMUTED_ARCHITECTURES:
         return None
     return {"blocks/attn/q/kernel": cfg.n_heads, "blocks/attn/k/kernel": cfg.kv_heads}.get(path)
 

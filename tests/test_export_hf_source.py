@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
@@ -59,14 +60,14 @@ def _conventional(hf: dict) -> None:
     n = hf["num_hidden_layers"]
     hf["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                          for i in range(n)]
-    hf["query_pre_attn_scalar"] = 256
-    hf["final_logit_softcapping"] = None
+    hf["query_pre_attn_scalar"] = hf["head_dim"]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_src")
-    return {"llama": _edited(FIXTURES / "llama", root / "llama", tokenizer=_digits_first),
+    return {**{arch: _edited(FIXTURES / arch, root / arch, tokenizer=_digits_first)
+               for arch in ("llama", "qwen2", "qwen3")},
             "gemma3_text": _edited(FIXTURES / "gemma3_text", root / "gemma3",
                                    config=_conventional, tokenizer=_digits_first)}
 
@@ -84,11 +85,11 @@ def exported(folders, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
     cfg, params = load_hf(folders[arch])
     cfg2, back, g = load_gguf(exported[arch])
-    assert g.get_str("general.architecture") == {"llama": "llama", "gemma3_text": "gemma3"}[arch]
+    assert g.get_str("general.architecture") == {"gemma3_text": "gemma3"}.get(arch, arch)
     assert cfg2 == cfg
     a, b = _flat(params), _flat(back)
     assert a.keys() == b.keys()
@@ -99,7 +100,7 @@ def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
             np.testing.assert_array_equal(b[k], a[k], err_msg=k)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
     g = GGUFFile(exported[arch])
     ours = tokenizer_from_gguf(g)
@@ -114,7 +115,7 @@ def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
     assert "<|im_start|>" in g.get_str("tokenizer.chat_template")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_scores_as_the_folder(arch, folders, exported):
     want = scoring.score_texts(loading.load(str(folders[arch])), TEXTS)
     got = scoring.score_texts(loading.load(str(exported[arch])), TEXTS)
@@ -176,7 +177,7 @@ def _unigram(tok: dict) -> None:
 
 
 REFUSALS = [
-    (None, "qwen2", "model_type='qwen2': format='gguf' is written for llama, gemma3_text"),
+    (None, "mistral", "model_type='mistral': format='gguf' is written for llama, qwen2, qwen3,"),
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
@@ -208,9 +209,20 @@ def test_step_refused_for_a_folder():
         exporter.pretrained_source(str(FIXTURES / "llama"), step=3)
 
 
-def test_llama_cpp_loads_the_folders_gguf(exported, tmp_path):
-    """llama.cpp reads the converted tokenizer keys and runs each file (where its tools are
-    named by $SHARDQ_LLAMA_CPP; under CI=true their absence is asserted, not skipped)."""
+def _nll_as_llama_cpp(pre, windows: list[list[int]]) -> float:
+    """Mean NLL (nats) as llama-perplexity computes it: each window with BOS first where the
+    tokenizer adds one, scored over its second half (the last ctx - 1 - ctx // 2 predictions)."""
+    ctx = len(windows[0])
+    rows = scoring.score_ids(pre, [pre.tokenizer.bos[:1] + w[1:] if pre.tokenizer.bos else w
+                                   for w in windows], tail=ctx - 1 - ctx // 2)
+    return float(np.mean([r["mean_nll_last"] for r in rows]))
+
+
+def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path):
+    """llama.cpp, an independent implementation, runs each exported file on the same text and
+    its perplexity is ours on the windows it tokenized (where its tools are named by
+    $SHARDQ_LLAMA_CPP; under CI=true their absence is asserted, not skipped). Control: the
+    Qwen2 model without its q/k/v biases scores far from llama.cpp's."""
     from experiments.speed import llama_cpp
 
     tools, line = llama_cpp.locate(None, need=(llama_cpp.PERPLEXITY,))
@@ -220,8 +232,19 @@ def test_llama_cpp_loads_the_folders_gguf(exported, tmp_path):
             return
         pytest.skip(f"needs llama.cpp's tools: {line}")
     text = tmp_path / "text.txt"
-    text.write_text(" ".join(TEXTS) * 100)
+    # llama-perplexity reads a special token's text as plain characters; our encode as the token
+    text.write_text(" ".join(t for t in TEXTS if "<|" not in t) * 100)
     for arch, path in exported.items():
-        got = llama_cpp.perplexity(tools, path, 1, tmp_path / f"{arch}.kld", text=text,
-                                   ctx=128, chunks=2)
-        assert got["chunks"] == 2 and np.isfinite(got["perplexity"]), arch
+        base = tmp_path / f"{arch}.kld"
+        got = llama_cpp.perplexity(tools, path, 1, base, text=text, ctx=128, chunks=2)
+        windows = llama_cpp.base_tokens(base)
+        assert got["chunks"] == len(windows) == 2 and got["ctx"] == len(windows[0]) == 128
+        pre = loading.load(str(folders[arch]))
+        assert pre.tokenizer.encode(text.read_text())[:256] == windows[0] + windows[1], arch
+        # llama.cpp prints the perplexity to 4 decimals: 1e-4 relative or better in nats
+        assert abs(_nll_as_llama_cpp(pre, windows) - np.log(got["perplexity"])) < 1e-3, arch
+        if arch == "qwen2":
+            blocks = pre.params["blocks"]["attn"]
+            for x in "qkv":
+                blocks[x]["bias"] = jnp.zeros_like(blocks[x]["bias"])
+            assert abs(_nll_as_llama_cpp(pre, windows) - np.log(got["perplexity"])) > 0.1

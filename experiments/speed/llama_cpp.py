@@ -272,3 +272,22 @@ def perplexity(tools: Tools, model: Path, threads: int, base: Path, *, text: Pat
             if attempt + 1 == PERPLEXITY_TRIES:
                 raise
     raise AssertionError("unreachable")
+
+
+def base_tokens(base: Path) -> list[list[int]]:
+    """The windows of token ids a `perplexity(..., text=...)` run scored, from the logits file it
+    saved: "_logits_", then int32 context, vocabulary size and window count, then every
+    window's ids (llama.cpp's tokenization of the text, before it puts BOS first). PeerError
+    when the file is not one."""
+    raw = Path(base).read_bytes()
+    header = 8 + 3 * 4
+    if len(raw) < header or raw[:8] != b"_logits_":
+        raise PeerError(f"{str(base)!r}: not a llama-perplexity logits file")
+    ctx, _, windows = (int.from_bytes(raw[i:i + 4], "little", signed=True)
+                       for i in range(8, header, 4))
+    if ctx <= 0 or windows <= 0 or len(raw) < header + 4 * ctx * windows:
+        raise PeerError(f"{str(base)!r}: header says {windows} windows of {ctx} tokens, the "
+                        f"file is shorter")
+    ids = [int.from_bytes(raw[i:i + 4], "little", signed=True)
+           for i in range(header, header + 4 * ctx * windows, 4)]
+    return [ids[w * ctx:(w + 1) * ctx] for w in range(windows)]
