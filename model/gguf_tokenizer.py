@@ -11,7 +11,9 @@ than written as a file that tokenizes differently:
                  after every number character split off (`Digits` one at a time, or a
                  `Split` on \\p{N}), written as a `tokenizer.ggml.pre` name that llama.cpp
                  (LLAMA_CPP_PRE, from its llama-vocab.cpp) and model/tokenizer.py both map to
-                 that split: smollm for the digits, gpt-2 for GPT-2's regex alone;
+                 that split: smollm for the digits, gpt-2 for GPT-2's regex alone; or Llama 3's
+                 or Qwen2's own regex in its place (a `Split` on it, then `ByteLevel` without
+                 its regex), written as llama-bpe or qwen2;
   added tokens   special ones (control tokens, matched whole); a non-special added token or
                  one that strips its neighbours' spaces has no equal in the readers.
 BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
@@ -29,7 +31,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from model.hf_tokenizer import token_text
-from model.tokenizer import PRE_TOKENIZER_SPLITS
+from model.tokenizer import PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
 
 NORMAL, CONTROL, UNUSED = 1, 3, 5  # llama.cpp token types
 # llama.cpp's pre-tokenizer names, by the split that comes before GPT-2's regex (None: none).
@@ -86,9 +88,30 @@ def _first_split(pre):
     return _NOT_GPT2
 
 
+def _own_regex(pre) -> str | None:
+    """The regex of a `Split` on a regex then `ByteLevel` without its own (Llama 3's and Qwen2's
+    form), else None."""
+    if not (isinstance(pre, dict) and pre.get("type") == "Sequence"):
+        return None
+    parts = pre.get("pretokenizers") or []
+    if len(parts) != 2 or not all(isinstance(x, dict) for x in parts):
+        return None
+    split, byte_level = parts
+    if (split.get("type") != "Split" or split.get("behavior") != "Isolated"
+            or split.get("invert", False) or byte_level.get("type") != "ByteLevel"
+            or byte_level.get("add_prefix_space", True) or byte_level.get("use_regex", True)):
+        return None
+    regex = (split.get("pattern") or {}).get("Regex")
+    return regex if isinstance(regex, str) else None
+
+
 def pre_name(pre) -> str:
     """The GGUF pre-tokenizer name whose split, in llama.cpp and in model/tokenizer.py, equals
     tokenizer.json's `pre_tokenizer`; TokenizerExportError naming it when there is none."""
+    regex = _own_regex(pre)
+    for name, known in PRE_TOKENIZER_REGEXES.items():
+        if regex == known:
+            return name
     split = _first_split(pre)
     names = LLAMA_CPP_PRE.get(split, ())
     for name in names:
@@ -96,7 +119,8 @@ def pre_name(pre) -> str:
             return name
     why = (f"llama.cpp names it {', '.join(map(repr, names))}, which shardq's GGUF reader does "
            f"not read" if names else "no GGUF pre-tokenizer name both llama.cpp and shardq "
-           "read splits text so (known: digits one at a time, then GPT-2's ByteLevel regex)")
+           "read splits text so (known: GPT-2's ByteLevel regex, alone or after digits one "
+           "at a time; Llama 3's and Qwen2's regex)")
     raise TokenizerExportError(f"pre_tokenizer {_describe(pre)}: {why}")
 
 

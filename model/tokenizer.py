@@ -4,10 +4,16 @@ Built with the `tokenizers` library from the file's `tokenizer.ggml.tokens` and 
 tokens whose `token_type` is 3 (control: `<|im_start|>`, `<|im_end|>`, ...) are special tokens
 matched whole in the text. No BOS is added (`tokenizer.ggml.add_bos_token` is false for SmolLM2).
 
-Pre-tokenizer: the file names llama.cpp's `smollm` split: every number character (\\p{N}) on
-its own, then GPT-2's regex; the original tokenizer.json does the same (individual digits +
-ByteLevel). transformers' GGUF converter does not know `smollm` and falls back to GPT-2's split
-alone, which keeps digit runs together: see experiments/reference/make_smollm2_reference.py.
+Pre-tokenizer, by the name the file gives it (`tokenizer.ggml.pre`, llama.cpp's names):
+  gpt-2, gpt2        GPT-2's regex;
+  smollm             every number character (\\p{N}) on its own, then GPT-2's regex (SmolLM2's
+                     tokenizer.json: individual digits + ByteLevel); transformers' GGUF converter
+                     does not know `smollm` and falls back to GPT-2's split alone, which keeps
+                     digit runs together: see experiments/reference/make_smollm2_reference.py;
+  llama-bpe, qwen2   the model's own regex in place of GPT-2's (Llama 3's and Qwen2's
+                     tokenizer.json: a Split on it, then ByteLevel without its regex): words
+                     with their leading punctuation, numbers in runs of up to three digits
+                     (llama-bpe) or one digit at a time (qwen2).
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
 # The split before GPT-2's regex, by GGUF pre-tokenizer name (llama.cpp writes GPT-2's own as
 # gpt-2; gpt2 is the same split).
 PRE_TOKENIZER_SPLITS = {"smollm": r"\p{N}", "gpt2": None, "gpt-2": None}
+# The regex that replaces GPT-2's, by GGUF pre-tokenizer name: tokenizer.json's own (llama.cpp
+# names several spellings of each; the first of each regex is what its converter writes).
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX, _QWEN2_REGEX = _WORDS + r"\p{N}{1,3}" + _REST, _WORDS + r"\p{N}" + _REST
+PRE_TOKENIZER_REGEXES = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
+                         "llama-v3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX,
+                         "deepseek-r1-qwen": _QWEN2_REGEX}
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -53,9 +67,9 @@ class BPETokenizer(TokenizerCodec):
 
     def __init__(self, tokens: list[str], merges: list[str], token_types, *, pre: str,
                  eos_id: int, add_bos: bool = False, bos_id: int | None = None):
-        if pre not in PRE_TOKENIZER_SPLITS:
+        if pre not in PRE_TOKENIZER_SPLITS and pre not in PRE_TOKENIZER_REGEXES:
             raise GGUFError(f"tokenizer.ggml.pre={pre!r}: not supported (known: "
-                            f"{', '.join(PRE_TOKENIZER_SPLITS)})")
+                            f"{', '.join([*PRE_TOKENIZER_SPLITS, *PRE_TOKENIZER_REGEXES])})")
         if len(token_types) != len(tokens):
             raise GGUFError(f"tokenizer: {len(token_types)} token types for {len(tokens)} tokens")
         if not 0 <= eos_id < len(tokens):
@@ -73,8 +87,9 @@ class BPETokenizer(TokenizerCodec):
             tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
         except Exception as e:  # tokenizers raises its own Exception type on bad merges
             raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        split = PRE_TOKENIZER_SPLITS[pre]
+        own_regex = pre in PRE_TOKENIZER_REGEXES
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_regex)
+        split = PRE_TOKENIZER_REGEXES[pre] if own_regex else PRE_TOKENIZER_SPLITS[pre]
         tok.pre_tokenizer = (byte_level if split is None else pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]))
         tok.decoder = decoders.ByteLevel()
