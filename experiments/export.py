@@ -18,10 +18,10 @@ scale in fp16; SmoothQuant's factors folded into the float norms and kernels), w
 runs. Both also write shardq_export.json (what was exported); --record FILE keeps the summary. A
 run (--workdir RUN, or --model RUN) is read one parameter at a time from its newest intact
 checkpoint (or --step); a mixed-precision run exports its fp32 master weights. A Hugging Face
-folder (--model FOLDER) is read one tensor at a time and exports to either format; to GGUF
-(llama, qwen2, qwen3, or gemma3_text on Gemma 3's layer conventions) its tokenizer.json must be
-a byte-level BPE whose pre-tokenizer llama.cpp names (GPT-2's regex, digits split first, Llama
-3's or Qwen2's regex), written as tokenizer.ggml.* keys; any other tokenizer is refused. A byte model's
+folder (--model FOLDER) is read one tensor at a time and exports to either format; to GGUF (llama,
+qwen2, qwen3, or gemma3_text on Gemma 3's layer conventions) its tokenizer.json must be a
+byte-level BPE whose pre-tokenizer llama.cpp names (GPT-2's regex, digits split first, Llama 3's or
+Qwen2's regex), written as tokenizer.ggml.* keys; any other tokenizer is refused. A byte model's
 tokenizer.json maps each UTF-8 byte to its own id. `--layers N` keeps the first N blocks. The
 folder is written beside DIR and renamed into place; an existing non-empty DIR needs --force.
 Prints a JSON summary last.

@@ -71,6 +71,13 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0
     embed_scale: bool = False  # embeddings multiplied by sqrt(d_model) (in the compute dtype)
     final_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: none
+    # Llama 3's RoPE scaling (rope_type "llama3"): frequencies whose wavelength exceeds
+    # rope_original_max_len / rope_low_freq_factor divided by rope_scale_factor, those under
+    # rope_original_max_len / rope_high_freq_factor kept, those between blended. 0: none.
+    rope_scale_factor: float = 0.0
+    rope_low_freq_factor: float = 0.0
+    rope_high_freq_factor: float = 0.0
+    rope_original_max_len: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -117,6 +124,20 @@ class ModelConfig:
         for name in ("query_pre_attn_scalar", "final_softcap", "rope_local_base"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive, or 0 (off)")
+        scaling = ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_len")
+        if self.rope_scale_factor:
+            if not (self.rope_scale_factor >= 1 and self.rope_original_max_len > 0
+                    and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+                raise ValueError(
+                    f"rope_scale_factor={self.rope_scale_factor}: Llama 3's scaling needs a "
+                    f"factor >= 1, rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
+                    f"rope_high_freq_factor (got {self.rope_original_max_len}, "
+                    f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor})")
+        elif any(getattr(self, name) for name in scaling[1:]):
+            name = next(n for n in scaling[1:] if getattr(self, n))
+            raise ValueError(f"{name}={getattr(self, name)}: only with rope_scale_factor "
+                             f"(Llama 3's RoPE scaling); 0 when it is off")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "

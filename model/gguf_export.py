@@ -22,9 +22,11 @@ from model.gguf import GGUFFile
 from model.llama_export import GGUF_ARCH, ExportError, family, mismatch, plan, tensors
 from model.llama_gguf import (
     GEMMA3_GLOBAL_EVERY,
+    ROPE_FREQS,
     config_from_gguf,
     gemma3_layer_pattern,
     gemma3_query_scalar,
+    llama3_divisors,
 )
 
 _ARRAY_TYPES = {"int8": "INT8", "uint8": "UINT8", "int16": "INT16", "uint16": "UINT16",
@@ -110,14 +112,20 @@ def write_gguf(path: str | Path, cfg: ModelConfig, read: Callable[[str], np.ndar
     for t in planned:  # the logical shape; a Q8_0 tensor's bytes are its rows' blocks
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes,
                           raw_dtype=GGMLQuantizationType[t.qtype])
+    divisors = llama3_divisors(cfg) if cfg.rope_scale_factor else None
+    if divisors is not None:  # Llama 3's RoPE scaling, as llama.cpp's converter writes it
+        w.add_tensor_info(ROPE_FREQS, divisors.shape, divisors.dtype, divisors.nbytes)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for _, a in tensors(cfg, read, "gguf", planned):
             w.write_tensor_data(a)  # the writer takes them in the order their infos were added
+        if divisors is not None:
+            w.write_tensor_data(divisors)
     finally:
         w.close()
     mismatch(cfg, config_from_gguf(GGUFFile(path)), f"a {arch} GGUF")
-    return {"tensors": len(planned), "q8_0_tensors": sum(t.qtype == "Q8_0" for t in planned),
+    return {"tensors": len(planned) + (divisors is not None),
+            "q8_0_tensors": sum(t.qtype == "Q8_0" for t in planned),
             "bytes": Path(path).stat().st_size}

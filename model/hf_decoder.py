@@ -3,7 +3,8 @@
 A folder holds `config.json`, the weights (`model.safetensors`, or shards listed by
 `model.safetensors.index.json`) and `tokenizer.json` (model/hf_tokenizer.py reads that). The
 families read here differ only in fields of the one decoder:
-  llama    the base form (SmolLM2 is one);
+  llama    the base form (SmolLM2 is one), with Llama 3's RoPE scaling where its
+           `rope_parameters` (or `rope_scaling`) say rope_type "llama3";
   mistral  `sliding_window` (None: full attention);
   qwen2    q/k/v biases (`qkv_bias`);
   qwen3    q/k RMSNorm per head (`qk_norm`) and an explicit `head_dim` (`head_size`);
@@ -91,7 +92,13 @@ def read_config(folder: str | Path) -> dict:
         raise HFError(f"{str(path)!r}: not readable JSON ({str(e).splitlines()[0]})") from None
 
 
-def _rope_base(hf: dict, where: str, layer_type: str | None = None) -> float:
+_LLAMA3_KEYS = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_len"}
+
+
+def _rope_base(hf: dict, where: str, layer_type: str | None = None,
+               kinds: tuple[str, ...] = ("default",)) -> float:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if layer_type is not None:  # Gemma 3: one set of parameters per kind of layer
         rope = rope.get(layer_type) or {}
@@ -100,9 +107,23 @@ def _rope_base(hf: dict, where: str, layer_type: str | None = None) -> float:
                        "sliding_attention": ("rope_local_base_freq", 10_000.0)}[layer_type]
             rope = {**rope, "rope_theta": hf.get(*default)}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise HFError(f"{where}: rope_type={kind!r} is not supported (only 'default')")
+    if kind not in kinds:
+        raise HFError(f"{where}: rope_type={kind!r} is not supported (allowed: "
+                      f"{', '.join(map(repr, kinds))})")
     return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def _rope_scaling(hf: dict, where: str) -> dict:
+    """The config fields of Llama 3's RoPE scaling (rope_type "llama3"); {} for none."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return {}
+    try:
+        return {field: (int if field == "rope_original_max_len" else float)(rope[key])
+                for key, field in _LLAMA3_KEYS.items()}
+    except (KeyError, TypeError, ValueError):
+        raise HFError(f"{where}: rope_type='llama3' needs numbers for "
+                      f"{', '.join(_LLAMA3_KEYS)}") from None
 
 
 def _refuse(where: str, hf: dict, key: str, ok) -> None:
@@ -146,7 +167,8 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             d_ff=int(hf["intermediate_size"]), mlp="swiglu",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_len=context if max_len is None else min(max_len, context),
-            rope_base=_rope_base(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_base=_rope_base(hf, where, kinds=("default", "llama3")),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope_scaling(hf, where),
             head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",

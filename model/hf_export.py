@@ -106,8 +106,13 @@ def _family_fields(cfg: ModelConfig, kind: str) -> dict:
                 "final_logit_softcapping": cfg.final_softcap or None,
                 "attn_logit_softcapping": None, "attention_bias": False,
                 "use_bidirectional_attention": False}
-    out = {"hidden_act": "silu", "rope_theta": cfg.rope_base,
-           "rope_parameters": _rope(cfg.rope_base)}
+    rope = _rope(cfg.rope_base)
+    if cfg.rope_scale_factor:  # Llama 3's scaling
+        rope = {**rope, "rope_type": "llama3", "factor": cfg.rope_scale_factor,
+                "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    out = {"hidden_act": "silu", "rope_theta": cfg.rope_base, "rope_parameters": rope}
     if kind == "llama":
         return {**out, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
                 "pretraining_tp": 1}

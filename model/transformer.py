@@ -44,6 +44,7 @@ from model.layers import (
     rotary_angles,
     shared_input,
 )
+from model.rope import llama3_freqs, rope_freqs
 
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
 # experiments/speed/step_profile.py). They change no computation.
@@ -52,19 +53,13 @@ ATTENTION_SCOPE = "attention_core"  # scores, mask, softmax, weighted sum: no pr
 NO_WINDOW = 2**30
 
 
-def rope_freqs(base: float, head_dim: int) -> np.ndarray:
-    """[head_dim / 2] float32 rotary frequencies as transformers computes them."""
-    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
-
-
 def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """Per layer under `layer_pattern`: the attention window [L] int32 (NO_WINDOW on global
     layers) and the rotary frequencies [L, head_dim / 2] float32."""
     sliding = [c == "s" for c in cfg.layer_pattern]
     windows = np.array([cfg.sliding_window if s else NO_WINDOW for s in sliding], np.int32)
-    local, full = rope_freqs(cfg.rope_local_base, cfg.head_dim), rope_freqs(cfg.rope_base,
-                                                                           cfg.head_dim)
+    local = rope_freqs(cfg.rope_local_base, cfg.head_dim)
+    full = llama3_freqs(cfg, rope_freqs(cfg.rope_base, cfg.head_dim))
     return windows, np.stack([local if s else full for s in sliding])
 
 
@@ -105,6 +100,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
+        if layer is None and cfg.rope_scale_factor:
+            freqs = jnp.asarray(llama3_freqs(cfg, rope_freqs(cfg.rope_base, cfg.head_dim)))
         sin, cos = rotary_angles(positions_BxT, cfg.head_dim // 2, cfg.rope_base, freqs)
         q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):

@@ -25,7 +25,7 @@ from model.llama_gguf import load_gguf
 from tests import gguf_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text")
 # config.json keys whose values transformers' own save_pretrained wrote and ours must repeat
 SAME_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",

@@ -6,6 +6,7 @@ JAX starts, nothing written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -76,7 +77,8 @@ def _own_regex(regex: str):
 
 
 # The GGUF pre-tokenizer name each folder's tokenizer is exported as.
-PRE = {"llama": "smollm", "qwen2": "qwen2", "qwen3": "llama-bpe", "gemma3_text": "smollm"}
+PRE = {"llama": "smollm", "llama3": "llama-bpe", "qwen2": "qwen2", "qwen3": "gpt-2",
+       "gemma3_text": "smollm"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,8 @@ def folders(tmp_path_factory):
     own = {name: _own_regex(PRE_TOKENIZER_REGEXES[name]) for name in ("qwen2", "llama-bpe")}
     return {"llama": _edited(FIXTURES / "llama", root / "llama", tokenizer=_digits_first),
             "qwen2": _edited(FIXTURES / "qwen2", root / "qwen2", tokenizer=own["qwen2"]),
-            "qwen3": _edited(FIXTURES / "qwen3", root / "qwen3", tokenizer=own["llama-bpe"]),
+            "llama3": _edited(FIXTURES / "llama3", root / "llama3", tokenizer=own["llama-bpe"]),
+            "qwen3": _edited(FIXTURES / "qwen3", root / "qwen3"),
             "gemma3_text": _edited(FIXTURES / "gemma3_text", root / "gemma3",
                                    config=_conventional, tokenizer=_digits_first)}
 
@@ -103,11 +106,13 @@ def exported(folders, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
     cfg, params = load_hf(folders[arch])
     cfg2, back, g = load_gguf(exported[arch])
-    assert g.get_str("general.architecture") == {"gemma3_text": "gemma3"}.get(arch, arch)
+    assert g.get_str("general.architecture") == {"gemma3_text": "gemma3",
+                                                 "llama3": "llama"}.get(arch, arch)
+    assert ("rope_freqs.weight" in g.tensors) == (arch == "llama3")
     assert cfg2 == cfg
     a, b = _flat(params), _flat(back)
     assert a.keys() == b.keys()
@@ -118,7 +123,7 @@ def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
             np.testing.assert_array_equal(b[k], a[k], err_msg=k)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
     g = GGUFFile(exported[arch])
     ours = tokenizer_from_gguf(g)
@@ -133,7 +138,7 @@ def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
     assert "<|im_start|>" in g.get_str("tokenizer.chat_template")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
 def test_gguf_scores_as_the_folder(arch, folders, exported):
     want = scoring.score_texts(loading.load(str(folders[arch])), TEXTS)
     got = scoring.score_texts(loading.load(str(exported[arch])), TEXTS)
@@ -239,8 +244,9 @@ def _nll_as_llama_cpp(pre, windows: list[list[int]]) -> float:
 def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path):
     """llama.cpp, an independent implementation, runs each exported file on the same text and
     its perplexity is ours on the windows it tokenized (where its tools are named by
-    $SHARDQ_LLAMA_CPP; under CI=true their absence is asserted, not skipped). Control: the
-    Qwen2 model without its q/k/v biases scores far from llama.cpp's."""
+    $SHARDQ_LLAMA_CPP; under CI=true their absence is asserted, not skipped). Controls: the
+    Qwen2 model without its q/k/v biases, and the Llama 3 one without its RoPE scaling, score
+    far from llama.cpp's."""
     from experiments.speed import llama_cpp
 
     tools, line = llama_cpp.locate(None, need=(llama_cpp.PERPLEXITY,))
@@ -265,8 +271,13 @@ def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path)
         # instead of llama.cpp's 1/sqrt(head size) would be off by three times that.
         theirs = np.log(got["perplexity"])
         assert abs(_nll_as_llama_cpp(pre, windows) - theirs) < 5e-4 * theirs, arch
-        if arch == "qwen2":  # the control: the reader without the q/k/v biases
+        if arch == "qwen2":  # the controls: the reader without the q/k/v biases ...
             blocks = pre.params["blocks"]["attn"]
             for x in "qkv":
                 blocks[x]["bias"] = jnp.zeros_like(blocks[x]["bias"])
             assert abs(_nll_as_llama_cpp(pre, windows) - theirs) > 1e-2 * theirs
+        if arch == "llama3":  # ... or without Llama 3's RoPE scaling
+            cfg = dataclasses.replace(pre.cfg, rope_scale_factor=0.0, rope_low_freq_factor=0.0,
+                                      rope_high_freq_factor=0.0, rope_original_max_len=0)
+            pre = dataclasses.replace(pre, cfg=cfg, graphdef=loading.abstract_graphdef(cfg))
+            assert abs(_nll_as_llama_cpp(pre, windows) - theirs) > 5e-3 * theirs

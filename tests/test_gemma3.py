@@ -15,7 +15,8 @@ from flax import nnx
 
 from model import DecoderLM
 from model.hf_decoder import load_hf
-from model.transformer import NO_WINDOW, layer_tables, rope_freqs
+from model.rope import rope_freqs
+from model.transformer import NO_WINDOW, layer_tables
 from quant.modes import MODES, QuantConfig
 from quant.pipeline import quantize
 

@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from model import DecoderLM
+from model.config import ModelConfig
 from model.gguf import GGUFError, GGUFFile
-from model.llama_gguf import load_gguf
+from model.llama_gguf import llama3_divisors, llama3_scaling, load_gguf
 from model.tokenizer import chat_prompt, tokenizer_from_gguf
 from tests import gguf_files
 
@@ -153,3 +154,29 @@ def test_fuzz_random_header_bytes(good, tmp_path):
         bad = tmp_path / f"flip{i}.gguf"
         bad.write_bytes(bytes(forged))
         _must_fail_cleanly(bad, allow_success=True)
+
+
+def test_llama3_scaling_is_read_back_from_the_divisors_llama_cpp_writes():
+    """Llama 3.2's RoPE scaling (base 500,000, head 64, factor 32, band 1..4 over 8,192
+    positions) survives divisors -> parameters; what no such scaling gives is refused."""
+    cfg = ModelConfig(rope_base=500_000.0, head_size=64, rope_scale_factor=32.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192)
+    divisors = llama3_divisors(cfg)
+    assert divisors[0] == 1 and divisors[-1] == 32 and ((divisors > 1) & (divisors < 32)).sum() == 3
+    assert llama3_scaling(divisors, 500_000.0, 64, "f") == {
+        "rope_scale_factor": 32.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+        "rope_original_max_len": 8192}
+    assert llama3_scaling(np.ones(32, np.float32), 500_000.0, 64, "f") == {}
+    bent = divisors.copy()
+    bent[16] *= 1.01
+    with pytest.raises(GGUFError, match="is not Llama 3's RoPE scaling"):
+        llama3_scaling(bent, 500_000.0, 64, "f")
+    with pytest.raises(GGUFError, match="blends 0 frequencies"):
+        llama3_scaling(np.where(divisors > 1, 32, 1).astype(np.float32), 500_000.0, 64, "f")
+    with pytest.raises(GGUFError, match="no set of 32 frequency divisors"):
+        llama3_scaling(divisors[:8], 500_000.0, 64, "f")
+    with pytest.raises(ValueError, match="rope_high_freq_factor=4.0: only with"):
+        ModelConfig(rope_high_freq_factor=4.0).validate()
+    with pytest.raises(ValueError, match="rope_scale_factor=8.0: Llama 3's scaling needs"):
+        ModelConfig(rope_scale_factor=8.0).validate()

@@ -23,13 +23,14 @@ from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
 from model.hf_tokenizer import HFTokenizer
 from model.llama_export import ExportError, family
+from model.rope import llama3_freqs, rope_freqs
 from parallel.sharded_run import run_label
 from quant.modes import QuantConfig
 from quant.pipeline import quantize
 from quant.smoothquant import fold
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text")
 TOLERANCE = 1e-4  # nats, mean NLL against transformers
 
 
@@ -91,6 +92,13 @@ def test_fixtures_cover_each_architecture_field():
     assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim * 4 != cfgs["qwen3"].d_model
     assert not any(dataclasses.asdict(cfgs["llama"])[f] for f in ("qkv_bias", "qk_norm"))
+    # Llama 3's scaling keeps some frequencies, blends some and divides the rest
+    llama3 = cfgs["llama3"]
+    freqs = rope_freqs(llama3.rope_base, llama3.head_dim)
+    ratio = llama3_freqs(llama3, freqs) / freqs
+    assert llama3.rope_scale_factor == 8 and cfgs["llama"].rope_scale_factor == 0
+    assert ratio[0] == 1 and ratio[-1] == np.float32(1 / 8)
+    assert any(1 / 8 < r < 1 for r in ratio)
     gemma = cfgs["gemma3_text"]
     assert set(gemma.layer_pattern) == {"s", "g"} and gemma.rope_local_base != gemma.rope_base
     assert max(len(r["tokens"]) for r in rows["gemma3_text"]) > gemma.sliding_window
@@ -115,19 +123,26 @@ def test_scores_match_transformers(loaded):
     assert worst <= TOLERANCE and wrong == 0, (arch, worst, wrong)
 
 
-# A Gemma 3 field switched off: every layer global, or one layer kind's RoPE base for all.
-_GEMMA_OFF = {"layer_pattern": dict(layer_pattern="gggg"),
-              "rope_local_base": dict(rope_local_base=1_000_000.0),
-              "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0),
-              "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0)}
+# A field switched off: Llama 3's RoPE scaling; Gemma 3's: every layer global, or one layer
+# kind's RoPE base for all.
+_OFF = {"rope_scale_factor": dict(rope_scale_factor=0.0, rope_low_freq_factor=0.0,
+                                  rope_high_freq_factor=0.0, rope_original_max_len=0),
+        "layer_pattern": dict(layer_pattern="gggg"),
+        "rope_local_base": dict(rope_local_base=1_000_000.0),
+        "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0),
+        "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0)}
+_GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embed_scale",
+              "final_softcap")
 
 
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
                                          ("mistral", "sliding_window"),
+                                         ("llama3", "rope_scale_factor"),
                                          *(("gemma3_text", f) for f in _GEMMA_OFF)])
 def test_dropping_a_field_misses_the_reference(arch, field):
     """The control: each architecture field matters to its fixture, so the parity above
-    checks it (a reader that ignored biases, q/k norms, the window, Gemma's per-layer
+    checks it (a reader that ignored biases, q/k norms, the window, Llama 3's RoPE scaling,
+    Gemma's per-layer
     windows and RoPE bases, query scale, embedding scale or soft-cap would fail)."""
     cfg, params = load_hf(FIXTURES / arch)
     attn = params["blocks"]["attn"]
@@ -136,7 +151,7 @@ def test_dropping_a_field_misses_the_reference(arch, field):
             attn[p].pop("bias")
     if field == "qk_norm":
         attn.pop("q_norm"), attn.pop("k_norm")
-    off = dataclasses.replace(cfg, **_GEMMA_OFF.get(
+    off = dataclasses.replace(cfg, **_OFF.get(
         field, {field: None if field == "sliding_window" else False}))
     worst, _ = worst_error(model_of(off, params)[1], reference(arch))
     assert worst > 100 * TOLERANCE, (arch, field, worst)

@@ -4,16 +4,16 @@ Run with the separate PyTorch interpreter (never imported by the project):
 
   /work/refvenv/bin/python experiments/reference/make_hf_fixtures.py [--out tests/fixtures/hf]
 
-One folder per architecture the reader `model/hf_decoder.py` supports: llama, mistral (a
-sliding window shorter than the longest text), qwen2 (q/k/v biases), qwen3 (q/k RMSNorm and a
-head size other than d_model / n_heads), gemma3_text (four layers, sliding and global ones
-interleaved, a window shorter than the longest text, a query scale other than the head size's
-and a final soft-cap). Each holds what `save_pretrained` writes in float32
-(config.json, model.safetensors), one byte-level BPE `tokenizer.json` trained here with the
+One folder per architecture the reader `model/hf_decoder.py` supports: llama, llama3 (a llama with
+Llama 3's RoPE scaling), mistral (a sliding window shorter than the longest text), qwen2 (q/k/v
+biases), qwen3 (q/k RMSNorm and a head size other than d_model / n_heads), gemma3_text (four
+layers, sliding and global ones interleaved, a window shorter than the longest text, a query scale
+other than the head size's and a final soft-cap). Each holds what `save_pretrained` writes in
+float32 (config.json, model.safetensors), one byte-level BPE `tokenizer.json` trained here with the
 `tokenizers` library on standard-library docstrings (the same for every folder), a
 `tokenizer_config.json`, and `reference.json`: per text transformers' mean NLL in nats over
-positions 1..n-1 of the text tokenised without BOS (what `experiments.score --json` reports)
-and its greedy next token after the whole text.
+positions 1..n-1 of the text tokenised without BOS (what `experiments.score --json` reports) and
+its greedy next token after the whole text.
 
 The weights are re-drawn larger than transformers' init (which makes every distribution nearly
 uniform, where a wrong reader would still score close) so that the next-token distributions
@@ -53,6 +53,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 ARCHS = {
     "llama": (transformers.LlamaConfig,
               dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Llama 3's RoPE scaling, its original context short enough that the fixture's head size
+    # has frequencies in each of the three bands (kept, blended, divided)
+    "llama3": (transformers.LlamaConfig,
+               dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})),
     "mistral": (transformers.MistralConfig,
                 dict(sliding_window=SLIDING_WINDOW, head_dim=16,
                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
@@ -156,7 +162,7 @@ def main() -> None:
         assert all(r["mean_nll"] is None or math.isfinite(r["mean_nll"]) for r in rows)
         longest = max(len(r["tokens"]) for r in rows)
         (folder / "reference.json").write_text(json.dumps({
-            "model_type": arch, "transformers": transformers.__version__,
+            "model_type": cfg.model_type, "transformers": transformers.__version__,
             "longest_text_tokens": longest, "results": rows}, indent=1) + "\n")
         print(arch, "longest", longest, [round(r["mean_nll"] or 0, 3) for r in rows])
 

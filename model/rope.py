@@ -1,0 +1,31 @@
+"""Rotary frequencies as transformers computes them (float32), with Llama 3's scaling: numpy
+only, so the GGUF reader uses them before JAX starts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from model.config import ModelConfig
+
+
+def rope_freqs(base: float, head_dim: int) -> np.ndarray:
+    """[head_dim / 2] float32 rotary frequencies as transformers computes them."""
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+
+
+def llama3_freqs(cfg: ModelConfig, freqs: np.ndarray) -> np.ndarray:
+    """`freqs` under Llama 3's RoPE scaling (`cfg.rope_scale_factor`), in float32 as
+    transformers computes them; `freqs` themselves when the scaling is off."""
+    if not cfg.rope_scale_factor:
+        return freqs
+    f32 = np.float32
+    factor, low, high = (f32(cfg.rope_scale_factor), f32(cfg.rope_low_freq_factor),
+                         f32(cfg.rope_high_freq_factor))
+    original = f32(cfg.rope_original_max_len)
+    wavelen = f32(2 * np.pi) / freqs
+    scaled = np.where(wavelen > original / low, freqs / factor, freqs)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, blended, scaled).astype(f32)
