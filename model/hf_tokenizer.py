@@ -3,9 +3,7 @@ BOS/EOS and the chat template from `tokenizer_config.json`.
 
 It offers what the pretrained code asks of `model.tokenizer.BPETokenizer`: `encode` (BOS first
 only when the folder asks for it), `decode`, `token_id`, `eos_id`, `vocab_size`, `bos`, plus
-`chat_prompt` for the folder's chat template. Rendering a general Jinja template needs jinja2,
-which the project does not depend on: a ChatML template (`<|im_start|>role\\n...<|im_end|>`)
-is written by `model.tokenizer.chat_prompt`, any other is refused in one line.
+`chat_prompt` for the folder's chat template (model/chat_template.py renders it).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from model.tokenizer import TokenizerCodec, chat_prompt
+from model.tokenizer import TokenizerCodec
 
 
 class HFTokenizerError(ValueError):
@@ -56,13 +54,15 @@ class HFTokenizer(TokenizerCodec):
             raise HFTokenizerError(f"{str(conf_path)!r}: eos_token {eos!r} is not a token")
         self.bos = ([self.bos_id] if conf.get("add_bos_token", False)
                     and self.bos_id is not None else [])
-        self.chat_template = conf.get("chat_template")
+        self.chat_template = _template(folder, conf.get("chat_template"))
 
-    def chat_prompt(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
-        """The conversation in the folder's chat template (ChatML only; see the module)."""
-        template = self.chat_template or ""
-        if "<|im_start|>" not in template or self.tok.token_to_id("<|im_start|>") is None:
-            raise HFTokenizerError("chat_template: only a ChatML template is supported "
-                                   "(<|im_start|>role ... <|im_end|>)")
-        return chat_prompt(messages, add_generation_prompt, default_system=None)
+
+def _template(folder: Path, inline) -> str | None:
+    """The folder's chat template: chat_template.jinja (where transformers now saves it), or
+    tokenizer_config.json's, a string or a list of named ones (the one named default)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if isinstance(inline, list):
+        named = {t.get("name"): t.get("template") for t in inline if isinstance(t, dict)}
+        inline = named.get("default")
+    return inline if isinstance(inline, str) else None

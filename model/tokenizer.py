@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from model.chat_template import ChatTemplateError
+from model.chat_template import render as render_chat
 from model.gguf import GGUFError, GGUFFile
 
 CONTROL = 3  # llama.cpp token_type of special (control) tokens
@@ -44,13 +46,28 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 class TokenizerCodec:
     """encode / decode / token_id over a `tokenizers.Tokenizer` (`self.tok`), `self.bos`
-    prepended by encode; `missing_token` is the error a token the vocabulary lacks raises. The
-    GGUF tokenizer and the Hugging Face folder's share it."""
+    prepended by encode; `missing_token` is the error a token the vocabulary lacks raises;
+    `chat_template` the model's own (None: none), which `chat_prompt` renders. The GGUF
+    tokenizer and the Hugging Face folder's share it."""
 
     missing_token: type[Exception] = GGUFError
+    chat_template: str | None = None
+    bos_id: int | None = None
 
-    def encode(self, text: str) -> list[int]:
-        return self.bos + self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return (self.bos if add_bos else []) + ids
+
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The conversation in the model's own chat template (ChatTemplateError, one line, when
+        it has none or refuses the messages); encode it with add_bos=False."""
+        if not self.chat_template:
+            raise ChatTemplateError("chat_template: the model has none")
+        text = lambda i: "" if i is None else (self.tok.id_to_token(i) or "")  # noqa: E731
+        return render_chat(self.chat_template, messages,
+                           add_generation_prompt=add_generation_prompt,
+                           bos_token=text(self.bos_id), eos_token=text(self.eos_id))
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -97,6 +114,7 @@ class BPETokenizer(TokenizerCodec):
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         self.tok, self.eos_id, self.vocab_size = tok, eos_id, len(tokens)
         self.bos = [bos_id] if add_bos and bos_id is not None else []
+        self.bos_id = bos_id
 
 
 
@@ -129,6 +147,7 @@ class SentencePieceTokenizer(TokenizerCodec):
         instead of recovering the merges again, the slow part), or where to write it."""
         self.eos_id, self.vocab_size = eos_id, len(tokens)
         self.bos = [bos_id] if add_bos and bos_id is not None else []
+        self.bos_id = bos_id
         if built is not None and built.is_file():
             self.tok = Tokenizer.from_file(str(built))
             return
@@ -191,6 +210,13 @@ def tokenizer_from_gguf(g: GGUFFile, built: Path | None = None
     """The tokenizer a GGUF file describes: byte-level BPE (tokenizer.ggml.model gpt2) or a
     Gemma file's SentencePiece vocabulary (llama, architecture gemma3; `built`: where its
     built form is kept, see SentencePieceTokenizer)."""
+    tok = _tokenizer_of(g, built)
+    if "tokenizer.chat_template" in g.metadata:
+        tok.chat_template = g.get_str("tokenizer.chat_template")
+    return tok
+
+
+def _tokenizer_of(g: GGUFFile, built: Path | None) -> BPETokenizer | SentencePieceTokenizer:
     kind = g.get_str("tokenizer.ggml.model")
     bos = g.get_int("tokenizer.ggml.bos_token_id") if "tokenizer.ggml.bos_token_id" in \
         g.metadata else None

@@ -7,18 +7,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import shutil
 import tracemalloc
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jinja2
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+from experiments.cli.config import ConfigError
+from experiments.pretrained import loading
 from model import DecoderLM, param_count
+from model.chat_template import ChatTemplateError
 from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
 from model.hf_tokenizer import HFTokenizer
@@ -114,6 +119,29 @@ def test_tokenizer_matches_transformers_ids():
     assert tok.bos == [] and tok.eos_id == tok.token_id("<|im_end|>")
     prompt = tok.chat_prompt([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_template_renders_as_transformers(arch):
+    """Each folder's own chat template (ChatML; Llama 3's format; Gemma's, which refuses turns
+    that do not alternate) gives transformers' text and ids for each conversation, or its
+    refusal as one line. Control: Jinja without transformers' block trimming renders Gemma's
+    (indented block tags) as another text."""
+    tok = HFTokenizer(FIXTURES / arch)
+    rows = json.loads((FIXTURES / arch / "reference.json").read_text())["chat"]
+    assert len(rows) == 3
+    for row in rows:
+        if "refused" in row:
+            with pytest.raises(ChatTemplateError, match=re.escape(row["refused"])):
+                tok.chat_prompt(row["messages"])
+            continue
+        text = tok.chat_prompt(row["messages"])
+        assert text == row["text"] and tok.encode(text, add_bos=False) == row["ids"]
+        untrimmed = jinja2.Environment().from_string(tok.chat_template).render(
+            messages=row["messages"], add_generation_prompt=True, bos_token="<|endoftext|>",
+            eos_token="<|im_end|>")
+        assert (untrimmed != text) == (arch == "gemma3_text")  # the others trim by hand
+    assert ("refused" in rows[2]) == (arch == "gemma3_text")
 
 
 def test_scores_match_transformers(loaded):
@@ -330,3 +358,21 @@ def test_param_count_is_exact_for_every_architecture():
     for arch in ("qwen2", "qwen3", "gemma3_text"):
         cfg, params = load_hf(FIXTURES / arch, max_len=32)
         assert param_count(cfg) == sum(np.size(x) for x in jax.tree.leaves(params)), arch
+
+
+def test_chat_ids_are_the_templates_alone_and_a_refusal_is_one_line(tmp_path):
+    """A conversation's ids are the rendered template's, with no BOS of the tokenizer's own
+    even where it adds one (the template writes it: transformers' ids); a conversation the
+    template refuses is one ConfigError line naming the model."""
+    folder = tmp_path / "gemma"
+    shutil.copytree(FIXTURES / "gemma3_text", folder)
+    conf = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**conf, "add_bos_token": True}))
+    pre = loading.load(str(folder))
+    assert pre.tokenizer.bos  # encode would put one first
+    rows = json.loads((folder / "reference.json").read_text())["chat"]
+    assert loading.conversation_ids(pre, rows[0]["messages"]) == rows[0]["ids"]
+    assert rows[0]["ids"].count(pre.tokenizer.bos[0]) == 1
+    with pytest.raises(ConfigError, match=f"model={str(folder)!r}: chat_template: Conversation "
+                                          f"roles must alternate"):
+        loading.conversation_ids(pre, rows[2]["messages"])

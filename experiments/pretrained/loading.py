@@ -30,8 +30,8 @@ from experiments.pretrained.registered import (  # noqa: F401 - where launchers 
 )
 from experiments.training import pydoc_corpus
 from model import DecoderLM, ModelConfig
+from model.chat_template import ChatTemplateError
 from model.gguf import GGUFError
-from model.hf_tokenizer import HFTokenizerError
 from model.layers import use_native_float
 from model.llama_gguf import load_gguf
 from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
@@ -128,32 +128,34 @@ def off_grid(pre: Pretrained, sigma: float, block: int, seed: int = 0) -> Pretra
 
 
 def chat_ids(pre: Pretrained, prompt: str, system: str | None = None) -> list[int]:
-    """The token ids of one user turn in the model's ChatML template (a system message first:
-    `system`, or the model's default), ending where the assistant's reply begins."""
+    """The token ids of one user turn in the model's chat template (a system message first:
+    `system`, or the template's default), ending where the assistant's reply begins."""
     return conversation_ids(pre, [{"role": "user", "content": prompt}], system)
 
 
 def conversation_ids(pre: Pretrained, messages: list[dict[str, str]],
                      system: str | None = None) -> list[int]:
     """The token ids of a conversation (user and assistant turns, the last one the user's) in
-    the ChatML template, after `system` or the model's default system message, ending where
-    the next assistant reply begins. A base model (see `has_chat_template`) is given the
-    texts themselves, one per line, to continue."""
+    the model's own chat template (model/chat_template.py), after `system` if given, ending
+    where the next assistant reply begins; a GGUF vocabulary with ChatML's tokens and no
+    template gets SmolLM2's ChatML. A base model (see `has_chat_template`) is given the texts
+    themselves, one per line, to continue."""
     head = [{"role": "system", "content": system}] if system else []
-    if not has_chat_template(pre.tokenizer):
-        return pre.tokenizer.encode("\n".join(m["content"] for m in head + list(messages)))
-    # A Hugging Face tokenizer writes its own template (and no SmolLM2 default system message).
-    render = getattr(pre.tokenizer, "chat_prompt", None) or chat_prompt
+    tok = pre.tokenizer
+    if not has_chat_template(tok):
+        return tok.encode("\n".join(m["content"] for m in head + list(messages)))
+    if not getattr(tok, "chat_template", None):
+        return tok.encode(chat_prompt(head + list(messages)))
     try:
-        return pre.tokenizer.encode(render(head + list(messages)))
-    except HFTokenizerError as e:
+        return tok.encode(tok.chat_prompt(head + list(messages)), add_bos=False)
+    except ChatTemplateError as e:
         raise ConfigError(f"model={pre.name!r}: {e}") from None
 
 
 def has_chat_template(tokenizer) -> bool:
-    """Whether the model chats in a template: a Hugging Face folder's own chat template, or a
-    GGUF vocabulary with ChatML's tokens (SmolLM2). Without one (Gemma 3 270M, a base model) a
-    prompt is plain text the model continues."""
+    """Whether the model chats in a template: its own (a Hugging Face folder's or a GGUF's), or
+    a GGUF vocabulary with ChatML's tokens. Without one (Gemma 3 270M, a base model) a prompt
+    is plain text the model continues."""
     if getattr(tokenizer, "chat_template", None):
         return True
     return tokenizer.tok.token_to_id("<|im_start|>") is not None

@@ -13,7 +13,9 @@ float32 (config.json, model.safetensors), one byte-level BPE `tokenizer.json` tr
 `tokenizers` library on standard-library docstrings (the same for every folder), a
 `tokenizer_config.json`, and `reference.json`: per text transformers' mean NLL in nats over
 positions 1..n-1 of the text tokenised without BOS (what `experiments.score --json` reports) and
-its greedy next token after the whole text.
+its greedy next token after the whole text, and `chat`: transformers' rendering of a few
+conversations in the folder's chat template (ChatML; Llama 3's format for llama3, Gemma's for
+gemma3_text), with the ids, or the template's refusal.
 
 The weights are re-drawn larger than transformers' init (which makes every distribution nearly
 uniform, where a wrong reader would still score close) so that the next-token distributions
@@ -47,18 +49,43 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
                  "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Llama 3's chat format and Gemma's (written here, in their shapes): header tokens around each
+# role, and turns that must alternate (a template that refuses a conversation). Indented over
+# several lines, so that rendering them checks Jinja's block trimming as transformers sets it.
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+    {{- message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+GEMMA_TEMPLATE = """{{ bos_token }}
+{% for message in messages %}
+    {% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}
+    {% endif %}
+    {% set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+    {{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{ '<start_of_turn>model\n' }}
+{% endif %}
+"""
+TEMPLATES = {"llama3": LLAMA3_TEMPLATE, "gemma3_text": GEMMA_TEMPLATE}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": " Hi "},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "naïve café 😀"}],
+    [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+]
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2)
 ARCHS = {
     "llama": (transformers.LlamaConfig,
               dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    # Llama 3's RoPE scaling, its original context short enough that the fixture's head size
-    # has frequencies in each of the three bands (kept, blended, divided)
-    "llama3": (transformers.LlamaConfig,
-               dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 64})),
     "mistral": (transformers.MistralConfig,
                 dict(sliding_window=SLIDING_WINDOW, head_dim=16,
                      rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
@@ -78,6 +105,13 @@ ARCHS = {
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default",
                                                 "rope_theta": 1000000.0}})),
+    # Last, so the folders above keep their seeds. Llama 3's RoPE scaling, its original context
+    # short enough that the fixture's head size has frequencies in each of the three bands
+    # (kept, blended, divided).
+    "llama3": (transformers.LlamaConfig,
+               dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})),
 }
 
 
@@ -135,6 +169,23 @@ def reference(model, tok: Tokenizer) -> list[dict]:
     return rows
 
 
+def chats(folder: Path) -> list[dict]:
+    """transformers' rendering of each conversation in the folder's chat template, with its
+    token ids, or that the template refused it."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    rows = []
+    for messages in CONVERSATIONS:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as e:  # transformers raises jinja's TemplateError for a refusal
+            rows.append({"messages": messages, "refused": str(e)})
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows.append({"messages": messages, "text": text, "ids": ids})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="tests/fixtures/hf")
@@ -156,14 +207,16 @@ def main() -> None:
         tok.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-            "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+            "eos_token": "<|im_end|>", "add_bos_token": False,
+            "chat_template": TEMPLATES.get(arch, CHAT_TEMPLATE),
             "model_max_length": cfg.max_position_embeddings}, indent=1) + "\n")
         rows = reference(model, tok)
         assert all(r["mean_nll"] is None or math.isfinite(r["mean_nll"]) for r in rows)
         longest = max(len(r["tokens"]) for r in rows)
         (folder / "reference.json").write_text(json.dumps({
             "model_type": cfg.model_type, "transformers": transformers.__version__,
-            "longest_text_tokens": longest, "results": rows}, indent=1) + "\n")
+            "longest_text_tokens": longest, "results": rows, "chat": chats(folder)},
+            indent=1) + "\n")
         print(arch, "longest", longest, [round(r["mean_nll"] or 0, 3) for r in rows])
 
 
