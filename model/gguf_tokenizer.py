@@ -14,8 +14,8 @@ than written as a file that tokenizes differently:
                  that split: smollm for the digits, gpt-2 for GPT-2's regex alone; or Llama 3's
                  or Qwen2's own regex in its place (a `Split` on it, then `ByteLevel` without
                  its regex), written as llama-bpe or qwen2;
-  added tokens   special ones (control tokens, matched whole); a non-special added token or
-                 one that strips its neighbours' spaces has no equal in the readers.
+  added tokens   matched whole: special ones as control tokens, others as user-defined; one
+                 that strips its neighbours' spaces has no equal in the readers.
 BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
 `add_bos_token` and a string chat template. Ids must run 0..n-1; a model whose embedding has
 more rows than the tokenizer has tokens gets `[PADi]` tokens of type unused, as llama.cpp's
@@ -33,7 +33,7 @@ from gguf import GGUFValueType
 from model.hf_tokenizer import token_text
 from model.tokenizer import PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
 
-NORMAL, CONTROL, UNUSED = 1, 3, 5  # llama.cpp token types
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp token types
 # llama.cpp's pre-tokenizer names, by the split that comes before GPT-2's regex (None: none).
 LLAMA_CPP_PRE = {None: ("gpt-2",), r"\p{N}": ("smollm",)}
 _STR, _U32, _BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
@@ -176,13 +176,14 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
     types = {}
     for added in tok.get("added_tokens") or []:
         text = added.get("content")
-        if not added.get("special") or any(added.get(k) for k in
-                                           ("lstrip", "rstrip", "single_word", "normalized")):
-            raise TokenizerExportError(f"{where}: added token {text!r} is not a plain special "
-                                       f"token (non-special, stripping or normalized added "
-                                       f"tokens have no GGUF form shardq reads back)")
+        if any(added.get(k) for k in ("lstrip", "rstrip", "single_word")):
+            raise TokenizerExportError(f"{where}: added token {text!r} strips its neighbours' "
+                                       f"spaces or matches single words (no GGUF form shardq "
+                                       f"and llama.cpp read back)")
         vocab[text] = added["id"]
-        types[added["id"]] = CONTROL
+        # matched whole either way (no normalizer reaches here); a special one is a control
+        # token, any other user-defined, as llama.cpp's converter writes them
+        types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
     n = len(vocab)
     tokens: list[str | None] = [None] * n
     for text, i in vocab.items():

@@ -110,8 +110,12 @@ class BPETokenizer(TokenizerCodec):
         tok.pre_tokenizer = (byte_level if split is None else pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]))
         tok.decoder = decoders.ByteLevel()
-        special = [t for t, kind in zip(tokens, token_types, strict=True) if kind == CONTROL]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        kinds = list(zip(tokens, token_types, strict=True))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in kinds if kind == CONTROL])
+        # user-defined tokens are matched whole too, as llama.cpp does, but decode as text
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in kinds if kind == USER_DEFINED])
         self.tok, self.eos_id, self.vocab_size = tok, eos_id, len(tokens)
         self.bos = [bos_id] if add_bos and bos_id is not None else []
         self.bos_id = bos_id

@@ -150,6 +150,27 @@ def test_gguf_scores_as_the_folder(arch, folders, exported):
         assert abs(r["mean_nll"] - w["mean_nll"]) <= 1e-6
 
 
+def test_a_non_special_added_token_exports_as_user_defined(tmp_path):
+    """An added token that is not special (Qwen2.5's <tool_call>, say) is a user-defined token
+    in the GGUF, which our reader, like llama.cpp and the folder's tokenizer, matches whole."""
+    def plain_im_start(tok: dict) -> None:
+        for added in tok["added_tokens"]:
+            if added["content"] == "<|im_start|>":
+                added["special"] = False
+    folder = _edited(FIXTURES / "llama", tmp_path / "src", tokenizer=plain_im_start)
+    exporter.export(exporter.pretrained_source(str(folder)), "gguf", tmp_path / "g")
+    g = GGUFFile(tmp_path / "g" / GGUF_FILE)
+    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    types = g.get_ints("tokenizer.ggml.token_type")
+    assert types[theirs.token_to_id("<|im_start|>")] == 4
+    assert types[theirs.token_to_id("<|im_end|>")] == 3
+    ours = tokenizer_from_gguf(g)
+    text = "a<|im_start|>user\nhi<|im_end|> b"
+    want = theirs.encode(text, add_special_tokens=False).ids
+    assert ours.encode(text) == want and theirs.token_to_id("<|im_start|>") in want
+    assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False)
+
+
 def test_plain_gpt2_split_exports_as_gpt_2(tmp_path):
     """The fixture as transformers wrote it (GPT-2's byte-level regex alone) is written as
     llama.cpp's gpt-2 pre-tokenizer, which our reader splits the same way."""

@@ -16,7 +16,7 @@ from model import DecoderLM
 from model.config import ModelConfig
 from model.gguf import GGUFError, GGUFFile
 from model.llama_gguf import llama3_divisors, llama3_scaling, load_gguf
-from model.tokenizer import chat_prompt, tokenizer_from_gguf
+from model.tokenizer import BPETokenizer, chat_prompt, tokenizer_from_gguf
 from tests import gguf_files
 
 
@@ -70,6 +70,18 @@ def test_tokenizer_and_chat_template(good):
     assert tok.decode(ids) == text
     assert tok.encode(" the 12") == [gguf_files.TOKENS.index("Ġthe"),
                                      *tok.encode(" "), *tok.encode("1"), *tok.encode("2")]
+
+
+def test_user_defined_tokens_are_matched_whole():
+    """A token of type user-defined (4) is one id wherever its text appears, as llama.cpp
+    matches it; as a normal token (1) the same text is split by the merges."""
+    tokens = [*gguf_files.TOKENS, "<tool>"]
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    plain = BPETokenizer(tokens, gguf_files.MERGES, types, pre="smollm", eos_id=2)
+    user = BPETokenizer(tokens, gguf_files.MERGES, types[:-1] + [4], pre="smollm", eos_id=2)
+    assert user.encode("a<tool>b") == [*user.encode("a"), len(tokens) - 1, *user.encode("b")]
+    assert len(tokens) - 1 not in plain.encode("a<tool>b")
+    assert user.decode(user.encode("x <tool> y")) == "x <tool> y"
 
 
 @pytest.mark.parametrize("case, kwargs, message", [
