@@ -1,0 +1,53 @@
+"""GGUF files llama.cpp's own converter made from the transformers-made folders
+(tests/fixtures/gguf_converted/, written by experiments/reference/make_llama_cpp_ggufs.py):
+shardq's GGUF reader, which did not write them, reads each to the folder's config and
+bit-identical parameters (llama's rotary rows put back, Llama 3's scaling recovered from its
+`rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size), tokenizes as transformers did
+and scores within 1e-4 nats of transformers' reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+from experiments.pretrained import loading, scoring
+from model.hf_decoder import load_hf
+from model.llama_gguf import load_gguf
+
+HF = Path(__file__).parent / "fixtures" / "hf"
+CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
+ARCHS = ("llama", "llama3", "qwen2", "qwen3")
+GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reads_the_converters_file_as_the_folder(arch):
+    cfg, params = load_hf(HF / arch)
+    cfg2, back, g = load_gguf(CONVERTED / f"{arch}.gguf")
+    assert g.get_str("general.architecture") == GGUF_ARCH[arch]
+    assert ("rope_freqs.weight" in g.tensors) == (arch == "llama3")
+    assert cfg2 == dataclasses.replace(cfg, max_len=cfg2.max_len)
+    a, b = flatten_dict(params, sep="/"), flatten_dict(back, sep="/")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]), err_msg=k)
+    if arch == "llama":  # the converter reorders q/k rows; the file is not the folder's order
+        q = np.asarray(params["blocks"]["attn"]["q"]["kernel"][0]).T
+        assert not np.array_equal(g.tensor("blk.0.attn_q.weight"), q)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scores_the_converters_file_as_transformers(arch):
+    rows = json.loads((HF / arch / "reference.json").read_text())["results"]
+    pre = loading.load(str(CONVERTED / f"{arch}.gguf"))
+    assert [pre.tokenizer.encode(r["text"]) for r in rows] == [r["tokens"] for r in rows]
+    ours = scoring.score_ids(pre, [r["tokens"] for r in rows])
+    for r, o in zip(rows, ours, strict=True):
+        assert o["next_token"] == r["next_token"], r["text"]
+        if r["mean_nll"] is not None:
+            assert abs(o["mean_nll"] - r["mean_nll"]) <= 1e-4, r["text"]
