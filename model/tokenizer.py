@@ -146,7 +146,8 @@ class SentencePieceTokenizer(TokenizerCodec):
     user-defined ones are matched whole."""
 
     def __init__(self, tokens: list[str], token_types, *, eos_id: int, unk: str,
-                 add_bos: bool, bos_id: int | None, built: Path | None = None):
+                 add_bos: bool, bos_id: int | None, built: Path | None = None,
+                 add_space_prefix: bool = False):
         """`built`: a tokenizer.json this constructor wrote for the same file before (read
         instead of recovering the merges again, the slow part), or where to write it."""
         self.eos_id, self.vocab_size = eos_id, len(tokens)
@@ -166,10 +167,17 @@ class SentencePieceTokenizer(TokenizerCodec):
                                        fuse_unk=True, unk_token=unk, byte_fallback=True))
         except Exception as e:  # tokenizers raises its own Exception type on bad merges
             raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
-        tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
-        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-        tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "),
-                                         decoders.ByteFallback(), decoders.Fuse()])
+        if add_space_prefix:  # Llama's: a space before the text, dropped again when decoding
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE),
+                                                   normalizers.Replace(" ", SPIECE_SPACE)])
+            tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "),
+                                             decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1, 0)])
+        else:
+            tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+            tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+            tok.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "),
+                                             decoders.ByteFallback(), decoders.Fuse()])
         kinds = list(zip(tokens, token_types, strict=True))
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in kinds if kind == CONTROL])
@@ -224,22 +232,25 @@ def _tokenizer_of(g: GGUFFile, built: Path | None) -> BPETokenizer | SentencePie
     kind = g.get_str("tokenizer.ggml.model")
     bos = g.get_int("tokenizer.ggml.bos_token_id") if "tokenizer.ggml.bos_token_id" in \
         g.metadata else None
-    if kind == "llama" and g.get_str("general.architecture") == "gemma3":
+    if kind == "llama":
         tokens = g.get_strings("tokenizer.ggml.tokens")
         unk = (g.get_int("tokenizer.ggml.unknown_token_id")
                if "tokenizer.ggml.unknown_token_id" in g.metadata else None)
         if unk is None or not 0 <= unk < len(tokens):
             raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.unknown_token_id missing or "
                             f"outside the vocabulary")
-        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+        # llama.cpp adds BOS, and a space before the text, to a SentencePiece vocabulary
+        # unless the file says otherwise (Gemma's says no space)
         return SentencePieceTokenizer(tokens, g.get_ints("tokenizer.ggml.token_type").tolist(),
                                       eos_id=g.get_int("tokenizer.ggml.eos_token_id"),
                                       unk=tokens[unk], bos_id=bos, built=built,
                                       add_bos=g.get_bool("tokenizer.ggml.add_bos_token",
-                                                         default=True))
+                                                         default=True),
+                                      add_space_prefix=g.get_bool(
+                                          "tokenizer.ggml.add_space_prefix", default=True))
     if kind != "gpt2":
         raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.model={kind!r} is not supported "
-                        f"(byte-level BPE 'gpt2', or 'llama' in a gemma3 file)")
+                        f"(byte-level BPE 'gpt2', or SentencePiece 'llama')")
     return BPETokenizer(g.get_strings("tokenizer.ggml.tokens"),
                         g.get_strings("tokenizer.ggml.merges"),
                         g.get_ints("tokenizer.ggml.token_type").tolist(),
