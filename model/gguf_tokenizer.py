@@ -31,7 +31,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from model.hf_tokenizer import token_text
-from model.tokenizer import PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
+from model.tokenizer import IGNORE_MERGES, PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp token types
 # llama.cpp's pre-tokenizer names, by the split that comes before GPT-2's regex (None: none).
@@ -136,7 +136,7 @@ def _check_model(model: dict, where: str) -> None:
     if model.get("type") != "BPE":
         raise TokenizerExportError(f"{where}: model {model.get('type')!r} is not a byte-level "
                                    f"BPE (a GGUF is written for byte-level BPE tokenizers only)")
-    for key, ok in (("byte_fallback", (False, None)), ("ignore_merges", (False, None)),
+    for key, ok in (("byte_fallback", (False, None)),
                     ("dropout", (None,)), ("continuing_subword_prefix", (None, "")),
                     ("end_of_word_suffix", (None, ""))):
         if model.get(key) not in ok:
@@ -172,6 +172,11 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
         pre = pre_name(tok.get("pre_tokenizer"))
     except TokenizerExportError as e:
         raise TokenizerExportError(f"{where}: {e}") from None
+    # the readers ignore the merges for a piece that is a token with Llama 3's split only
+    if bool(model.get("ignore_merges")) != (pre in IGNORE_MERGES):
+        raise TokenizerExportError(
+            f"{where}: BPE ignore_merges={model.get('ignore_merges')!r} with pre-tokenizer "
+            f"{pre}: llama.cpp and shardq ignore the merges with Llama 3's split only")
     vocab = dict(model.get("vocab") or {})
     types = {}
     for added in tok.get("added_tokens") or []:

@@ -13,7 +13,8 @@ Pre-tokenizer, by the name the file gives it (`tokenizer.ggml.pre`, llama.cpp's 
   llama-bpe, qwen2   the model's own regex in place of GPT-2's (Llama 3's and Qwen2's
                      tokenizer.json: a Split on it, then ByteLevel without its regex): words
                      with their leading punctuation, numbers in runs of up to three digits
-                     (llama-bpe) or one digit at a time (qwen2).
+                     (llama-bpe, where a piece that is a token is taken whole, and BOS is
+                     added unless the file says not) or one digit at a time (qwen2).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ _LLAMA3_REGEX, _QWEN2_REGEX = _WORDS + r"\p{N}{1,3}" + _REST, _WORDS + r"\p{N}" 
 PRE_TOKENIZER_REGEXES = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX,
                          "llama-v3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX,
                          "deepseek-r1-qwen": _QWEN2_REGEX}
+# Llama 3's: a piece that is a token is that token, whatever the merges would make of it
+# (tokenizer.json's `ignore_merges`); llama.cpp also adds BOS unless the file says not.
+IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -101,7 +105,8 @@ class BPETokenizer(TokenizerCodec):
                 raise GGUFError(f"tokenizer: merge {m!r} is not two tokens")
             pairs.append(pair)
         try:
-            tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                       ignore_merges=pre in IGNORE_MERGES))
         except Exception as e:  # tokenizers raises its own Exception type on bad merges
             raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
         own_regex = pre in PRE_TOKENIZER_REGEXES
@@ -251,13 +256,13 @@ def _tokenizer_of(g: GGUFFile, built: Path | None) -> BPETokenizer | SentencePie
     if kind != "gpt2":
         raise GGUFError(f"{str(g.path)!r}: tokenizer.ggml.model={kind!r} is not supported "
                         f"(byte-level BPE 'gpt2', or SentencePiece 'llama')")
+    pre = g.get_str("tokenizer.ggml.pre") if "tokenizer.ggml.pre" in g.metadata else "gpt2"
     return BPETokenizer(g.get_strings("tokenizer.ggml.tokens"),
                         g.get_strings("tokenizer.ggml.merges"),
-                        g.get_ints("tokenizer.ggml.token_type").tolist(),
-                        pre=g.get_str("tokenizer.ggml.pre") if "tokenizer.ggml.pre" in g.metadata
-                        else "gpt2",
+                        g.get_ints("tokenizer.ggml.token_type").tolist(), pre=pre,
                         eos_id=g.get_int("tokenizer.ggml.eos_token_id"),
-                        add_bos=g.get_bool("tokenizer.ggml.add_bos_token", default=False),
+                        add_bos=g.get_bool("tokenizer.ggml.add_bos_token",
+                                           default=pre in IGNORE_MERGES),
                         bos_id=bos)
 
 

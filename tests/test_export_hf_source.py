@@ -65,9 +65,11 @@ def _conventional(hf: dict) -> None:
     hf["query_pre_attn_scalar"] = hf["head_dim"]
 
 
-def _own_regex(regex: str):
-    """Llama 3's and Qwen2's form: a split on the model's own regex, then bytes."""
+def _own_regex(regex: str, ignore_merges: bool = False):
+    """Llama 3's and Qwen2's form: a split on the model's own regex, then bytes (Llama 3's BPE
+    also takes a piece that is a token whole, `ignore_merges`)."""
     def edit(tok: dict) -> None:
+        tok["model"]["ignore_merges"] = ignore_merges
         tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated",
              "invert": False},
@@ -84,7 +86,8 @@ PRE = {"llama": "smollm", "llama3": "llama-bpe", "qwen2": "qwen2", "qwen3": "gpt
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_src")
-    own = {name: _own_regex(PRE_TOKENIZER_REGEXES[name]) for name in ("qwen2", "llama-bpe")}
+    own = {name: _own_regex(PRE_TOKENIZER_REGEXES[name], name == "llama-bpe")
+           for name in ("qwen2", "llama-bpe")}
     return {"llama": _edited(FIXTURES / "llama", root / "llama", tokenizer=_digits_first),
             "qwen2": _edited(FIXTURES / "qwen2", root / "qwen2", tokenizer=own["qwen2"]),
             "llama3": _edited(FIXTURES / "llama3", root / "llama3", tokenizer=own["llama-bpe"]),
@@ -223,7 +226,12 @@ def _unigram(tok: dict) -> None:
     tok["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["a", -1.0]]}
 
 
+def _ignore_merges(tok: dict) -> None:
+    tok["model"]["ignore_merges"] = True  # with GPT-2's split: llama.cpp would not ignore them
+
+
 REFUSALS = [
+    (_ignore_merges, "llama", "BPE ignore_merges=True with pre-tokenizer gpt-2"),
     (None, "mistral", "model_type='mistral': format='gguf' is written for llama, qwen2, qwen3,"),
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),

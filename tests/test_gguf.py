@@ -72,6 +72,19 @@ def test_tokenizer_and_chat_template(good):
                                      *tok.encode(" "), *tok.encode("1"), *tok.encode("2")]
 
 
+def test_llama3_split_takes_a_piece_that_is_a_token_whole():
+    """With Llama 3's pre-tokenizer a piece that is itself a token is that token, as llama.cpp
+    (and tokenizer.json's ignore_merges) do, even where the merges cannot build it; with
+    GPT-2's split the merges decide. llama.cpp also puts BOS first there by default."""
+    tokens = [*gguf_files.TOKENS, "Ġthey"]  # no merge makes "Ġthey"
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    llama3 = BPETokenizer(tokens, gguf_files.MERGES, types, pre="llama-bpe", eos_id=2)
+    gpt2 = BPETokenizer(tokens, gguf_files.MERGES, types, pre="gpt-2", eos_id=2)
+    assert llama3.encode(" they") == [len(tokens) - 1]
+    assert gpt2.encode(" they") == [tokens.index("Ġthe"), tokens.index("y")]
+    assert llama3.encode(" the") == gpt2.encode(" the") == [tokens.index("Ġthe")]
+
+
 def test_user_defined_tokens_are_matched_whole():
     """A token of type user-defined (4) is one id wherever its text appears, as llama.cpp
     matches it; as a normal token (1) the same text is split by the merges."""
