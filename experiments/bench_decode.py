@@ -4,7 +4,7 @@
   python -m experiments.bench_decode --variants float,w8 --new-tokens 32 --repeats 3
 
 Each variant decodes `--new-tokens` tokens after the same prompt (the first 400 characters of
-the validation topics): one jitted `lax.scan` over the tokens, the prefill excluded, timed
+the validation topics, cut to fit a shorter context): one jitted `lax.scan` over the tokens, the prefill excluded, timed
 `--repeats` times with the variants interleaved; the median is reported with the per-token
 latency and the bytes of weights every token reads. Besides the main variants
 (float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
@@ -306,6 +306,8 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
             mode=mode, rules=rules, embed_block=block, calib_batches=1))
     text = pydoc_corpus.split_text("validation")
     prompt = float_model.tokenizer.encode(text[:400])
+    if 0 < float_model.cfg.max_len - args.new_tokens < len(prompt):  # a short context: cut
+        prompt = prompt[:float_model.cfg.max_len - args.new_tokens]
     variants, probes = build_variants(decoding, names, models, prompt)
     head = {"model": float_model.name, "layers": float_model.cfg.n_layers,
             "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,

@@ -19,6 +19,7 @@ from flax.traverse_util import flatten_dict
 from experiments.pretrained import loading, scoring
 from model.hf_decoder import load_hf
 from model.llama_gguf import load_gguf
+from tests.helpers import launch_in_one_process
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
@@ -57,3 +58,18 @@ def test_scores_the_converters_file_as_transformers(arch):
         assert o["next_token"] == r["next_token"], r["text"]
         if r["mean_nll"] is not None:
             assert abs(o["mean_nll"] - r["mean_nll"]) <= 1e-4, r["text"]
+
+
+def test_bench_decode_runs_a_converted_file_cutting_its_prompt_to_the_context(tmp_path):
+    """bench_decode on a file llama.cpp made (qwen2): its 400-character prompt, longer than this
+    model's 256-token context allows with the new tokens, is cut to fit."""
+    out = tmp_path / "decode.json"
+    [row] = launch_in_one_process([("experiments.bench_decode", [
+        "--model", str(CONVERTED / "qwen2.gguf"), "--variants", "float", "--new-tokens", "8",
+        "--repeats", "1", "--rounds", "1", "--decode-only", "--out", str(out)])],
+        drop=("SHARDQ_LLAMA_CPP",))
+    assert row["status"] == 0, row["stderr"]
+    d = json.loads(out.read_text())
+    assert d["prompt_tokens"] == 256 - 8 and d["model"] == str(CONVERTED / "qwen2.gguf")
+    assert [v["variant"] for v in d["variants"]] == ["float"]
+    assert d["variants"][0]["new_tokens"] == 8 and d["variants"][0]["tokens_per_s"] > 0
