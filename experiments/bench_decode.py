@@ -3,23 +3,23 @@
   python -m experiments.bench_decode --json       # writes experiments/results/bench_decode.json
   python -m experiments.bench_decode --variants float,w8 --new-tokens 32 --repeats 3
 
-Each variant decodes `--new-tokens` tokens after the same prompt (the first 400 characters of
-the validation topics, cut to fit a shorter context): one jitted `lax.scan` over the tokens, the prefill excluded, timed
-`--repeats` times with the variants interleaved; the median is reported with the per-token
-latency and the bytes of weights every token reads. Besides the main variants
-(float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its
-input rotations at every step, each in the layer layout `model.generate` picks by default and
-with quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer
-scan of float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with
-one scale per row (`-row-head`), float and each int8 path with XLA's products instead of
-shardq's kernels (`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: the
-prompt's call, then short loops whose tokens reach the host loop by loop, stopping at the
-end-of-turn token; timed from the first token as chat times it), so the file records what
-the layout, the table, the kernel and chat's path change, measured in the same run. The
-long-context rows time float, w8a8 and w8a8 with an int8 KV cache (`+kv8`) after a
-`--long-prompt-tokens` prompt, each with shardq's attention kernel and with XLA's attention
-(`-xla-attention`). Prefill is timed too: one forward over a `--prefill-tokens` window per
-model, as scoring runs it. The machine and its load average are recorded beside.
+Each variant decodes `--new-tokens` tokens after the same prompt (the first 400 characters of the
+validation topics, cut to fit a shorter context): one jitted `lax.scan` over the tokens, the
+prefill excluded, timed `--repeats` times with the variants interleaved; the median is reported
+with the per-token latency and the bytes of weights every token reads. Besides the main variants
+(float, w8, w8a8, float + int8 cache, w8 + int8 cache, and w8a8-rotated, which pays for its input
+rotations at every step, each in the layer layout `model.generate` picks by default and with
+quant's default rules: the embedding table and tied head in int8 blocks of 32) the layer scan of
+float, w8 and w8a8 is timed too, w8a8 with the table in float (`-float-head`) and with one scale
+per row (`-row-head`), float and each int8 path with XLA's products instead of shardq's kernels
+(`-xla`), and float and w8a8 as `experiments.chat` decodes them (`-chat`: the prompt's call, then
+short loops whose tokens reach the host loop by loop, stopping at the end-of-turn token; timed from
+the first token as chat times it), so the file records what the layout, the table, the kernel and
+chat's path change, measured in the same run. The long-context rows time float, w8a8 and w8a8 with
+an int8 KV cache (`+kv8`) after a `--long-prompt-tokens` prompt, each with shardq's attention
+kernel and with XLA's attention (`-xla-attention`). Prefill is timed too: one forward over a
+`--prefill-tokens` window per model, as scoring runs it. The machine and its load average are
+recorded beside.
 
 With llama.cpp's tools (`--llama-cpp DIR` or $SHARDQ_LLAMA_CPP, docs/decoding_and_gpu.md) the
 run adds the peer: llama-bench on our own float32 GGUF export of the model (F32) and on

@@ -6,13 +6,13 @@
   python -m experiments.chat --model smollm2 --interactive      # a conversation, one line a turn
   python -m experiments.chat --model runs/ft --step 12 --prompt "The os module"  # a run's step
 
-The prompt goes through the model's own chat template (SmolLM2's: a default system message,
-then the user turn, then `<|im_start|>assistant\\n`), rendered as transformers renders it; a base
-model without a chat template (Gemma 3 270M, a run fine-tuned from it) continues the prompt as
-plain text. Decoding stops at the model's end
-token or after --max-new-tokens. Greedy unless --temperature > 0. With --json the last line is
-{"reply", "tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after the prompt's
-prefill). --step N with --model RUN reads that checkpoint of the run.
+The prompt goes through the model's own chat template (SmolLM2's: a default system message, then
+the user turn, then `<|im_start|>assistant\\n`), rendered as transformers renders it; a base model
+without a chat template (Gemma 3 270M, a run fine-tuned from it) continues the prompt as plain
+text. Decoding stops at the model's end tokens (eos, a GGUF's end-of-turn, a folder's
+generation_config eos ids) or after --max-new-tokens. Greedy unless --temperature > 0. With --json
+the last line is {"reply", "tokens", "new_tokens", "seconds", "tokens_per_s"} (decode speed after
+the prompt's prefill). --step N with --model RUN reads that checkpoint of the run.
 --interactive reads one user turn per line from stdin (after --prompt, if given) and keeps the
 conversation: each turn is the whole history so far in the template plus the new message. An
 empty line, `/exit` or the end of input stops it; a conversation that outgrows the context ends

@@ -55,6 +55,23 @@ class HFTokenizer(TokenizerCodec):
         self.bos = ([self.bos_id] if conf.get("add_bos_token", False)
                     and self.bos_id is not None else [])
         self.chat_template = _template(folder, conf.get("chat_template"))
+        self.end_ids = _generation_eos(folder, self.vocab_size)
+
+
+def _generation_eos(folder: Path, vocab_size: int) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (one id or a list; Llama 3.1 lists its end of
+    turn and end of text): where transformers' generate stops besides the tokenizer's eos."""
+    path = folder / "generation_config.json"
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise HFTokenizerError(f"{str(path)!r}: not a readable JSON object "
+                               f"({str(e).splitlines()[0]})") from None
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise HFTokenizerError(f"{str(path)!r}: eos_token_id={ids!r} must be token ids below "
+                               f"{vocab_size}")
+    return tuple(ids)
 
 
 def _template(folder: Path, inline) -> str | None:

@@ -57,6 +57,15 @@ class TokenizerCodec:
     missing_token: type[Exception] = GGUFError
     chat_template: str | None = None
     bos_id: int | None = None
+    end_ids: tuple[int, ...] = ()  # tokens besides eos_id that end a reply (see stop_ids)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens a reply stops at: eos_id, then the model's other end tokens (a GGUF's
+        end-of-turn, a folder's generation_config.json eos ids), as llama.cpp and transformers'
+        generate stop at each."""
+        ids = [self.eos_id, *self.end_ids]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -230,6 +239,11 @@ def tokenizer_from_gguf(g: GGUFFile, built: Path | None = None
     tok = _tokenizer_of(g, built)
     if "tokenizer.chat_template" in g.metadata:
         tok.chat_template = g.get_str("tokenizer.chat_template")
+    tok.end_ids = tuple(g.get_int(f"tokenizer.ggml.{kind}_token_id") for kind in ("eot", "eom")
+                        if f"tokenizer.ggml.{kind}_token_id" in g.metadata)
+    if any(not 0 <= i < tok.vocab_size for i in tok.end_ids):
+        raise GGUFError(f"{str(g.path)!r}: an end-of-turn token id {tok.end_ids} is outside "
+                        f"the vocabulary of {tok.vocab_size}")
     return tok
 
 

@@ -85,6 +85,19 @@ def test_llama3_split_takes_a_piece_that_is_a_token_whole():
     assert llama3.encode(" the") == gpt2.encode(" the") == [tokens.index("Ġthe")]
 
 
+def test_a_replys_stop_tokens_include_the_files_end_of_turn(tmp_path):
+    """eos first, then the file's end-of-turn token (llama.cpp stops at each); an id outside
+    the vocabulary is one line."""
+    plain = tokenizer_from_gguf(GGUFFile(gguf_files.write(tmp_path / "a.gguf")))
+    assert plain.stop_ids == (2,)
+    eot = tokenizer_from_gguf(GGUFFile(gguf_files.write(
+        tmp_path / "b.gguf", metadata_overrides={"tokenizer.ggml.eot_token_id": 1})))
+    assert eot.stop_ids == (2, 1)
+    with pytest.raises(GGUFError, match="end-of-turn token id"):
+        tokenizer_from_gguf(GGUFFile(gguf_files.write(
+            tmp_path / "c.gguf", metadata_overrides={"tokenizer.ggml.eot_token_id": 10**6})))
+
+
 def test_user_defined_tokens_are_matched_whole():
     """A token of type user-defined (4) is one id wherever its text appears, as llama.cpp
     matches it; as a normal token (1) the same text is split by the merges."""

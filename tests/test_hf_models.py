@@ -26,7 +26,7 @@ from model import DecoderLM, param_count
 from model.chat_template import ChatTemplateError
 from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
-from model.hf_tokenizer import HFTokenizer
+from model.hf_tokenizer import HFTokenizer, HFTokenizerError
 from model.llama_export import ExportError, family
 from model.rope import llama3_freqs, rope_freqs
 from parallel.sharded_run import run_label
@@ -376,3 +376,16 @@ def test_chat_ids_are_the_templates_alone_and_a_refusal_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=f"model={str(folder)!r}: chat_template: Conversation "
                                           f"roles must alternate"):
         loading.conversation_ids(pre, rows[2]["messages"])
+
+
+def test_generation_configs_eos_ids_also_stop_a_reply(tmp_path):
+    """A folder's generation_config.json eos ids (a list, as Llama 3.1's) stop a reply besides
+    the tokenizer's eos; a malformed list is one line naming the file."""
+    assert HFTokenizer(FIXTURES / "llama").stop_ids == (2,)
+    folder = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama", folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert HFTokenizer(folder).stop_ids == (2, 0)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
+    with pytest.raises(HFTokenizerError, match="generation_config.json'.*eos_token_id="):
+        HFTokenizer(folder)

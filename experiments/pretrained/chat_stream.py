@@ -42,7 +42,7 @@ def stream_reply(pre: Pretrained, messages: list[dict[str, str]], system: str | 
                           f"+ new tokens must fit the context of {pre.cfg.max_len}")
     tokens, first, text = [], None, StreamDecoder(pre.tokenizer)
     for tok in stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), max_new_tokens,
-                      key, temperature, top_k, stop_ids=(pre.tokenizer.eos_id,),
+                      key, temperature, top_k, stop_ids=pre.tokenizer.stop_ids,
                       make_cache=init_int8_cache if kv_int8 else None, per_layer=per_layer):
         if first is None:
             first = time.perf_counter()  # prefill (and its compile) done

@@ -38,7 +38,7 @@ def greedy_reply(pre: Pretrained, prompt: str, max_new_tokens: int) -> list[int]
 def greedy_reply_ids(pre: Pretrained, ids: list[int], max_new_tokens: int) -> list[int]:
     """greedy_reply after prompt token ids that are already in the chat template."""
     return list(stream(pre.graphdef, pre.params, np.asarray([ids], np.int32), max_new_tokens,
-                       jax.random.key(0), stop_ids=(pre.tokenizer.eos_id,)))
+                       jax.random.key(0), stop_ids=pre.tokenizer.stop_ids))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
