@@ -280,7 +280,7 @@ def measure(shape: dict, parts: tuple[str, ...], variants, out: dict, path) -> N
     if "decode" in parts:
         from experiments.speed import gpu_decode  # loads the tokenizer and GGUF readers too
 
-        for name in (shape["decode_pretrained"], shape["decode_preset"]):
+        for name in filter(None, (shape["decode_pretrained"], shape["decode_preset"])):
             model = None  # the last model freed before the next loads
             try:
                 model, weights, why = gpu_decode.load_model(name, shape)

@@ -55,7 +55,7 @@ def preset_model(preset: str, layers: int | None = None) -> Pretrained:
 def load_model(name: str, shape: dict) -> tuple[Pretrained, str, str]:
     """(model, weights, why): the pretrained model `name` (weights "pretrained", why ""), else,
     where it cannot be loaded here, its preset's shapes (weights "random", why: the reason);
-    the preset of `shape` (bench_gpu's FULL or TINY) is random by design. ConfigError where
+    the preset of `shape` (bench_gpu's FULL; TINY has none) is random by design. ConfigError where
     neither exists."""
     if name == shape["decode_preset"]:
         return preset_model(name), "random", ""
