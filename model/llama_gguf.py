@@ -85,7 +85,7 @@ ARCHITECTURES = tuple(_LAYER_MAPS)
 # Only llama.cpp's Llama family has its q/k rows interleaved into rotary pairs (`_unpermute`).
 PERMUTED_ARCHITECTURES = ("llama",)
 # Gemma 3's conventions (transformers' Gemma3TextConfig defaults): every sixth layer global,
-# the others sliding with RoPE base 10,000; the attention scale 1/sqrt(256).
+# the others sliding with RoPE base 10,000 where the file names none.
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales this model's queries by its width per head
