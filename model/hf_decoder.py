@@ -92,14 +92,21 @@ def read_config(folder: str | Path) -> dict:
         raise HFError(f"{str(path)!r}: not readable JSON ({str(e).splitlines()[0]})") from None
 
 
-_LLAMA3_KEYS = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_original_max_len"}
+# Llama 3's RoPE scaling: rope_parameters key -> ModelConfig field (read here, written by
+# model/hf_export.py)
+LLAMA3_KEYS = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_len"}
+
+
+def _rope_params(hf: dict) -> dict:
+    """The RoPE parameters: `rope_parameters` (transformers 5) or `rope_scaling` (before)."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
 
 
 def _rope_base(hf: dict, where: str, layer_type: str | None = None,
                kinds: tuple[str, ...] = ("default",)) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = _rope_params(hf)
     if layer_type is not None:  # Gemma 3: one set of parameters per kind of layer
         rope = rope.get(layer_type) or {}
         if "rope_theta" not in rope:
@@ -115,15 +122,15 @@ def _rope_base(hf: dict, where: str, layer_type: str | None = None,
 
 def _rope_scaling(hf: dict, where: str) -> dict:
     """The config fields of Llama 3's RoPE scaling (rope_type "llama3"); {} for none."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = _rope_params(hf)
     if rope.get("rope_type", rope.get("type")) != "llama3":
         return {}
     try:
         return {field: (int if field == "rope_original_max_len" else float)(rope[key])
-                for key, field in _LLAMA3_KEYS.items()}
+                for key, field in LLAMA3_KEYS.items()}
     except (KeyError, TypeError, ValueError):
         raise HFError(f"{where}: rope_type='llama3' needs numbers for "
-                      f"{', '.join(_LLAMA3_KEYS)}") from None
+                      f"{', '.join(LLAMA3_KEYS)}") from None
 
 
 def _refuse(where: str, hf: dict, key: str, ok) -> None:

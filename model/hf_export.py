@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.config import ModelConfig
-from model.hf_decoder import HFError, config_from_hf
+from model.hf_decoder import LLAMA3_KEYS, HFError, config_from_hf
 from model.llama_export import ExportError, Planned, family, mismatch, plan, tensors
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -108,10 +108,8 @@ def _family_fields(cfg: ModelConfig, kind: str) -> dict:
                 "use_bidirectional_attention": False}
     rope = _rope(cfg.rope_base)
     if cfg.rope_scale_factor:  # Llama 3's scaling
-        rope = {**rope, "rope_type": "llama3", "factor": cfg.rope_scale_factor,
-                "low_freq_factor": cfg.rope_low_freq_factor,
-                "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_max_len}
+        rope = {**rope, "rope_type": "llama3",
+                **{key: getattr(cfg, field) for key, field in LLAMA3_KEYS.items()}}
     out = {"hidden_act": "silu", "rope_theta": cfg.rope_base, "rope_parameters": rope}
     if kind == "llama":
         return {**out, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,

