@@ -1,10 +1,10 @@
 """shardq's int8 kernels for few-row products (quant/native_int8.py, quant/native/int8_matvec.cc)
 against XLA's operations for the same products. The per-token w8a8 product: the same float32
-result, bit for bit, whatever the shapes (tails of the 32-byte vectors and of the 4-output
-groups), the rows, the scales (per channel or per tensor) and the values (zero rows, NaN, the
-int8 extremes, -128 included). The weight-only products (one scale per row, or per block of a
-row): equal to float32 rounding. One call for several kernels that read the same rows: each
-kernel's result as its own call gives it, bit for bit."""
+result, bit for bit, whatever the shapes (rows shorter than a vector, tails of the vectors and
+of the threads' chunks), the rows, the scales (per channel or per tensor) and the values (zero
+rows, NaN, the int8 extremes, -128 included). The weight-only products (one scale per row, or
+per block of a row): equal to float32 rounding. One call for several kernels that read the same
+rows: each kernel's result as its own call gives it, bit for bit."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@
 // (or, padded to four rows, as a GEMM built for many rows), reading the weights far slower than
 // the memory delivers them. Here each weight byte is loaded once and multiplied in integers at
 // the widest the CPU has (AVX512-VNNI or AVX-VNNI dot products, else AVX2 multiply-adds, else
-// plain C++), the outputs split into chunks that XLA's own intra-op threads claim one at a time.
+// plain C++), one output's weights at a time, the outputs split into chunks that XLA's own
+// intra-op threads claim one at a time.
 
 #include <algorithm>
 #include <cfloat>
@@ -45,7 +46,7 @@ constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int64_t kParallelBytes = 192 * 1024;
 // How far ahead of the weights being multiplied their loads are requested: one core's hardware
 // prefetcher alone leaves the memory bus well below what it delivers to a steady stream.
-constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kPrefetchBytes = 4096;
 
 // Rows of activations, quantised: their int8 values and their scales.
 struct QuantRows {
@@ -81,7 +82,44 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   }
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SHARDQ_INT8_ZMM 1
+// acc += sum over 64 lanes of x * w, as the unsigned-by-signed byte product: |w| (any int8,
+// -128 included, fits a u8) times x with w's sign (x lies in [-127, 127], so its negation does
+// too). Nothing saturates: four products are at most 4 * 128 * 127 < 2^31.
+inline __m512i dot64(__m512i acc, __m512i x, __m512i w) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask64 negative = _mm512_movepi8_mask(w);
+  return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, negative, zero, x));
+}
+
+// sum over i < k of xq[i] * w[i]: 256 bytes a step in four independent accumulators, the rest
+// 64 bytes at a time, the last partial vector loaded under a mask (its missing lanes zero).
+// `fetch`: request the row's bytes kPrefetchBytes ahead as it goes.
+inline int32_t dot_row(const int8_t* xq, const int8_t* w, int64_t k, bool fetch) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 256 <= k; i += 256) {
+    if (fetch) {
+      for (int q = 0; q < 4; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + i + 64 * q),
+                     _MM_HINT_T0);
+      }
+    }
+    a0 = dot64(a0, _mm512_loadu_si512(xq + i), _mm512_loadu_si512(w + i));
+    a1 = dot64(a1, _mm512_loadu_si512(xq + i + 64), _mm512_loadu_si512(w + i + 64));
+    a2 = dot64(a2, _mm512_loadu_si512(xq + i + 128), _mm512_loadu_si512(w + i + 128));
+    a3 = dot64(a3, _mm512_loadu_si512(xq + i + 192), _mm512_loadu_si512(w + i + 192));
+  }
+  for (; i < k; i += 64) {
+    if (fetch) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + i), _MM_HINT_T0);
+    const __mmask64 m = k - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (k - i)) - 1;
+    a0 = dot64(a0, _mm512_maskz_loadu_epi8(m, xq + i), _mm512_maskz_loadu_epi8(m, w + i));
+  }
+  return _mm512_reduce_add_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+}
+#elif defined(__AVX2__)
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -89,15 +127,11 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// acc += sum over 32 lanes of x * w, as the unsigned-by-signed byte product: |w| (any int8,
-// -128 included, fits a u8) times x with w's sign (x lies in [-127, 127], so its negation does
-// too). Nothing saturates: a pair of products is at most 2 * 128 * 127 < 2^15.
+// acc += sum over 32 lanes of x * w, as dot64 above does it on 64.
 inline __m256i dot32(__m256i acc, __m256i xq, __m256i w) {
   const __m256i mag = _mm256_abs_epi8(w);
   const __m256i sx = _mm256_sign_epi8(xq, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, mag, sx);
-#elif defined(__AVXVNNI__)
+#if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, mag, sx);
 #else
   const __m256i pairs = _mm256_maddubs_epi16(mag, sx);
@@ -112,43 +146,42 @@ int32_t dot_tail(const int8_t* xq, const int8_t* w, int64_t from, int64_t k) {
   return s;
 }
 
-// Outputs [n0, n1) of every row: acc[m * n_total + n].
+#if !defined(SHARDQ_INT8_ZMM)
+// dot_row on 32-byte vectors (128 bytes a step in four accumulators), the rest in plain C++.
+inline int32_t dot_row(const int8_t* xq, const int8_t* w, int64_t k, bool fetch) {
+#if defined(__AVX2__)
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  auto at = [](const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  int64_t i = 0;
+  for (; i + 128 <= k; i += 128) {
+    if (fetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + i + 64), _MM_HINT_T0);
+    }
+    a0 = dot32(a0, at(xq + i), at(w + i));
+    a1 = dot32(a1, at(xq + i + 32), at(w + i + 32));
+    a2 = dot32(a2, at(xq + i + 64), at(w + i + 64));
+    a3 = dot32(a3, at(xq + i + 96), at(w + i + 96));
+  }
+  for (; i + 32 <= k; i += 32) a0 = dot32(a0, at(xq + i), at(w + i));
+  return hsum(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3))) +
+         dot_tail(xq, w, i, k);
+#else
+  (void)fetch;
+  return dot_tail(xq, w, 0, k);
+#endif
+}
+#endif
+
+// Outputs [n0, n1) of every row: acc[m * n_total + n]. One output's weights at a time, front to
+// back: each thread then reads one stream of consecutive bytes, which the hardware prefetcher
+// follows best; the row stays in L1 while further activation rows (m > 0) reuse it.
 void product_rows(const QuantRows& xr, const int8_t* w, int64_t n0, int64_t n1, int64_t n_total,
                   int32_t* acc) {
   const int64_t k = xr.k;
-  int64_t n = n0;
-#if defined(__AVX2__)
-  const int64_t kv = k - k % 32;
-  // Four outputs at a time: four independent weight streams and accumulators per activation row;
-  // the four weight rows stay in L1 while further activation rows (m > 0) reuse them.
-  for (; n + 4 <= n1; n += 4) {
-    const int8_t* w0 = w + n * k;
+  for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < xr.rows; ++m) {
-      const int8_t* xq = xr.q.data() + m * k;
-      __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < kv; i += 32) {
-        if (m == 0) {  // two lines ahead per step: the quad's 4 * k bytes over k / 32 steps
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i + 64),
-                       _MM_HINT_T0);
-        }
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i));
-        a0 = dot32(a0, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i)));
-        a1 = dot32(a1, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k + i)));
-        a2 = dot32(a2, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 2 * k + i)));
-        a3 = dot32(a3, x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + 3 * k + i)));
-      }
-      int32_t* out = acc + m * n_total + n;
-      out[0] = hsum(a0) + dot_tail(xq, w0, kv, k);
-      out[1] = hsum(a1) + dot_tail(xq, w0 + k, kv, k);
-      out[2] = hsum(a2) + dot_tail(xq, w0 + 2 * k, kv, k);
-      out[3] = hsum(a3) + dot_tail(xq, w0 + 3 * k, kv, k);
-    }
-  }
-#endif
-  for (; n < n1; ++n) {
-    for (int64_t m = 0; m < xr.rows; ++m) {
-      acc[m * n_total + n] = dot_tail(xr.q.data() + m * k, w + n * k, 0, k);
+      acc[m * n_total + n] = dot_row(xr.q.data() + m * k, w + n * k, k, m == 0);
     }
   }
 }
@@ -180,58 +213,77 @@ inline float half_to_float(uint16_t h) {
 // of k / blocks weights of a row summed apart and scaled by its own scale (blocks = 1: one scale
 // per row). The scale of output n's block b is ws[(n - n0) * row_stride + b] (row_stride 0: one
 // scale for the tensor). The sums run in another order than XLA's dot, so the result matches it
-// to float32 rounding, not bit for bit.
+// to float32 rounding, not bit for bit. One output's weights at a time, as product_rows reads
+// them.
 void float_rows(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* ws,
                 int64_t row_stride, int64_t blocks, int64_t n0, int64_t n1, int64_t n_total,
                 float* out) {
   const int64_t bk = k / blocks;
   int64_t n = n0;
-#if defined(__AVX512F__)
-  const int64_t bv = bk - bk % 16;  // each block's whole vectors; the rest in plain C++
-  for (; n + 4 <= n1; n += 4) {
-    const int8_t* w0 = w + n * k;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  auto whole = [](const int8_t* p) {  // 16 weights as float32
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  for (; n < n1; ++n) {
+    const int8_t* wn = w + n * k;
+    const float* sn = ws + (n - n0) * row_stride;
     for (int64_t m = 0; m < rows; ++m) {
       const float* xm = x + m * k;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      float tails[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int64_t b = 0; b < blocks; ++b) {
-        __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-        const int64_t i0 = b * bk;
-        for (int64_t i = i0; i < i0 + bv; i += 16) {
-          if (m == 0) {  // one line ahead per step: the quad's 4 * k bytes over k / 16 steps
-            _mm_prefetch(reinterpret_cast<const char*>(w0 + kPrefetchBytes + 4 * i),
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+      if (bk == 32) {
+        // Blocks of 32 (an int8 table's, GGUF Q8_0's): two blocks a step, each summed in two
+        // halves and scaled into its own accumulator.
+        auto block = [&](int64_t i) {
+          return _mm512_fmadd_ps(_mm512_loadu_ps(xm + i + 16), whole(wn + i + 16),
+                                 _mm512_mul_ps(_mm512_loadu_ps(xm + i), whole(wn + i)));
+        };
+        int64_t b = 0;
+        for (; b + 2 <= blocks; b += 2) {
+          if (m == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(wn + kPrefetchBytes + 32 * b),
                          _MM_HINT_T0);
           }
-          const __m512 xv = _mm512_loadu_ps(xm + i);
-          auto wf = [&](const int8_t* r) {
-            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
-          };
-          p0 = _mm512_fmadd_ps(xv, wf(w0), p0);
-          p1 = _mm512_fmadd_ps(xv, wf(w0 + k), p1);
-          p2 = _mm512_fmadd_ps(xv, wf(w0 + 2 * k), p2);
-          p3 = _mm512_fmadd_ps(xv, wf(w0 + 3 * k), p3);
+          acc0 = _mm512_fmadd_ps(block(32 * b), _mm512_set1_ps(sn[b]), acc0);
+          acc1 = _mm512_fmadd_ps(block(32 * b + 32), _mm512_set1_ps(sn[b + 1]), acc1);
         }
-        // Each output's block sum, scaled, into its accumulator (the rest of a block that is
-        // not whole vectors summed in plain C++ beside it). The accumulators stay registers.
-        auto scaled = [&](__m512 acc, __m512 part, int r) {
-          const float sc = ws[(n - n0 + r) * row_stride + b];
-          if (bv < bk) {
-            float tail = 0.0f;
-            for (int64_t i = i0 + bv; i < i0 + bk; ++i) tail += xm[i] * float(w0[r * k + i]);
-            tails[r] += tail * sc;
+        if (b < blocks) acc0 = _mm512_fmadd_ps(block(32 * b), _mm512_set1_ps(sn[b]), acc0);
+      } else {
+        // Any other block: four partial sums (64 weights a step, then 32, 16 and the last
+        // under a mask), independent chains of multiply-adds, then the block's scale.
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t i0 = b * bk, i1 = i0 + bk;
+          __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+          int64_t i = i0;
+          for (; i + 64 <= i1; i += 64) {
+            if (m == 0) {
+              _mm_prefetch(reinterpret_cast<const char*>(wn + kPrefetchBytes + i), _MM_HINT_T0);
+            }
+            p0 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i), whole(wn + i), p0);
+            p1 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i + 16), whole(wn + i + 16), p1);
+            p2 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i + 32), whole(wn + i + 32), p2);
+            p3 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i + 48), whole(wn + i + 48), p3);
           }
-          return _mm512_fmadd_ps(part, _mm512_set1_ps(sc), acc);
-        };
-        a0 = scaled(a0, p0, 0);
-        a1 = scaled(a1, p1, 1);
-        a2 = scaled(a2, p2, 2);
-        a3 = scaled(a3, p3, 3);
+          if (i + 32 <= i1) {
+            p0 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i), whole(wn + i), p0);
+            p1 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i + 16), whole(wn + i + 16), p1);
+            i += 32;
+          }
+          if (i + 16 <= i1) {
+            p2 = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i), whole(wn + i), p2);
+            i += 16;
+          }
+          if (i < i1) {  // the missing lanes load as zeros
+            const __mmask16 tail = __mmask16((1u << (i1 - i)) - 1);
+            const __m512 wt =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, wn + i)));
+            p3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, xm + i), wt, p3);
+          }
+          const __m512 part = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3));
+          acc0 = _mm512_fmadd_ps(part, _mm512_set1_ps(sn[b]), acc0);
+        }
       }
-      out[m * n_total + n] = _mm512_reduce_add_ps(a0) + tails[0];
-      out[m * n_total + n + 1] = _mm512_reduce_add_ps(a1) + tails[1];
-      out[m * n_total + n + 2] = _mm512_reduce_add_ps(a2) + tails[2];
-      out[m * n_total + n + 3] = _mm512_reduce_add_ps(a3) + tails[3];
+      out[m * n_total + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     }
   }
 #endif
@@ -261,8 +313,8 @@ struct Kernel {
 
 // rows(i, n0, n1) over all outputs of every kernel (kernel i holding n[i] rows of bytes_per_row
 // bytes), on XLA's intra-op threads when the kernels are large enough to pay for waking them.
-// Every kernel's chunks start at its output 0 and hold a multiple of 4 outputs, so an output
-// lands in the same 4-output group however many kernels share the call.
+// Every kernel's chunks start at its output 0 and hold a multiple of 16 outputs (64 bytes of
+// results), so two threads' chunks share at most one cache line of results.
 void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t bytes_per_row,
                  std::function<void(int64_t, int64_t, int64_t)> rows) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -273,11 +325,11 @@ void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t b
     for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
     return;
   }
-  // Whole chunks for every thread (a multiple of the thread count), each a multiple of 4 rows.
+  // Whole chunks for every thread (a multiple of the thread count), each a multiple of 16 rows.
   int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
   want = (want + threads - 1) / threads * threads;
   const int64_t rows_each = (total + want - 1) / want;
-  const int64_t chunk_rows = std::max<int64_t>(4, (rows_each + 3) / 4 * 4);
+  const int64_t chunk_rows = std::max<int64_t>(16, (rows_each + 15) / 16 * 16);
   std::vector<int64_t> kernel, first, last;
   for (size_t i = 0; i < n.size(); ++i) {
     for (int64_t n0 = 0; n0 < n[i]; n0 += chunk_rows) {
