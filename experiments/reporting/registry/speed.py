@@ -108,6 +108,50 @@ EXPERIMENTS: tuple[Experiment, ...] = (
             "F32 and each int8 variant over Q8_0, decoding and prefill alike",
             lambda d: _rounds_agree(d) and split_int8_agrees(d) and _peer_ratios_hold(d)),
     ),
+    # Decoding a model larger than SmolLM2: Llama 3.2 1B's shapes with random weights (made on
+    # the PyTorch side, with SmolLM2's tokenizer exported by us), against llama.cpp on our
+    # GGUF export of the same folder.
+    Experiment(
+        name="shape_tokenizer",
+        argv=launcher("export", "--model", "smollm2", "--layers", "1", "--format",
+                      "safetensors", "--out", "{runs}/smollm2_tokenizer", "--force"),
+        outputs=(),
+        expected_s=20, quick_expected_s=20,
+        feeds="the tokenizer of the shape models",
+        needs="torch",
+    ),
+    Experiment(
+        name="shape_models",
+        argv=("experiments/reference/make_shape_models.py", "--tokenizer",
+              "{runs}/smollm2_tokenizer", "--out", "{runs}/shapes", "--shapes", "llama3.2-1b"),
+        outputs=(),
+        expected_s=120, quick_expected_s=120,
+        feeds="the Llama 3.2 1B-shaped model bench_decode_llama_1b times",
+        needs="torch",
+        after=("shape_tokenizer",),
+    ),
+    Experiment(
+        name="bench_decode_llama_1b",
+        argv=launcher("bench_decode", "--model", "{runs}/shapes/llama3.2-1b",
+                      "--variants", "float,w8,w8a8,w8+kv8", "--repeats", "3", "--pairs", "4",
+                      "--long-prompt-tokens", "0", "--no-xla-flags", "--json",
+                      "--out", "{results}/bench_decode_llama_1b.json"),
+        quick_argv=launcher("bench_decode", "--model", "{runs}/shapes/llama3.2-1b",
+                            "--layers", "2", "--variants", "float,w8a8", "--new-tokens", "4",
+                            "--repeats", "1", "--rounds", "1", "--pairs", "1",
+                            "--prefill-tokens", "64", "--long-prompt-tokens", "0",
+                            "--no-xla-flags", "--json",
+                            "--out", "{results}/bench_decode_llama_1b.json"),
+        outputs=("bench_decode_llama_1b.json",),
+        expected_s=700, quick_expected_s=60,
+        feeds="decoding speed of a Llama 3.2 1B-shaped model, with llama.cpp beside it",
+        after=("shape_models",),
+        claim=holds(
+            "bench_decode_llama_1b.json", "each variant decoded the same tokens in every "
+            "round, and with llama.cpp rows every ratio is our median tokens/s over the "
+            "peer's in the same file",
+            lambda d: _rounds_agree(d) and _peer_ratios_hold(d)),
+    ),
     # The speed table is a ratio to PyTorch eager (SHARDQ_TORCH_PYTHON, as bench_encoder's);
     # each file keeps one entry per device count, and the tables show 1 and 8 devices.
     Experiment(

@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "w8a8_crosscheck": ("smollm2_w8a8_crosscheck.json", pretrained.w8a8_crosscheck),
     "chat_replies": ("smollm2_chat_replies.json", pretrained.chat_replies),
     "bench_decode": ("bench_decode.json", speed.bench_decode),
+    "bench_decode_llama_1b": ("bench_decode_llama_1b.json", speed.bench_decode),
     "bench_gpu": ("bench_gpu.json", speed.bench_gpu),
     "bench_gpu_no_triton": ("bench_gpu_no_triton.json", speed.bench_gpu),
     "finetune_smollm2": ("finetune_smollm2.json", training.finetune_smollm2),
