@@ -18,13 +18,16 @@ from parallel.host import xla_flags_device_count
 def request_cpu_devices(n: int | None, default: int = 8) -> None:
     """Ask the CPU backend for n devices (None: XLA_FLAGS's count if set, else `default`).
 
-    Raises RuntimeError if the backend has already started: the request would be ignored and
-    the run would use the wrong number of devices.
+    Raises RuntimeError if the backend has already started with another count: the request
+    would be ignored and the run would use the wrong number of devices. One started with n
+    devices already (a second launcher in the same process) has what was asked for.
     """
     if n is not None and n < 1:
         raise ValueError(f"devices={n}: must be a positive integer")
     if n is None and xla_flags_device_count() is not None:
         return
     if xla_bridge.backends_are_initialized():
+        if len(jax.devices("cpu")) == (n or default):
+            return
         raise RuntimeError("request_cpu_devices() called after JAX started its backends")
     jax.config.update("jax_num_cpu_devices", n or default)

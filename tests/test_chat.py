@@ -23,7 +23,13 @@ from experiments.reporting.tables import pretrained as tables  # noqa: E402
 from experiments.speed import machine  # noqa: E402
 from model.generate import default_per_layer  # noqa: E402
 from quant.convert import QuantConfig  # noqa: E402
-from tests.helpers import child_env, cli, cli_in_one_process, one_line_error  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    child_env,
+    cli,
+    cli_in_one_process,
+    launch_in_one_process,
+    one_line_error,
+)
 
 LAYERS = 2
 PROMPT = PROMPTS[0].text
@@ -57,11 +63,27 @@ def isolated_cache(layout_cache, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(layout_cache))
 
 
-def test_chat_cli_prints_the_reply_the_experiment_measures(truncated, layout_cache):
-    proc = cli("chat", "--layers", str(LAYERS), "--prompt", PROMPT, "--max-new-tokens", "6",
-               "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def launched(layout_cache, tmp_path_factory):
+    """chat (one reply, --json) and chat_replies (a small table source) as a user runs them, both
+    in one process (tests/helpers.launch_in_one_process: the packages and the model's kernels
+    load once), reading `layout_cache`: (chat's row, chat_replies' row, its --out file)."""
+    out = tmp_path_factory.mktemp("replies") / "replies.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(layout_cache))
+        rows = launch_in_one_process([
+            ("experiments.chat", ["--layers", str(LAYERS), "--prompt", PROMPT,
+                                  "--max-new-tokens", "6", "--json"]),
+            ("experiments.chat_replies", ["--layers", str(LAYERS), "--modes", "w8a8",
+                                          "--prompts", "1", "--max-new-tokens", "3,5",
+                                          "--seeds", "2", "--out", str(out)])], timeout=600)
+    return rows[0], rows[1], out
+
+
+def test_chat_cli_prints_the_reply_the_experiment_measures(truncated, layout_cache, launched):
+    proc = launched[0]
+    assert proc["status"] == 0, proc["stderr"][-2000:]
+    row = json.loads(proc["stdout"].strip().splitlines()[-1])
     tokens = reply_stability.greedy_reply(truncated, PROMPT, 6)
     assert row["tokens"] == tokens and row["new_tokens"] == len(tokens)
     assert row["reply"] == truncated.tokenizer.decode(tokens, skip_special=True)
@@ -156,11 +178,9 @@ def test_spread_perturbs_an_int8_tables_scales_and_refuses_a_model_without_one(t
         reply_stability.perturbed(params, 0, 1e-6)
 
 
-def test_chat_replies_cli_writes_the_table_source(tmp_path):
-    out = tmp_path / "replies.json"
-    proc = cli("chat_replies", "--layers", str(LAYERS), "--modes", "w8a8", "--prompts", "1",
-               "--max-new-tokens", "3,5", "--seeds", "2", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_chat_replies_cli_writes_the_table_source(launched):
+    proc, out = launched[1], launched[2]
+    assert proc["status"] == 0, proc["stderr"][-2000:]
     d = json.loads(out.read_text())
     n = 1
     assert [p["text"] for p in d["prompts"]] == [q.text for q in PROMPTS[:n]]

@@ -181,3 +181,15 @@ def test_live_state_shards(n_devices, strategy):
             else:
                 assert_whole_everywhere(arr)
     assert_whole_everywhere(state["step"])
+
+
+def test_a_device_request_after_the_backend_started_holds_only_for_its_own_count():
+    """The session's backend started with 8 CPU devices (tests/conftest.py): asking for 8 again
+    (a second launcher in the same process) has what it asks for; any other count would be
+    ignored, so it is refused."""
+    from parallel.devices import request_cpu_devices
+
+    n = len(jax.devices("cpu"))
+    request_cpu_devices(n)
+    with pytest.raises(RuntimeError, match="after JAX started its backends"):
+        request_cpu_devices(n + 1)
