@@ -12,12 +12,14 @@ Run with the separate PyTorch interpreter (never imported by the project):
 Each folder holds the named model's architecture and sizes as its published config.json gives
 them (layers, widths, heads, key/value heads, head size, vocabulary, tied head, RoPE), weights
 drawn by transformers' own initialisation (seed 0, float32), and the tokenizer of `--tokenizer`
-(SmolLM2's: its ids fit every vocabulary here; the rows past it are never looked up).
+with the BOS and EOS ids of its config.json (SmolLM2's: its ids fit every vocabulary here; the
+rows past it are never looked up).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -44,8 +46,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def write(name: str, tokenizer: Path, out: Path) -> Path:
     arch, config_class, fields = SHAPES[name]
-    # the tokenizer's own special ids, so that generation stops where the tokenizer says
-    special = {"bos_token_id": 1, "eos_token_id": 2}
+    # the tokenizer folder's own special ids, so that generation stops where the tokenizer says
+    source = json.loads((tokenizer / "config.json").read_text())
+    special = {k: source[k] for k in ("bos_token_id", "eos_token_id") if k in source}
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config_class(**fields, **special)).to(torch.float32)
     folder = out / name
@@ -60,7 +63,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", type=Path, required=True,
-                   help="a folder with tokenizer.json and tokenizer_config.json")
+                   help="a folder with tokenizer.json, tokenizer_config.json and config.json")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"comma-separated subset of {', '.join(SHAPES)}")
@@ -71,7 +74,8 @@ def main() -> int:
         print(f"--shapes: {','.join(unknown) or '(none)'} not among {', '.join(SHAPES)}",
               file=sys.stderr)
         return 2
-    missing = [f for f in TOKENIZER_FILES if not (args.tokenizer / f).is_file()]
+    missing = [f for f in (*TOKENIZER_FILES, "config.json")
+               if not (args.tokenizer / f).is_file()]
     if missing:
         print(f"--tokenizer: {str(args.tokenizer)!r} lacks {', '.join(missing)}", file=sys.stderr)
         return 2
