@@ -55,9 +55,10 @@ class Dense(nnx.Module):
     """y = x @ W (+ b), W stored as [in, out] in `param_dtype`, multiplied in `compute_dtype`.
 
     Every linear map of the models goes through this class, so `quant/` can replace it (or its
-    kernel) without the model knowing. With `native` (`use_native_float`; off by default) a
-    float32 product of a few rows runs in shardq's own kernel on a CPU (`model.native_float`):
-    for decoding, never for training (the kernel has no gradient).
+    kernel) without the model knowing. With `native` (`use_native_float`; off by default) the
+    float32 kernel is stored [out, in] (`out_in`) and a product of a few rows runs in shardq's
+    own kernel on a CPU (`model.native_float`), which reads each output's weights front to
+    back: for decoding, never for training (the kernel has no gradient).
     """
 
     NATIVE_FLOAT = True  # `use_native_float` switches `native`
@@ -68,6 +69,7 @@ class Dense(nnx.Module):
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
         self.native = False
+        self.out_in = False  # the kernel stored [..., out, in] (`use_native_float`)
         # Fan-in scaled normal init (std = scale / sqrt(in)).
         init = nnx.initializers.normal(stddev=init_scale / in_features**0.5)
         self.kernel = param(
@@ -82,12 +84,20 @@ class Dense(nnx.Module):
         if self._runs_native(x):
             return self._finish(_native_products(x, [self])[0], x.shape[:-1])
         dt = dtype_of(self.compute_dtype)
-        return self._finish(matmul_2d(x.astype(dt), self.kernel[...].astype(dt)), ())
+        return self._finish(matmul_2d(x.astype(dt), self.weight().astype(dt)), ())
+
+    def weight(self) -> jax.Array:
+        """The kernel as [in, out], whichever way it is stored."""
+        w = self.kernel[...]
+        return jnp.swapaxes(w, -1, -2) if self.out_in else w
+
+    def native_eligible(self) -> bool:
+        """Whether `use_native_float` moves this layer to shardq's kernel: float32 weights
+        multiplied in float32."""
+        return self.compute_dtype == "float32" and self.kernel[...].dtype == jnp.float32
 
     def _runs_native(self, x: jax.Array) -> bool:
-        return (self.native and self.compute_dtype == "float32"
-                and self.kernel[...].dtype == jnp.float32
-                and native_float.usable(math.prod(x.shape[:-1])))
+        return self.native and self.out_in and native_float.usable(math.prod(x.shape[:-1]))
 
     def _finish(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
         """The product [rows, out] as [*lead, out] (lead (): y already has its shape), plus the
@@ -110,26 +120,42 @@ class Dense(nnx.Module):
 
 
 def _native_products(x: jax.Array, layers) -> list[jax.Array]:
-    """x [..., in] times every layer's float32 kernel in one call of shardq's kernel on a CPU
-    (XLA's dots elsewhere): [rows, out] each."""
+    """x [..., in] times every layer's float32 kernel (stored [out, in]) in one call of
+    shardq's kernel on a CPU (XLA's dots elsewhere): [rows, out] each."""
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     kernels = [layer.kernel[...] for layer in layers]
     return jax.lax.platform_dependent(
         x2, kernels, cpu=native_float.product_group,
-        default=lambda x2, kernels: [jnp.dot(x2, w) for w in kernels])
+        default=lambda x2, kernels: [jnp.dot(x2, w.T) for w in kernels])
+
+
+def _store_out_in(dense: Dense, on: bool) -> None:
+    """Store `dense`'s kernel [..., out, in] (`on`) or [..., in, out], its axis names with it."""
+    if dense.out_in == on:
+        return
+    meta = dense.kernel.get_metadata()
+    axes = meta.get("out_sharding")
+    dense.kernel = nnx.Param(
+        jnp.swapaxes(dense.kernel[...], -1, -2),
+        **{**meta, **({"out_sharding": (*axes[:-2], axes[-1], axes[-2])} if axes else {})})
+    dense.out_in = on
 
 
 def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
     """Route `model`'s few-row float32 work through shardq's kernels (`on`) or XLA's
     operations, in place; returns the model: every module whose class sets `NATIVE_FLOAT` (the
-    Dense products, `model.native_float`; attention over a float32 or int8 cache at one
-    position, `model.native_attention`). For decoding only: the kernels have no gradient. The
-    choice is part of the graph definition, so a program traced after it keeps it. XLA cannot
-    split a custom call over devices (it would gather a sharded kernel whole): a model whose kernels
-    are sharded should keep XLA's dots."""
+    Dense products, `model.native_float`, their float32 kernels then stored [out, in]; a tied
+    head; attention over a float32 or int8 cache at one position, `model.native_attention`).
+    For decoding only: the kernels have no gradient, and a kernel stored [out, in] is not what
+    training, `quant/` or an export reads (switch it off first). The switch is part of the graph
+    definition and the kernels' layout of the state: take both (`nnx.split`) after it. XLA
+    cannot split a custom call over devices (it would gather a sharded kernel whole): a model
+    whose kernels are sharded should keep XLA's dots."""
     for _, module in nnx.iter_modules(model):
         if getattr(type(module), "NATIVE_FLOAT", False):
             module.native = on
+            if isinstance(module, Dense):
+                _store_out_in(module, on and module.native_eligible())
     return model
 
 
@@ -166,9 +192,16 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
+    """A [vocab, embed] table: the input lookup, and (`attend`) the head of a model whose input
+    and output embeddings are tied. With `native` (`use_native_float`) a float32 head of a few
+    rows runs in shardq's kernel on a CPU, reading the table's rows front to back."""
+
+    NATIVE_FLOAT = True  # `use_native_float` switches `native`
+
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, param_dtype="float32",
                  compute_dtype="float32"):
         self.compute_dtype = compute_dtype
+        self.native = False
         init = nnx.initializers.normal(stddev=1.0)
         self.embedding = param(
             init(rngs.params(), (vocab, dim), dtype_of(param_dtype)), ("vocab", "embed")
@@ -183,7 +216,15 @@ class Embed(nnx.Module):
         """x @ embedding^T: the output head of a model whose input and output embeddings are
         tied (one [vocab, embed] table serves both)."""
         dt = dtype_of(self.compute_dtype)
-        return matmul_2d(x.astype(dt), self.embedding[...].astype(dt).T)
+        table = self.embedding[...]
+        rows = math.prod(x.shape[:-1])
+        if (self.native and dt == jnp.float32 and table.dtype == jnp.float32
+                and native_float.usable(rows)):
+            y = jax.lax.platform_dependent(
+                x.reshape(rows, x.shape[-1]).astype(jnp.float32), table,
+                cpu=native_float.product, default=lambda x2, table: jnp.dot(x2, table.T))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return matmul_2d(x.astype(dt), table.astype(dt).T)
 
 
 # At most this many query blocks per sequence: XLA packs each block's buffers separately, so

@@ -74,6 +74,9 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
             plan[path] = {"kind": "embed", "act": qcfg.act, "block": block,
                           "scale_dtype": "float16" if block else "float32"}
             continue
+        if candidates[path].out_in:
+            raise QuantError(f"{path}: its kernel is stored for decoding ([out, in], "
+                             f"model.layers.use_native_float); quantise the model before that")
         in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
                       "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None,

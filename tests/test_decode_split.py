@@ -186,9 +186,11 @@ def test_timed_calls_write_a_fresh_copy_of_the_cache_in_place():
 def test_benchmark_turns_reverse_and_a_timed_speed_is_one_call(monkeypatch):
     calls: list[str] = []
     real = decoding.decode_programs
+    shared = []
 
-    def recording(v, prompt, new_tokens):
-        fn, args = real(v, prompt, new_tokens)
+    def recording(v, prompt, new_tokens, made=None):
+        fn, args = real(v, prompt, new_tokens, made)
+        shared.append((made, args[0]))
 
         def run(*call_args):
             calls.append(v.name)
@@ -202,6 +204,9 @@ def test_benchmark_turns_reverse_and_a_timed_speed_is_one_call(monkeypatch):
     decoding.decode_benchmark(variants, PROMPT, NEW, repeats=2, rounds=2)
     # one untimed call each (the tokens), then the timed turns: A B, B A, A B, B A
     assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2
+    # two variants of one model read one copy of its kernels stored for decoding
+    (made_a, params_a), (made_b, params_b) = shared
+    assert made_a is made_b and len(made_a) == 1 and params_a is params_b
     calls.clear()
     run = decoding.timed_speed(variants[0], PROMPT, NEW)  # compiled by one untimed call
     assert calls == ["a"] and run() > 0 and calls == ["a", "a"]

@@ -1,9 +1,9 @@
 """shardq's float32 product for a few rows (model/native_float.py) against XLA's dot.
 
-The kernel sums in another order than XLA (chunks of rows, their partials added in order), so
-it agrees to float32 rounding; grouped calls give each kernel's own result bit for bit. Shapes
-cover the vector path and its tails (widths not a multiple of 16, depths not a multiple of 8),
-several rows, and kernels split into many chunks.
+The kernel reads its weights [out, in] and sums each output in another order than XLA, so it
+agrees to float32 rounding; grouped calls give each kernel's own result bit for bit. Shapes
+cover the vector path and its tails (depths not a multiple of 64 or 16), several rows, and
+kernels split into many chunks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from model import native_float
-from model.layers import Dense, shared_input, use_native_float
+from model.layers import Dense, Embed, shared_input, use_native_float
 from tests.helpers import native_kernel_built
 
 
@@ -34,15 +34,18 @@ def test_kernel_matches_xla_to_float_rounding(rows, k, n):
         return
     rng = np.random.default_rng(rows * k + n)
     x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
-    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32))  # [out, in]
     assert native_float.TARGET in _lowered(native_float.product, x, w)
     got = np.asarray(jax.jit(native_float.product)(x, w))
-    want = np.asarray(jax.jit(jnp.dot)(x, w))
+    want = np.asarray(jax.jit(jnp.dot)(x, w.T))
     # sums of k products in another order: float32 rounding of sums of |x||w|
-    tol = 4e-7 * k ** 0.5 * np.abs(np.asarray(x)) @ np.abs(np.asarray(w))
+    tol = 4e-7 * k ** 0.5 * np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T
     assert np.all(np.abs(got - want) <= tol + 1e-30)
-    other = np.asarray(jax.jit(jnp.dot)(x, w.at[k // 2, n - 1].add(1.0)))
+    other = np.asarray(jax.jit(native_float.product)(x, w.at[n - 1, k // 2].add(1.0)))
     assert np.any(np.abs(other - want) > tol)  # one changed weight is caught
+    # each row alone gives the same sums as among the others (one fixed order per output)
+    np.testing.assert_array_equal(np.asarray(jax.jit(native_float.product)(x[-1:], w))[0],
+                                  got[-1])
 
 
 def test_grouped_call_gives_each_kernel_its_own_result_and_repeats_exactly():
@@ -50,13 +53,13 @@ def test_grouped_call_gives_each_kernel_its_own_result_and_repeats_exactly():
         return
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((2, 576)).astype(np.float32))
-    ws = [jnp.asarray(rng.standard_normal((576, n)).astype(np.float32)) for n in (576, 190, 9)]
+    ws = [jnp.asarray(rng.standard_normal((n, 576)).astype(np.float32)) for n in (576, 190, 9)]
     group = jax.jit(native_float.product_group)
     assert native_float.TARGET_GROUP in _lowered(native_float.product_group, x, ws)
     together = [np.asarray(y) for y in group(x, ws)]
     for w, y in zip(ws, together, strict=True):
         np.testing.assert_array_equal(y, np.asarray(jax.jit(native_float.product)(x, w)))
-    # the chunks' partials are added in a fixed order, whichever threads ran them
+    # each output's sum runs in a fixed order, whichever thread ran it
     np.testing.assert_array_equal(together[0], np.asarray(group(x, ws)[0]))
 
 
@@ -95,3 +98,41 @@ def test_dense_routes_by_its_switch_and_groups_layers_that_share_an_input():
     assert native_float.TARGET not in _lowered(call(), many)  # a GEMM: XLA's
     half = use_native_float(_dense(rng, 64, 64, "bfloat16"), True)
     assert native_float.TARGET not in _lowered(lambda x: half(x), x.astype(jnp.bfloat16))
+
+
+def test_switch_stores_kernels_out_in_and_back_exactly():
+    """Switched on, a float32 kernel is stored [out, in] with its axis names swapped, and a
+    GEMM (many rows) still multiplies it as [in, out]; switched off, the kernel and its names
+    are the original ones, bit for bit. A bfloat16 kernel keeps its layout."""
+    rng = np.random.default_rng(11)
+    d = Dense(48, 20, axes=("embed", "mlp"), rngs=nnx.Rngs(5))
+    before = np.asarray(d.kernel[...])
+    x = jnp.asarray(rng.standard_normal((2, 12, 48)).astype(np.float32))
+    want = np.asarray(d(x))
+    use_native_float(d, True)
+    assert d.out_in and d.kernel.shape == (20, 48)
+    assert tuple(d.kernel.get_metadata()["out_sharding"]) == ("mlp", "embed")
+    np.testing.assert_array_equal(np.asarray(d.weight()), before)
+    np.testing.assert_allclose(np.asarray(d(x)), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    use_native_float(d, False)
+    assert not d.out_in and tuple(d.kernel.get_metadata()["out_sharding"]) == ("embed", "mlp")
+    np.testing.assert_array_equal(np.asarray(d.kernel[...]), before)
+    half = use_native_float(_dense(rng, 64, 32, "bfloat16"), True)
+    assert not half.out_in and half.kernel.shape == (64, 32)
+
+
+def test_tied_head_runs_in_the_kernel_when_switched_on():
+    """The tied head (x times the [vocab, embed] table, transposed) reads the table as it is
+    stored: switched on, one row runs in the kernel and agrees with XLA's product."""
+    if not _built():
+        return
+    rng = np.random.default_rng(12)
+    table = Embed(1000, 96, rngs=nnx.Rngs(2))
+    x = jnp.asarray(rng.standard_normal((1, 1, 96)).astype(np.float32))
+    want = np.asarray(table.attend(x))
+    assert native_float.TARGET not in _lowered(lambda x: table.attend(x), x)
+    use_native_float(table, True)
+    assert native_float.TARGET in _lowered(lambda x: table.attend(x), x)
+    got = np.asarray(table.attend(x))
+    assert got.shape == want.shape == (1, 1, 1000)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -52,13 +52,25 @@ class DecodeVariant:
     attention_kernel: bool = True
 
 
-def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
+def decoding_model(v: DecodeVariant, kernels: bool, made: dict | None = None) -> Pretrained:
+    """`for_decoding` of `v`'s model, made once per model and switches in `made` where given:
+    variants of one float model then share one copy of its kernels stored for decoding
+    ([out, in]), not one copy each."""
+    if made is None:
+        return for_decoding(v.model, kernels, v.attention_kernel)
+    key = (id(v.model), kernels, v.attention_kernel)
+    if key not in made:  # the model is kept with its copy, so its id is not reused meanwhile
+        made[key] = (v.model, for_decoding(v.model, kernels, v.attention_kernel))
+    return made[key][1]
+
+
+def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int,
+                     made: dict | None = None):
     """(timed, args) for a streamed variant: `timed(params)` runs `model.generate.stream` as
     chat does and returns ([1, new_tokens] tokens, seconds from the first token to the last):
     `new_tokens - 1` streamed steps, the prefill and its compile excluded as chat excludes
     them."""
-    pre, ids = for_decoding(v.model, v.kernels, v.attention_kernel), np.asarray([prompt],
-                                                                            np.int32)
+    pre, ids = decoding_model(v, v.kernels, made), np.asarray([prompt], np.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
 
     def timed(params):
@@ -74,18 +86,19 @@ def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int):
     return timed, (pre.params,)
 
 
-def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int):
+def decode_programs(v: DecodeVariant, prompt: list[int], new_tokens: int,
+                    made: dict | None = None):
     """(timed, args): a jitted call that decodes `new_tokens` greedy tokens after the prompt's
     prefill (run here, once, untimed), and its arguments. The call takes its cache (args[2])
     donated and writes it in place, as chat's loops do, returning (tokens, cache); `fresh_args`
     gives each call a copy of the prefilled cache, so repeated calls do identical work. A
     streamed variant's call returns (tokens, seconds) itself."""
     if v.streamed:
-        return streamed_program(v, prompt, new_tokens)
+        return streamed_program(v, prompt, new_tokens, made)
     # A split step's kernels are sharded: XLA's products split with them, a custom call would
     # gather them whole.
     own = v.kernels and v.devices == 1
-    pre, ids = for_decoding(v.model, own, v.attention_kernel), jnp.asarray([prompt], jnp.int32)
+    pre, ids = decoding_model(v, own, made), jnp.asarray([prompt], jnp.int32)
     make_cache = init_int8_cache if v.kv_int8 else None
     model = nnx.merge(pre.graphdef, pre.params)
     graphdef = pre.graphdef
@@ -153,7 +166,8 @@ def decode_benchmark(variants: list[DecodeVariant], prompt: list[int], new_token
     if not prompt or len(prompt) + new_tokens > variants[0].model.cfg.max_len:
         raise ConfigError(f"prompt ({len(prompt)} tokens) + new_tokens={new_tokens}: must fit "
                           f"the context of {variants[0].model.cfg.max_len}")
-    progs = [decode_programs(v, prompt, new_tokens) for v in variants]
+    made: dict = {}
+    progs = [decode_programs(v, prompt, new_tokens, made) for v in variants]
 
     def own_args(v, args):  # a scan call consumes its cache: each gets a copy, made untimed
         return args if v.streamed else fresh_args(args)

@@ -210,7 +210,9 @@ def for_decoding(pre: Pretrained, kernels: bool = True, attention: bool = True) 
         for _, module in nnx.iter_modules(model):
             if isinstance(module, Attention):
                 module.native = False
-    return dataclasses.replace(pre, graphdef=nnx.split(model)[0])
+    # the float kernels' layout changes with the switch: the state too, not only the graph
+    graphdef, state = nnx.split(model)
+    return dataclasses.replace(pre, graphdef=graphdef, params=nnx.to_pure_dict(state))
 
 
 def load_quantized(name: str = "smollm2", n_layers: int | None = None,

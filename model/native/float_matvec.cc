@@ -1,25 +1,22 @@
 // shardq's float32 product for a few rows (batch-1 decoding), as an XLA FFI custom call on the CPU.
 //
-//   y[m, n] = sum_k x[m, k] * w[k, n]
+//   y[m, n] = sum_k x[m, k] * w[n, k]
 //
-// x is float32 [M, K]; w float32 [K, N], Dense's [in, out] layout: each input's weights to
-// every output contiguous. The grouped entry multiplies the same x by several kernels (an
-// attention's q, k and v) in one call.
+// x is float32 [M, K]; w float32 [N, K], each output's weights contiguous: the layout a Dense
+// kernel takes for decoding (model.layers.use_native_float stores it so), and a tied head's
+// embedding table [vocab, embed] as it is. The grouped entry multiplies the same x by several
+// kernels (an attention's q, k and v) in one call.
 //
 // Why it exists: a decoding step multiplies one row by every kernel, and each product is over
 // in tens of microseconds. XLA:CPU's one-row float32 dot reads a kernel of a few megabytes
-// well below what the memory delivers, and runs as one operation per kernel. Here a kernel's
-// rows are read front to back, in chunks of consecutive rows that XLA's own intra-op threads
-// claim one at a time; each chunk's partial sums land in its own buffer and the partials are
-// added in chunk order, so the result does not depend on which thread ran which chunk.
+// below what the memory delivers, and runs as one operation per kernel. Here each output's
+// weights are read front to back, one output at a time, the outputs split into chunks of
+// consecutive outputs that XLA's own intra-op threads claim: each thread reads one stream of
+// consecutive bytes, which the hardware prefetcher follows best. Every output's sum runs on one
+// thread in a fixed order, so the result does not depend on the thread count.
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -37,129 +34,106 @@ namespace {
 // alone (waking another thread costs more than reading that much).
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int64_t kParallelBytes = 192 * 1024;
-constexpr int64_t kMinChunkRows = 64;
-// How far ahead of the rows being multiplied their loads are requested.
-constexpr int64_t kPrefetchBytes = 8192;
+// How far ahead of the weights being multiplied their loads are requested, in floats.
+constexpr int64_t kPrefetchFloats = 1024;
 
-// One kernel of a call: its weights [k, n] and where its outputs go.
+// sum over i < k of x[i] * w[i], in the same order for every call with this k: 64 floats a step
+// in four independent accumulators, then 16 at a time, the last partial vector loaded under a
+// mask (its missing lanes zero). `fetch`: request w kPrefetchFloats ahead as it goes.
+inline float dot_row(const float* x, const float* w, int64_t k, bool fetch) {
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) {
+    if (fetch) {
+      for (int q = 0; q < 4; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchFloats + i + 16 * q),
+                     _MM_HINT_T0);
+      }
+    }
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(w + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(w + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(w + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(w + i + 48), a3);
+  }
+  for (; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - i)) - 1);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, w + i), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    if (fetch) {
+      for (int q = 0; q < 2; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchFloats + i + 16 * q),
+                     _MM_HINT_T0);
+      }
+    }
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), a3);
+  }
+  for (; i + 8 <= k; i += 8) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), a0);
+  }
+  const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float tail = 0.0f;
+  for (; i < k; ++i) tail = std::fma(x[i], w[i], tail);
+  return _mm_cvtss_f32(h) + tail;
+#else
+  (void)fetch;
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 4 <= k; i += 4) {
+    for (int q = 0; q < 4; ++q) a[q] = std::fma(x[i + q], w[i + q], a[q]);
+  }
+  for (; i < k; ++i) a[0] = std::fma(x[i], w[i], a[0]);
+  return (a[0] + a[1]) + (a[2] + a[3]);
+#endif
+}
+
+// One kernel of a call: its weights [n, k] and where its outputs [rows, n] go.
 struct Kernel {
   const float* w;
   int64_t n;
   float* out;
 };
 
-// partial[m * n + j] += sum over rows [k0, k1) of x[m, k] * w[k, j], eight rows at a time (each
-// output's partial read and written once per eight rows: eight weight streams at once), then
-// one row at a time. Every output's sum runs in the same order on every path.
-void rows_times_kernel(const float* x, int64_t rows, int64_t k, const float* w, int64_t n,
-                       int64_t k0, int64_t k1, float* partial) {
-  int64_t r = k0;
-#if defined(__AVX512F__)
-  const int64_t nv = n - n % 16;
-  // whole eight-row groups ahead, at least kPrefetchBytes
-  const int64_t ahead = 8 * (kPrefetchBytes / (32 * n) + 1);
-  for (; r + 8 <= k1; r += 8) {
-    const float* w0 = w + r * n;
-    const bool fetch = r + ahead + 8 <= k1;
+// x [rows, k] times every kernel, outputs [n0, n1) of kernel `kn` here: one output's weights at
+// a time, front to back; the row stays in L1 while further rows of x reuse it.
+void outputs(const float* x, int64_t rows, int64_t k, const Kernel& kn, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; ++j) {
     for (int64_t m = 0; m < rows; ++m) {
-      const float* xm = x + m * k + r;
-      __m512 xs[8];
-      for (int q = 0; q < 8; ++q) xs[q] = _mm512_set1_ps(xm[q]);
-      float* pm = partial + m * n;
-      for (int64_t j = 0; j < nv; j += 16) {
-        if (m == 0 && fetch) {
-          for (int64_t q = 0; q < 8; ++q) {
-            _mm_prefetch(reinterpret_cast<const char*>(w0 + (ahead + q) * n + j), _MM_HINT_T0);
-          }
-        }
-        __m512 acc = _mm512_loadu_ps(pm + j);
-        for (int q = 0; q < 8; ++q) {
-          acc = _mm512_fmadd_ps(xs[q], _mm512_loadu_ps(w0 + q * n + j), acc);
-        }
-        _mm512_storeu_ps(pm + j, acc);
-      }
-      for (int64_t j = nv; j < n; ++j) {
-        float acc = pm[j];
-        for (int64_t q = 0; q < 8; ++q) acc = std::fma(xm[q], w0[q * n + j], acc);
-        pm[j] = acc;
-      }
-    }
-  }
-#endif
-  for (; r < k1; ++r) {
-    const float* wr = w + r * n;
-    for (int64_t m = 0; m < rows; ++m) {
-      const float xv = x[m * k + r];
-      float* pm = partial + m * n;
-      for (int64_t j = 0; j < n; ++j) pm[j] = std::fma(xv, wr[j], pm[j]);
+      kn.out[m * kn.n + j] = dot_row(x + m * k, kn.w + j * k, k, m == 0);
     }
   }
 }
 
-// x [rows, k] times every kernel: each kernel's rows split into chunks that XLA's intra-op
-// threads claim (when the kernels are large enough to pay for waking them), each chunk's
-// partial sums in its own part of one buffer, then each kernel's partials added in chunk order.
-// One buffer, allocated and freed by the calling thread: a buffer per chunk would be an
-// allocation per chunk on whichever thread ran it, and a free across threads, on every call.
 ffi::Error products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
                     const std::vector<Kernel>& kernels) {
-  const float* xs = x.typed_data();
   const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
-  struct Chunk {
-    int64_t kernel, first, last, offset;  // kernel's rows [first, last), partials at offset
-  };
-  std::vector<Chunk> chunk;
-  int64_t bytes = 0, floats = 0;
-  for (size_t i = 0; i < kernels.size(); ++i) {
-    const int64_t row_bytes = std::max<int64_t>(1, kernels[i].n * 4);
-    // Chunks of whole eight-row groups, about kChunkBytes each and at least kMinChunkRows rows
-    // (a chunk's partials, added after, stay a small share of its bytes), fixed by the kernel's
-    // shape alone.
-    const int64_t chunk_rows =
-        std::max<int64_t>(kMinChunkRows, (kChunkBytes / row_bytes + 7) / 8 * 8);
-    for (int64_t r = 0; r < k; r += chunk_rows) {
-      chunk.push_back({static_cast<int64_t>(i), r, std::min(k, r + chunk_rows), floats});
-      floats += (rows * kernels[i].n + 15) / 16 * 16;  // chunks' partials on their own lines
-    }
-    bytes += kernels[i].n * k * 4;
-  }
-  const int64_t chunks = static_cast<int64_t>(chunk.size());
-  // uninitialised here: each chunk zeroes its own part on the thread that runs it
-  std::unique_ptr<float, decltype(&std::free)> partial(
-      static_cast<float*>(std::aligned_alloc(64, std::max<int64_t>(16, floats) * 4)), &std::free);
-  if (partial == nullptr) return ffi::Error::Internal("shardq float kernel: out of memory");
-  shardq::share_out(pool, chunks, bytes >= kParallelBytes, [&](int64_t c) {
-    const Chunk& ch = chunk[c];
-    const Kernel& kn = kernels[ch.kernel];
-    float* p = partial.get() + ch.offset;
-    std::fill(p, p + rows * kn.n, 0.0f);
-    rows_times_kernel(xs, rows, k, kn.w, kn.n, ch.first, ch.last, p);
-  });
-  std::vector<bool> started(kernels.size(), false);
-  for (const Chunk& ch : chunk) {
-    const Kernel& kn = kernels[ch.kernel];
-    const int64_t size = rows * kn.n;
-    const float* p = partial.get() + ch.offset;
-    if (!started[ch.kernel]) {
-      std::memcpy(kn.out, p, size * sizeof(float));
-      started[ch.kernel] = true;
-    } else {
-      for (int64_t i = 0; i < size; ++i) kn.out[i] += p[i];
-    }
-  }
-  for (size_t i = 0; i < kernels.size(); ++i) {  // a kernel of no rows: zeros
-    if (!started[i]) std::memset(kernels[i].out, 0, rows * kernels[i].n * sizeof(float));
-  }
+  std::vector<int64_t> n;
+  for (const Kernel& kn : kernels) n.push_back(kn.n);
+  shardq::for_outputs(pool, n, k * 4, kChunkBytes, kParallelBytes,
+                      [&](int64_t i, int64_t n0, int64_t n1) {
+                        outputs(x.typed_data(), rows, k, kernels[i], n0, n1);
+                      });
   return ffi::Error::Success();
 }
 
 ffi::Error kernel_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, float* out,
                      Kernel& kn) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("shardq float kernel: x [M, K] and w [K, N] expected");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("shardq float kernel: x [M, K] and w [N, K] expected");
   }
-  kn = {w.typed_data(), wd[1], out};
+  kn = {w.typed_data(), wd[0], out};
   return ffi::Error::Success();
 }
 

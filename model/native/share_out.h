@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -52,6 +53,39 @@ inline void share_out(xla::ffi::ThreadPool& pool, int64_t count, bool parallel,
     _mm_pause();
 #endif
   }
+}
+
+// rows(i, n0, n1) over all n[i] outputs of every kernel i (an output's weights are
+// bytes_per_row bytes, stored together), on XLA's intra-op threads when the kernels hold at least
+// parallel_bytes. Whole chunks for every thread (a multiple of the thread count, about
+// chunk_bytes each); every kernel's chunks start at its output 0 and hold a multiple of 16
+// outputs (64 bytes of float or int32 results), so two threads' chunks share at most one cache
+// line of results.
+inline void for_outputs(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& n,
+                        int64_t bytes_per_row, int64_t chunk_bytes, int64_t parallel_bytes,
+                        std::function<void(int64_t, int64_t, int64_t)> rows) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t total = 0;
+  for (int64_t ni : n) total += ni;
+  const int64_t bytes = total * bytes_per_row;
+  if (threads == 1 || bytes < parallel_bytes) {
+    for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
+    return;
+  }
+  int64_t want = (bytes + chunk_bytes - 1) / chunk_bytes;
+  want = (want + threads - 1) / threads * threads;
+  const int64_t rows_each = (total + want - 1) / want;
+  const int64_t chunk_rows = std::max<int64_t>(16, (rows_each + 15) / 16 * 16);
+  std::vector<int64_t> kernel, first, last;
+  for (size_t i = 0; i < n.size(); ++i) {
+    for (int64_t n0 = 0; n0 < n[i]; n0 += chunk_rows) {
+      kernel.push_back(static_cast<int64_t>(i));
+      first.push_back(n0);
+      last.push_back(std::min(n[i], n0 + chunk_rows));
+    }
+  }
+  share_out(pool, static_cast<int64_t>(kernel.size()), true,
+            [&](int64_t c) { rows(kernel[c], first[c], last[c]); });
 }
 
 }  // namespace shardq

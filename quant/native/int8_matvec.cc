@@ -311,37 +311,6 @@ struct Kernel {
   const float* scales() const { return static_cast<const float*>(scale); }
 };
 
-// rows(i, n0, n1) over all outputs of every kernel (kernel i holding n[i] rows of bytes_per_row
-// bytes), on XLA's intra-op threads when the kernels are large enough to pay for waking them.
-// Every kernel's chunks start at its output 0 and hold a multiple of 16 outputs (64 bytes of
-// results), so two threads' chunks share at most one cache line of results.
-void for_outputs(ffi::ThreadPool& pool, const std::vector<int64_t>& n, int64_t bytes_per_row,
-                 std::function<void(int64_t, int64_t, int64_t)> rows) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t total = 0;
-  for (int64_t ni : n) total += ni;
-  const int64_t bytes = total * bytes_per_row;
-  if (threads == 1 || bytes < kParallelBytes) {
-    for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
-    return;
-  }
-  // Whole chunks for every thread (a multiple of the thread count), each a multiple of 16 rows.
-  int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
-  want = (want + threads - 1) / threads * threads;
-  const int64_t rows_each = (total + want - 1) / want;
-  const int64_t chunk_rows = std::max<int64_t>(16, (rows_each + 15) / 16 * 16);
-  std::vector<int64_t> kernel, first, last;
-  for (size_t i = 0; i < n.size(); ++i) {
-    for (int64_t n0 = 0; n0 < n[i]; n0 += chunk_rows) {
-      kernel.push_back(static_cast<int64_t>(i));
-      first.push_back(n0);
-      last.push_back(std::min(n[i], n0 + chunk_rows));
-    }
-  }
-  shardq::share_out(pool, static_cast<int64_t>(kernel.size()), true,
-                    [&](int64_t c) { rows(kernel[c], first[c], last[c]); });
-}
-
 // The operands' sizes: x [rows, k]; a kernel w [n, k] with w_scale [n] or [1] (or, where
 // `blocked` (the weight-only entries), [n, blocks]: one scale per block of k / blocks weights of
 // a row, float32 or float16).
@@ -383,7 +352,8 @@ ffi::Error int8_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
     acc[i].resize(rows * kernels[i].n);
     n.push_back(kernels[i].n);
   }
-  for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
+  shardq::for_outputs(pool, n, k, kChunkBytes, kParallelBytes,
+                      [&](int64_t i, int64_t n0, int64_t n1) {
     product_rows(xr, kernels[i].w, n0, n1, kernels[i].n, acc[i].data());
   });
   for (size_t i = 0; i < kernels.size(); ++i) {
@@ -407,7 +377,8 @@ ffi::Error weight_only_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F3
   const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
   std::vector<int64_t> n;
   for (const Kernel& kn : kernels) n.push_back(kn.n);
-  for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
+  shardq::for_outputs(pool, n, k, kChunkBytes, kParallelBytes,
+                      [&](int64_t i, int64_t n0, int64_t n1) {
     if (n1 <= n0) return;
     const Kernel& kn = kernels[i];
     const int64_t row_stride = kn.n_scales == 1 ? 0 : blocks[i];
