@@ -16,7 +16,7 @@ from flax import nnx
 
 from model.layers import Dense
 from quant import quantizers as qz
-from quant.convert import QuantConfig, make_plan
+from quant.convert import QuantConfig, QuantError, make_plan
 from quant.dense import QuantDense, int8_matmul, int8_matmul_t, quantized_product
 from quant.pipeline import quantize
 from tests.hlo_checks import float_dot_widths, int8_dots
@@ -305,3 +305,18 @@ def test_float16_block_scales_hold_a_q8_0_table_exactly_and_keep_tiny_blocks(flo
     model.embed.embedding[...] = model.embed.embedding[...].at[0, 0].set(1e7)
     with pytest.raises(QuantError, match="embed: a value of 1e[+]07 needs a block scale"):
         make_plan(QuantConfig(mode="w8a8"), model)
+
+
+def test_a_model_stored_for_decoding_is_refused_with_its_layer_named(float_model):
+    """Quantisation reads a Dense kernel as [in, out]; after use_native_float (decoding) a float
+    kernel is stored [out, in], and planning it names the layer instead of quantising the
+    transpose. Switched back, the same model plans."""
+    from model.layers import use_native_float
+
+    model = nnx.merge(*float_model)
+    qcfg = QuantConfig(mode="w8a8")
+    use_native_float(model, True)
+    with pytest.raises(QuantError, match=r"blocks/.*stored for decoding"):
+        make_plan(qcfg, model)
+    use_native_float(model, False)
+    assert make_plan(qcfg, model)
