@@ -56,6 +56,11 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
     embedding's entry is {"kind", "act", "block", "scale_dtype"}."""
     qcfg.validate()
     candidates = linear_modules(model)
+    # every layer, selected or not: smoothing scales kernels the rules do not select
+    stored = sorted(p for p, m in candidates.items() if isinstance(m, Dense) and m.out_in)
+    if stored:
+        raise QuantError(f"{stored[0]}: its kernel is stored for decoding ([out, in], "
+                         f"model.layers.use_native_float); quantise the model before that")
     selected = sorted(p for p in candidates if any(fnmatch.fnmatch(p, r) for r in qcfg.rules))
     if not selected:
         raise QuantError(f"rules={list(qcfg.rules)}: select no module; candidates: "
@@ -74,9 +79,6 @@ def make_plan(qcfg: QuantConfig, model: nnx.Module) -> dict:
             plan[path] = {"kind": "embed", "act": qcfg.act, "block": block,
                           "scale_dtype": "float16" if block else "float32"}
             continue
-        if candidates[path].out_in:
-            raise QuantError(f"{path}: its kernel is stored for decoding ([out, in], "
-                             f"model.layers.use_native_float); quantise the model before that")
         in_features = candidates[path].kernel.shape[-2]
         plan[path] = {"kind": "dense", "act": qcfg.act, "float_layers": [],
                       "outlier_threshold": qcfg.outlier_threshold if qcfg.outliers else None,

@@ -309,8 +309,8 @@ def test_float16_block_scales_hold_a_q8_0_table_exactly_and_keep_tiny_blocks(flo
 
 def test_a_model_stored_for_decoding_is_refused_with_its_layer_named(float_model):
     """Quantisation reads a Dense kernel as [in, out]; after use_native_float (decoding) a float
-    kernel is stored [out, in], and planning it names the layer instead of quantising the
-    transpose. Switched back, the same model plans."""
+    kernel is stored [out, in], and planning any model with such a layer names it instead of
+    quantising (or smoothing) the transpose. Switched back, the same model plans."""
     from model.layers import use_native_float
 
     model = nnx.merge(*float_model)
@@ -318,5 +318,8 @@ def test_a_model_stored_for_decoding_is_refused_with_its_layer_named(float_model
     use_native_float(model, True)
     with pytest.raises(QuantError, match=r"blocks/.*stored for decoding"):
         make_plan(qcfg, model)
+    # rules that leave the block layers float still refuse: smoothing would scale them
+    with pytest.raises(QuantError, match=r"blocks/.*stored for decoding"):
+        make_plan(QuantConfig(mode="smoothquant", rules=("head",)), model)
     use_native_float(model, False)
     assert make_plan(qcfg, model)

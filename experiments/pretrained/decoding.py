@@ -53,15 +53,17 @@ class DecodeVariant:
 
 
 def decoding_model(v: DecodeVariant, kernels: bool, made: dict | None = None) -> Pretrained:
-    """`for_decoding` of `v`'s model, made once per model and switches in `made` where given:
-    variants of one float model then share one copy of its kernels stored for decoding
-    ([out, in]), not one copy each."""
+    """`for_decoding` of `v`'s model, its weights made once per model and `kernels` switch in
+    `made` where given: variants of one float model (the attention switch changes the graph
+    only) then share one copy of its kernels stored for decoding ([out, in]), not one each."""
     if made is None:
         return for_decoding(v.model, kernels, v.attention_kernel)
-    key = (id(v.model), kernels, v.attention_kernel)
+    key = (id(v.model), kernels)
     if key not in made:  # the model is kept with its copy, so its id is not reused meanwhile
-        made[key] = (v.model, for_decoding(v.model, kernels, v.attention_kernel))
-    return made[key][1]
+        made[key] = (v.model, for_decoding(v.model, kernels))
+    base = made[key][1]
+    # switched already: the same arrays, with attention in XLA's operations where asked
+    return base if v.attention_kernel else for_decoding(base, kernels, attention=False)
 
 
 def streamed_program(v: DecodeVariant, prompt: list[int], new_tokens: int,

@@ -127,20 +127,23 @@ ffi::Error products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   return ffi::Error::Success();
 }
 
-ffi::Error kernel_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w, float* out,
-                     Kernel& kn) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
+ffi::Error kernel_of(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+                     ffi::Result<ffi::Buffer<ffi::F32>>& y, Kernel& kn) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("shardq float kernel: x [M, K] and w [N, K] expected");
   }
-  kn = {w.typed_data(), wd[0], out};
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("shardq float kernel: a result [M, N] expected");
+  }
+  kn = {w.typed_data(), wd[0], y->typed_data()};
   return ffi::Error::Success();
 }
 
 ffi::Error FloatMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   std::vector<Kernel> kernels(1);
-  if (ffi::Error e = kernel_of(x, w, y->typed_data(), kernels[0]); e.failure()) return e;
+  if (ffi::Error e = kernel_of(x, w, y, kernels[0]); e.failure()) return e;
   return products(pool, x, kernels);
 }
 
@@ -156,7 +159,7 @@ ffi::Error FloatMatvecGroup(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
     if (w.has_error()) return w.error();
     if (y.has_error()) return y.error();
-    if (ffi::Error e = kernel_of(x, *w, (*y)->typed_data(), kernels[i]); e.failure()) return e;
+    if (ffi::Error e = kernel_of(x, *w, *y, kernels[i]); e.failure()) return e;
   }
   return products(pool, x, kernels);
 }

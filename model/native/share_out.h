@@ -57,10 +57,10 @@ inline void share_out(xla::ffi::ThreadPool& pool, int64_t count, bool parallel,
 
 // rows(i, n0, n1) over all n[i] outputs of every kernel i (an output's weights are
 // bytes_per_row bytes, stored together), on XLA's intra-op threads when the kernels hold at least
-// parallel_bytes. Whole chunks for every thread (a multiple of the thread count, about
-// chunk_bytes each); every kernel's chunks start at its output 0 and hold a multiple of 16
-// outputs (64 bytes of float or int32 results), so two threads' chunks share at most one cache
-// line of results.
+// parallel_bytes. The chunks hold about chunk_bytes each (their count over all kernels rounded up
+// to a multiple of the thread count); every kernel's chunks start at its output 0 and hold a
+// multiple of 16 outputs (64 bytes of float or int32 results), which keeps two threads' results
+// on separate cache lines where a row of results starts on one.
 inline void for_outputs(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& n,
                         int64_t bytes_per_row, int64_t chunk_bytes, int64_t parallel_bytes,
                         std::function<void(int64_t, int64_t, int64_t)> rows) {
