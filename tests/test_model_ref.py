@@ -150,15 +150,18 @@ def test_score_reads_a_hugging_face_folder_as_transformers_does():
 
 def test_perplexity_labels_a_gguf_file_and_a_folder_with_their_paths(tmp_path):
     from tests import gguf_files
-    from tests.helpers import cli
+    from tests.helpers import launch_in_one_process
 
     gguf = gguf_files.write(tmp_path / "tiny.gguf")
-    for args, label in ((["--gguf", str(gguf)], str(gguf)), (["--model", str(gguf)], str(gguf)),
-                        (["--model", str(FIXTURES / "qwen3")], str(FIXTURES / "qwen3"))):
-        proc = cli("perplexity", *args, "--json", "--tokens", "64", "--window", "32",
-                   timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = ((["--gguf", str(gguf)], str(gguf)), (["--model", str(gguf)], str(gguf)),
+             (["--model", str(FIXTURES / "qwen3")], str(FIXTURES / "qwen3")))
+    # the three runs in one process: the packages load once
+    runs = launch_in_one_process(
+        [("experiments.perplexity", [*args, "--json", "--tokens", "64", "--window", "32"])
+         for args, _ in cases], timeout=600)
+    for run, (_, label) in zip(runs, cases, strict=True):
+        assert run["status"] == 0, run["stderr"]
+        row = json.loads(run["stdout"].strip().splitlines()[-1])
         assert row["model"] == label and row["perplexity"] > 1, row
 
 
