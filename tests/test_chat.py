@@ -80,6 +80,8 @@ def launched(layout_cache, tmp_path_factory):
     return rows[0], rows[1], out
 
 
+# both read `launched`: one xdist worker runs them, so the fixture's process runs once
+@pytest.mark.xdist_group("chat_launched")
 def test_chat_cli_prints_the_reply_the_experiment_measures(truncated, layout_cache, launched):
     proc = launched[0]
     assert proc["status"] == 0, proc["stderr"][-2000:]
@@ -178,6 +180,7 @@ def test_spread_perturbs_an_int8_tables_scales_and_refuses_a_model_without_one(t
         reply_stability.perturbed(params, 0, 1e-6)
 
 
+@pytest.mark.xdist_group("chat_launched")
 def test_chat_replies_cli_writes_the_table_source(launched):
     proc, out = launched[1], launched[2]
     assert proc["status"] == 0, proc["stderr"][-2000:]
