@@ -55,21 +55,22 @@ class Dense(nnx.Module):
     """y = x @ W (+ b), W stored as [in, out] in `param_dtype`, multiplied in `compute_dtype`.
 
     Every linear map of the models goes through this class, so `quant/` can replace it (or its
-    kernel) without the model knowing. With `native` (`use_native_float`; off by default) the
+    kernel) without the model knowing. Switched by `use_native_float` (off by default), a
     float32 kernel is stored [out, in] (`out_in`) and a product of a few rows runs in shardq's
     own kernel on a CPU (`model.native_float`), which reads each output's weights front to
     back: for decoding, never for training (the kernel has no gradient).
     """
 
-    NATIVE_FLOAT = True  # `use_native_float` switches `native`
+    NATIVE_FLOAT = True  # `use_native_float` switches `out_in`
 
     def __init__(self, in_features: int, out_features: int, *, axes: Axes, rngs: nnx.Rngs,
                  param_dtype="float32", compute_dtype="float32", use_bias: bool = False,
                  init_scale: float = 1.0):
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
-        self.native = False
-        self.out_in = False  # the kernel stored [..., out, in] (`use_native_float`)
+        # the kernel stored [..., out, in], its few-row products in shardq's kernel
+        # (`use_native_float`)
+        self.out_in = False
         # Fan-in scaled normal init (std = scale / sqrt(in)).
         init = nnx.initializers.normal(stddev=init_scale / in_features**0.5)
         self.kernel = param(
@@ -82,7 +83,7 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._runs_native(x):
-            return self._finish(_native_products(x, [self])[0], x.shape[:-1])
+            return self._finish(_native_products(x, [self.kernel[...]])[0], x.shape[:-1])
         dt = dtype_of(self.compute_dtype)
         return self._finish(matmul_2d(x.astype(dt), self.weight().astype(dt)), ())
 
@@ -97,7 +98,7 @@ class Dense(nnx.Module):
         return self.compute_dtype == "float32" and self.kernel[...].dtype == jnp.float32
 
     def _runs_native(self, x: jax.Array) -> bool:
-        return self.native and self.out_in and native_float.usable(math.prod(x.shape[:-1]))
+        return self.out_in and native_float.usable(math.prod(x.shape[:-1]))
 
     def _finish(self, y: jax.Array, lead: tuple[int, ...]) -> jax.Array:
         """The product [rows, out] as [*lead, out] (lead (): y already has its shape), plus the
@@ -113,17 +114,16 @@ class Dense(nnx.Module):
         """`layer(x)` for each of `layers`: one call of shardq's kernel for all of them where
         each would run there alone (`model.layers.shared_input`)."""
         if len(layers) > 1 and all(layer._runs_native(x) for layer in layers):
-            ys = _native_products(x, layers)
+            ys = _native_products(x, [layer.kernel[...] for layer in layers])
             return tuple(layer._finish(y, x.shape[:-1]) for layer, y in zip(layers, ys,
                                                                             strict=True))
         return tuple(layer(x) for layer in layers)
 
 
-def _native_products(x: jax.Array, layers) -> list[jax.Array]:
-    """x [..., in] times every layer's float32 kernel (stored [out, in]) in one call of
-    shardq's kernel on a CPU (XLA's dots elsewhere): [rows, out] each."""
+def _native_products(x: jax.Array, kernels: list[jax.Array]) -> list[jax.Array]:
+    """x [..., in] times every float32 kernel [out, in] (transposed) in one call of shardq's
+    kernel on a CPU (XLA's dots elsewhere): [rows, out] each."""
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    kernels = [layer.kernel[...] for layer in layers]
     return jax.lax.platform_dependent(
         x2, kernels, cpu=native_float.product_group,
         default=lambda x2, kernels: [jnp.dot(x2, w.T) for w in kernels])
@@ -152,10 +152,10 @@ def use_native_float(model: nnx.Module, on: bool) -> nnx.Module:
     cannot split a custom call over devices (it would gather a sharded kernel whole): a model
     whose kernels are sharded should keep XLA's dots."""
     for _, module in nnx.iter_modules(model):
-        if getattr(type(module), "NATIVE_FLOAT", False):
+        if isinstance(module, Dense):
+            _store_out_in(module, on and module.native_eligible())
+        elif getattr(type(module), "NATIVE_FLOAT", False):
             module.native = on
-            if isinstance(module, Dense):
-                _store_out_in(module, on and module.native_eligible())
     return model
 
 
@@ -217,13 +217,9 @@ class Embed(nnx.Module):
         tied (one [vocab, embed] table serves both)."""
         dt = dtype_of(self.compute_dtype)
         table = self.embedding[...]
-        rows = math.prod(x.shape[:-1])
         if (self.native and dt == jnp.float32 and table.dtype == jnp.float32
-                and native_float.usable(rows)):
-            y = jax.lax.platform_dependent(
-                x.reshape(rows, x.shape[-1]).astype(jnp.float32), table,
-                cpu=native_float.product, default=lambda x2, table: jnp.dot(x2, table.T))
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+                and native_float.usable(math.prod(x.shape[:-1]))):
+            return _native_products(x, [table])[0].reshape(*x.shape[:-1], table.shape[0])
         return matmul_2d(x.astype(dt), table.astype(dt).T)
 
 

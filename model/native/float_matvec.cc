@@ -30,10 +30,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Weight bytes one thread takes at a time, and below which a call runs on the calling thread
-// alone (waking another thread costs more than reading that much).
-constexpr int64_t kChunkBytes = 256 * 1024;
-constexpr int64_t kParallelBytes = 192 * 1024;
 // How far ahead of the weights being multiplied their loads are requested, in floats.
 constexpr int64_t kPrefetchFloats = 1024;
 
@@ -120,10 +116,9 @@ ffi::Error products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
   const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
   std::vector<int64_t> n;
   for (const Kernel& kn : kernels) n.push_back(kn.n);
-  shardq::for_outputs(pool, n, k * 4, kChunkBytes, kParallelBytes,
-                      [&](int64_t i, int64_t n0, int64_t n1) {
-                        outputs(x.typed_data(), rows, k, kernels[i], n0, n1);
-                      });
+  shardq::for_outputs(pool, n, k * 4, [&](int64_t i, int64_t n0, int64_t n1) {
+    outputs(x.typed_data(), rows, k, kernels[i], n0, n1);
+  });
   return ffi::Error::Success();
 }
 

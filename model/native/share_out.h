@@ -55,24 +55,29 @@ inline void share_out(xla::ffi::ThreadPool& pool, int64_t count, bool parallel,
   }
 }
 
+// Weight bytes one thread takes at a time, and below which a call runs on the calling thread
+// alone (waking another thread costs more than reading that much).
+constexpr int64_t kChunkBytes = 256 * 1024;
+constexpr int64_t kParallelBytes = 192 * 1024;
+
 // rows(i, n0, n1) over all n[i] outputs of every kernel i (an output's weights are
 // bytes_per_row bytes, stored together), on XLA's intra-op threads when the kernels hold at least
-// parallel_bytes. The chunks hold about chunk_bytes each (their count over all kernels rounded up
+// kParallelBytes. The chunks hold about kChunkBytes each (their count over all kernels rounded up
 // to a multiple of the thread count); every kernel's chunks start at its output 0 and hold a
 // multiple of 16 outputs (64 bytes of float or int32 results), which keeps two threads' results
 // on separate cache lines where a row of results starts on one.
 inline void for_outputs(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& n,
-                        int64_t bytes_per_row, int64_t chunk_bytes, int64_t parallel_bytes,
+                        int64_t bytes_per_row,
                         std::function<void(int64_t, int64_t, int64_t)> rows) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t total = 0;
   for (int64_t ni : n) total += ni;
   const int64_t bytes = total * bytes_per_row;
-  if (threads == 1 || bytes < parallel_bytes) {
+  if (threads == 1 || bytes < kParallelBytes) {
     for (size_t i = 0; i < n.size(); ++i) rows(static_cast<int64_t>(i), 0, n[i]);
     return;
   }
-  int64_t want = (bytes + chunk_bytes - 1) / chunk_bytes;
+  int64_t want = (bytes + kChunkBytes - 1) / kChunkBytes;
   want = (want + threads - 1) / threads * threads;
   const int64_t rows_each = (total + want - 1) / want;
   const int64_t chunk_rows = std::max<int64_t>(16, (rows_each + 15) / 16 * 16);

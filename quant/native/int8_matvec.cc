@@ -40,10 +40,6 @@ namespace {
 constexpr float kQMax = 127.0f;
 constexpr float kInvQMax = 1.0f / 127.0f;  // quantizers.INV_QMAX: scales are absmax times it
 
-// Weight bytes one thread takes at a time, and below which a product runs on the calling thread
-// alone (waking another thread costs more than reading that much).
-constexpr int64_t kChunkBytes = 256 * 1024;
-constexpr int64_t kParallelBytes = 192 * 1024;
 // How far ahead of the weights being multiplied their loads are requested: one core's hardware
 // prefetcher alone leaves the memory bus well below what it delivers to a steady stream.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -352,8 +348,7 @@ ffi::Error int8_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x,
     acc[i].resize(rows * kernels[i].n);
     n.push_back(kernels[i].n);
   }
-  shardq::for_outputs(pool, n, k, kChunkBytes, kParallelBytes,
-                      [&](int64_t i, int64_t n0, int64_t n1) {
+  shardq::for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
     product_rows(xr, kernels[i].w, n0, n1, kernels[i].n, acc[i].data());
   });
   for (size_t i = 0; i < kernels.size(); ++i) {
@@ -377,8 +372,7 @@ ffi::Error weight_only_products(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F3
   const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
   std::vector<int64_t> n;
   for (const Kernel& kn : kernels) n.push_back(kn.n);
-  shardq::for_outputs(pool, n, k, kChunkBytes, kParallelBytes,
-                      [&](int64_t i, int64_t n0, int64_t n1) {
+  shardq::for_outputs(pool, n, k, [&](int64_t i, int64_t n0, int64_t n1) {
     if (n1 <= n0) return;
     const Kernel& kn = kernels[i];
     const int64_t row_stride = kn.n_scales == 1 ? 0 : blocks[i];
