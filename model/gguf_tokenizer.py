@@ -16,8 +16,9 @@ than written as a file that tokenizes differently:
                  its regex), written as llama-bpe or qwen2;
   added tokens   matched whole: special ones as control tokens, others as user-defined; one
                  that strips its neighbours' spaces has no equal in the readers.
-BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
-`add_bos_token` and a string chat template. Ids must run 0..n-1; a model whose embedding has
+BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with a
+string chat template; `add_bos_token` is whether transformers puts the BOS first
+(`model.hf_tokenizer.bos_prefix`). Ids must run 0..n-1; a model whose embedding has
 more rows than the tokenizer has tokens gets `[PADi]` tokens of type unused, as llama.cpp's
 converter writes them.
 """
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFValueType
+from tokenizers import Tokenizer
 
-from model.hf_tokenizer import token_text
+from model.hf_tokenizer import bos_prefix, token_text
 from model.tokenizer import IGNORE_MERGES, PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp token types
@@ -221,7 +223,12 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
     if "tokenizer.ggml.eos_token_id" not in meta:  # shardq's reader needs one
         raise TokenizerExportError(f"{str(folder)!r}: no EOS token (tokenizer_config.json's "
                                    f"eos_token or config.json's eos_token_id)")
-    meta["tokenizer.ggml.add_bos_token"] = (_BOOL, bool(conf.get("add_bos_token", False)))
+    first = bos_prefix(Tokenizer.from_str(json.dumps(tok)), conf)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id", (None, None))[1]
+    if first and first != [bos_id]:
+        raise TokenizerExportError(f"{where}: a text's encoding starts with {first} where a "
+                                   f"GGUF can put only its BOS ({bos_id}) first")
+    meta["tokenizer.ggml.add_bos_token"] = (_BOOL, bool(first))
     if isinstance(conf.get("chat_template"), str):
         meta["tokenizer.chat_template"] = (_STR, conf["chat_template"])
     meta["general.name"] = (_STR, folder.resolve().name)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from model.config import ModelConfig
 from model.hf_decoder import LLAMA3_KEYS, HFError, config_from_hf
@@ -150,6 +150,16 @@ def generation_config(bos_id: int | None, eos_id: int | None) -> dict:
 
 
 # --- tokenizer files -----------------------------------------------------------------------------
+
+
+def with_bos_first(tok: Tokenizer, bos_id: int) -> Tokenizer:
+    """A copy of `tok` whose post-processor puts the BOS before a text (and before each text of
+    a pair): transformers 5 adds what the post-processor says, whatever add_bos_token says."""
+    out = Tokenizer.from_str(tok.to_str())
+    bos = tok.id_to_token(bos_id)
+    out.post_processor = processors.TemplateProcessing(
+        single=[bos, "$A"], pair=[bos, "$A", bos, "$B:1"], special_tokens=[(bos, bos_id)])
+    return out
 
 
 def tokenizer_config(tok, *, bos_id: int | None, eos_id: int | None, pad_id: int | None,

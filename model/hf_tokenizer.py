@@ -1,9 +1,9 @@
 """The tokenizer of a Hugging Face folder: `tokenizer.json` through the `tokenizers` library,
 BOS/EOS and the chat template from `tokenizer_config.json`.
 
-It offers what the pretrained code asks of `model.tokenizer.BPETokenizer`: `encode` (BOS first
-only when the folder asks for it), `decode`, `token_id`, `eos_id`, `vocab_size`, `bos`, plus
-`chat_prompt` for the folder's chat template (model/chat_template.py renders it).
+It offers what the pretrained code asks of `model.tokenizer.BPETokenizer`: `encode` (the BOS
+first where transformers puts one: `bos_prefix`), `decode`, `token_id`, `eos_id`, `vocab_size`,
+`bos`, plus `chat_prompt` for the folder's chat template (model/chat_template.py renders it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,21 @@ def token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def bos_prefix(tok: Tokenizer, conf: dict) -> list[int]:
+    """The ids a text's encoding starts with, as transformers' default call gives them: what
+    tokenizer.json's post-processor puts first (where Llama's and Gemma's BOS live; transformers
+    5 follows it whatever add_bos_token says), else the BOS when tokenizer_config.json's
+    add_bos_token asks for one."""
+    bare = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+    if bare and starts and starts[0] > 0:
+        return full[:starts[0]]
+    bos = token_text(conf.get("bos_token"))
+    bos_id = tok.token_to_id(bos) if bos else None
+    return [bos_id] if conf.get("add_bos_token", False) and bos_id is not None else []
 
 
 class HFTokenizer(TokenizerCodec):
@@ -52,8 +67,7 @@ class HFTokenizer(TokenizerCodec):
         self.bos_id = self.tok.token_to_id(bos) if bos else None
         if eos and self.eos_id is None:
             raise HFTokenizerError(f"{str(conf_path)!r}: eos_token {eos!r} is not a token")
-        self.bos = ([self.bos_id] if conf.get("add_bos_token", False)
-                    and self.bos_id is not None else [])
+        self.bos = bos_prefix(self.tok, conf)
         self.chat_template = _template(folder, conf.get("chat_template"))
         self.end_ids = _generation_eos(folder, self.vocab_size)
 

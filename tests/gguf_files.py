@@ -37,9 +37,9 @@ def tensors(rng: np.random.Generator, layers: int = LAYERS) -> dict[str, np.ndar
 
 def write(path: Path, *, seed: int = 0, arch: str = "llama", drop: str | None = None,
           extra: str | None = None, reshape: str | None = None, block_count: int = LAYERS,
-          metadata_overrides=None) -> Path:
+          metadata_overrides=None, bos: int | None = None) -> Path:
     """A tiny Llama GGUF; `drop` / `extra` / `reshape` name a tensor to leave out, add or
-    give a wrong shape (the loader's error cases)."""
+    give a wrong shape (the loader's error cases); `bos` a BOS id that encoding puts first."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     meta = {"llama.block_count": block_count, "llama.context_length": 256,
@@ -60,7 +60,9 @@ def write(path: Path, *, seed: int = 0, arch: str = "llama", drop: str | None = 
     w.add_token_merges(MERGES)
     w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    w.add_add_bos_token(bos is not None)
     for name, a in tensors(rng).items():
         if name == drop:
             continue

@@ -52,6 +52,7 @@ from model.hf_export import (
     generation_config,
     hf_config,
     tokenizer_config,
+    with_bos_first,
     write_safetensors,
 )
 from model.hf_tokenizer import HFTokenizer
@@ -260,6 +261,8 @@ def _tokenizer_files(folder: Path, source: Source) -> dict:
         template = (g.get_str("tokenizer.chat_template")
                     if "tokenizer.chat_template" in g.metadata else None)
         max_len = _file_context(g)
+    if add_bos:
+        tok = with_bos_first(tok, special["bos_id"])
     tok.save(str(folder / "tokenizer.json"))
     cfg = tokenizer_config(tok, bos_id=special.get("bos_id"), eos_id=special.get("eos_id"),
                            pad_id=special.get("pad_id"), unk_id=special.get("unk_id"),
