@@ -29,8 +29,8 @@ in `--rounds` alternating rounds (ours, then the peer's, then ours again ...) so
 the machine's load hits both sides; the file records the peer rows, its build and our ratios to
 it. After the rounds, float and w8a8 meet F32 and Q8_0 again in `--pairs` back-to-back pairs (one
 run of each, the order reversed every other pair), each pair's ratio recorded: a drift in the
-host's memory bandwidth between rounds moves the rounds' ratio, not a pair's. Without the tools
-one line says the peer rows are skipped.
+host's memory bandwidth between rounds moves the rounds' ratio, not a pair's. Without the tools,
+or for a model with no GGUF export, one line says the peer rows are skipped and why.
 
 Float and w8a8 are also timed in child processes that start with glibc's malloc asking for
 transparent huge pages and without (experiments/speed/huge_page_runs.py), and w8a8 under XLA:CPU
@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-from pathlib import Path
 from typing import NamedTuple
 
 from experiments.cli import startup
@@ -241,23 +239,6 @@ def prefill_label(mode: str, table: str) -> str:
     return mode + ("" if table == "block" else f"-{table}-head")
 
 
-def peer_files(args, tools: llama_cpp.Tools, float_model) -> dict:
-    """The peer's F32 and Q8_0 files of the model as benchmarked (its layers too), made once."""
-    (exporter,) = startup.load("experiments.pretrained.exporter")
-    src = Path(args.model)
-    key = {"model": args.model, "label": float_model.name, "layers": float_model.cfg.n_layers,
-           "source_mtime_ns": src.stat().st_mtime_ns if src.exists() else None,
-           **({"step": args.step} if args.step is not None else {})}
-    step = "" if args.step is None else f"-step{args.step}"
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{src.name}{step}-{float_model.cfg.n_layers}L")
-
-    def export(out: Path) -> Path:
-        source = exporter.pretrained_source(args.model, args.layers, args.step)
-        exporter.export(source, "gguf", out, force=True)
-        return out / "model.gguf"
-    return llama_cpp.prepare(tools, Path(args.peer_dir) / slug, key, export)
-
-
 def build_variants(decoding, names: list[str], models: dict, prompt: list[int]) -> tuple:
     """(DecodeVariants of `names`, the layout probe's result per model that has one)."""
     probes, variants = {}, []
@@ -296,7 +277,15 @@ def run(args, names: list[str], tools: llama_cpp.Tools | None, skipped: str) -> 
         startup.begin(*modules, devices=split) if split > 1 else startup.load(*modules))
     load_before = os.getloadavg()[0]
     float_model = loading.load(args.model, n_layers=args.layers, step=args.step)
-    files = peer_files(args, tools, float_model) if tools is not None else {}
+    if tools is not None:
+        (peer_export,) = startup.load("experiments.pretrained.peer_export")
+        files, skipped = peer_export.peer_files(
+            tools, args.peer_dir, args.model, float_model.name, float_model.cfg.n_layers,
+            args.layers, args.step)
+        if not files:
+            print(skipped, flush=True)
+    else:
+        files = {}
     built = llama_cpp.version(tools) if tools is not None else {}
     # w8 and w8a8 weights do not depend on calibration (it only fills their error report).
     models = {}

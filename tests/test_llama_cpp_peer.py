@@ -6,7 +6,6 @@ $SHARDQ_LLAMA_CPP names them."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 import statistics
 from pathlib import Path
@@ -19,7 +18,7 @@ from experiments.reporting.registry import speed as registry
 from experiments.reporting.tables import common, headline, speed
 from experiments.speed import llama_cpp, paired_runs
 from tests import gguf_files
-from tests.helpers import cli, one_line_error
+from tests.helpers import cli, llama_cpp_tools, one_line_error
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TG = FIXTURES / "llama_bench_tg.json"  # `llama-bench ... -p 0 -n 16 -d 106 -r 3 -o json`
@@ -149,6 +148,30 @@ def test_prepare_makes_the_files_once_per_key(fake_tools, tmp_path):
     assert len(exports) == 2 and first["F32"].read_bytes() == b"GGUF\x00"
 
 
+def test_a_model_without_a_gguf_export_runs_without_its_peer(fake_tools, tmp_path):
+    """A SentencePiece folder exports (a GGUF vocabulary of type llama, quantized by the
+    stand-in); the same folder with a tokenizer a GGUF cannot hold gives no files and one line
+    naming why, with nothing written in its place."""
+    import shutil
+
+    from experiments.pretrained.peer_export import peer_files
+    from model.gguf import GGUFFile
+
+    src = FIXTURES / "hf" / "llama_spm"
+    files, line = peer_files(fake_tools, tmp_path / "peer", str(src), str(src), 2)
+    assert line == "" and set(files) == set(llama_cpp.FORMATS)
+    assert GGUFFile(files["F32"]).get_str("tokenizer.ggml.model") == "llama"
+    bad = shutil.copytree(src, tmp_path / "split")
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    tok["pre_tokenizer"]["split"] = True
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    files, line = peer_files(fake_tools, tmp_path / "peer", str(bad), str(bad), 2)
+    assert files == {} and "\n" not in line
+    assert line.startswith("llama.cpp peer rows skipped: the model has no GGUF export (")
+    assert "pre_tokenizer Metaspace(split)" in line
+    assert not list((tmp_path / "peer").glob("split*/*.gguf"))
+
+
 def test_peer_row_and_ratios(tmp_path):
     (ref,) = llama_cpp.parse_bench(TG.read_text())
     other = {**ref, "avg_ts": 1.0, "samples_ts": [1.0, 1.0, 1.0]}
@@ -180,12 +203,9 @@ def test_end_to_end_with_the_real_tools(tmp_path):
     """Our float32 GGUF export of a tiny synthetic model, llama-quantize's Q8_0 of it, and
     llama-bench on both. Without the tools (CI has none) the locator's absent line is what
     this checks, and outside CI the test is skipped with that reason."""
-    tools, line = llama_cpp.locate(None)
+    tools = llama_cpp_tools()
     if tools is None:
-        if os.environ.get("CI") == "true":
-            assert "skipped" in line and llama_cpp.ENV in line
-            return
-        pytest.skip(f"needs llama.cpp's tools: {line}")
+        return
     src = gguf_files.write(tmp_path / "tiny.gguf")
 
     def export(out: Path) -> Path:
