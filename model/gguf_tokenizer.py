@@ -32,7 +32,8 @@ import numpy as np
 from gguf import GGUFValueType
 from tokenizers import Tokenizer
 
-from model.hf_tokenizer import bos_prefix, token_text
+from model import gguf_spm_vocab as spm
+from model.hf_tokenizer import bos_prefix, chat_template, token_text
 from model.tokenizer import IGNORE_MERGES, PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp token types
@@ -41,6 +42,7 @@ LLAMA_CPP_PRE = {None: ("gpt-2",), r"\p{N}": ("smollm",)}
 _STR, _U32, _BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
 _STR_ARRAY = (GGUFValueType.ARRAY, GGUFValueType.STRING)
 _I32_ARRAY = (GGUFValueType.ARRAY, GGUFValueType.INT32)
+_F32_ARRAY = (GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
 
 
 class TokenizerExportError(ValueError):
@@ -146,26 +148,23 @@ def _check_model(model: dict, where: str) -> None:
                                        f"form (allowed {ok[0]!r})")
 
 
-def _merges(model: dict, where: str) -> list[str]:
+def _merge_pairs(model: dict, where: str) -> list[tuple[str, str]]:
     out = []
     for m in model.get("merges") or []:
         pair = m.split(" ") if isinstance(m, str) else list(m)
         if len(pair) != 2 or any(" " in p for p in pair):
             raise TokenizerExportError(f"{where}: merge {m!r} is not two tokens without spaces")
-        out.append(" ".join(pair))
+        out.append((pair[0], pair[1]))
     return out
 
 
-def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
-    """{key: (value type, value)} (as `model.gguf.GGUFFile.metadata` holds it) of the folder's
-    tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise."""
-    folder = Path(folder)
-    path = folder / "tokenizer.json"
-    where = repr(str(path))
-    if not path.is_file():
-        raise TokenizerExportError(f"{str(folder)!r}: no tokenizer.json")
-    tok = _json(path)
-    model = tok.get("model") or {}
+def _merges(model: dict, where: str) -> list[str]:
+    return [" ".join(pair) for pair in _merge_pairs(model, where)]
+
+
+def _byte_level_form(tok: dict, model: dict, where: str) -> str:
+    """The GGUF pre-tokenizer name of a byte-level BPE tokenizer.json (TokenizerExportError,
+    naming the file, where it has none)."""
     _check_model(model, where)
     if tok.get("normalizer") is not None:
         raise TokenizerExportError(f"{where}: normalizer "
@@ -179,6 +178,40 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
         raise TokenizerExportError(
             f"{where}: BPE ignore_merges={model.get('ignore_merges')!r} with pre-tokenizer "
             f"{pre}: llama.cpp and shardq ignore the merges with Llama 3's split only")
+    return pre
+
+
+def _sentencepiece_form(tok: dict, model: dict, where: str) -> bool:
+    """add_space_prefix of a SentencePiece-style tokenizer.json (TokenizerExportError, naming
+    the file, where a GGUF SentencePiece vocabulary cannot hold it)."""
+    for key, ok in (("dropout", (None,)), ("continuing_subword_prefix", (None, "")),
+                    ("end_of_word_suffix", (None, "")), ("ignore_merges", (False, None))):
+        if model.get(key) not in ok:
+            raise TokenizerExportError(f"{where}: BPE {key}={model.get(key)!r} has no GGUF "
+                                       f"form (allowed {ok[0]!r})")
+    for added in tok.get("added_tokens") or []:
+        if added.get("normalized"):
+            raise TokenizerExportError(f"{where}: added token {added.get('content')!r} is "
+                                       f"matched after normalizing (a GGUF's readers match "
+                                       f"added tokens in the text as written)")
+    try:
+        return spm.space_prefix(tok)
+    except spm.VocabError as e:
+        raise TokenizerExportError(f"{where}: {e}") from None
+
+
+def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
+    """{key: (value type, value)} (as `model.gguf.GGUFFile.metadata` holds it) of the folder's
+    tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise."""
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    where = repr(str(path))
+    if not path.is_file():
+        raise TokenizerExportError(f"{str(folder)!r}: no tokenizer.json")
+    tok = _json(path)
+    model = tok.get("model") or {}
+    pieces = spm.is_sentencepiece(model)
+    form = (_sentencepiece_form if pieces else _byte_level_form)(tok, model, where)
     vocab = dict(model.get("vocab") or {})
     types = {}
     for added in tok.get("added_tokens") or []:
@@ -188,8 +221,8 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
                                        f"spaces or matches single words (no GGUF form shardq "
                                        f"and llama.cpp read back)")
         vocab[text] = added["id"]
-        # matched whole either way (no normalizer reaches here); a special one is a control
-        # token, any other user-defined, as llama.cpp's converter writes them
+        # matched whole in the text as written; a special one is a control token, any other
+        # user-defined, as llama.cpp's converter writes them
         types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
     n = len(vocab)
     tokens: list[str | None] = [None] * n
@@ -202,12 +235,39 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
         raise TokenizerExportError(f"{where}: {n} tokens for a model of {vocab_size} embedding "
                                    f"rows")
     tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]
+    meta = _special_ids(folder, tok, vocab, n)
+    if pieces:
+        unk = meta.get("tokenizer.ggml.unknown_token_id", (None, None))[1]
+        if unk is None:
+            unk = vocab.get(model.get("unk_token"))
+        if unk is None:
+            raise TokenizerExportError(f"{where}: no unknown token (the BPE model's unk_token "
+                                       f"or tokenizer_config.json's), which a SentencePiece "
+                                       f"vocabulary needs")
+        kinds = spm.token_types(tokens, {**types, **{i: UNUSED for i in range(n, vocab_size)}},
+                                unk)
+        try:
+            spm.check_merge_order(tokens, kinds, _merge_pairs(model, where))
+        except spm.VocabError as e:
+            raise TokenizerExportError(f"{where}: {e}") from None
+        return {**meta, "tokenizer.ggml.model": (_STR, "llama"),
+                "tokenizer.ggml.tokens": (_STR_ARRAY, tokens),
+                "tokenizer.ggml.scores": (_F32_ARRAY, spm.scores(kinds)),
+                "tokenizer.ggml.token_type": (_I32_ARRAY, kinds),
+                "tokenizer.ggml.unknown_token_id": (_U32, unk),
+                "tokenizer.ggml.add_space_prefix": (_BOOL, form)}
     token_types = np.array([types.get(i, NORMAL) for i in range(n)]
                            + [UNUSED] * (vocab_size - n), np.int32)
-    meta = {"tokenizer.ggml.model": (_STR, "gpt2"), "tokenizer.ggml.pre": (_STR, pre),
+    return {**meta, "tokenizer.ggml.model": (_STR, "gpt2"), "tokenizer.ggml.pre": (_STR, form),
             "tokenizer.ggml.tokens": (_STR_ARRAY, tokens),
             "tokenizer.ggml.token_type": (_I32_ARRAY, token_types),
             "tokenizer.ggml.merges": (_STR_ARRAY, _merges(model, where))}
+
+
+def _special_ids(folder: Path, tok: dict, vocab: dict[str, int], n: int) -> dict:
+    """BOS, EOS, padding and unknown ids, whether the BOS goes first, the chat template and
+    the name."""
+    meta = {}
     conf_path = folder / "tokenizer_config.json"
     conf = _json(conf_path) if conf_path.is_file() else {}
     hf = _json(folder / "config.json") if (folder / "config.json").is_file() else {}
@@ -226,10 +286,12 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
     first = bos_prefix(Tokenizer.from_str(json.dumps(tok)), conf)
     bos_id = meta.get("tokenizer.ggml.bos_token_id", (None, None))[1]
     if first and first != [bos_id]:
-        raise TokenizerExportError(f"{where}: a text's encoding starts with {first} where a "
-                                   f"GGUF can put only its BOS ({bos_id}) first")
+        raise TokenizerExportError(f"{str(folder / 'tokenizer.json')!r}: a text's encoding "
+                                   f"starts with {first} where a GGUF can put only its BOS "
+                                   f"({bos_id}) first")
     meta["tokenizer.ggml.add_bos_token"] = (_BOOL, bool(first))
-    if isinstance(conf.get("chat_template"), str):
-        meta["tokenizer.chat_template"] = (_STR, conf["chat_template"])
+    template = chat_template(folder, conf.get("chat_template"))
+    if template is not None:
+        meta["tokenizer.chat_template"] = (_STR, template)
     meta["general.name"] = (_STR, folder.resolve().name)
     return meta

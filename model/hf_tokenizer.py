@@ -68,7 +68,7 @@ class HFTokenizer(TokenizerCodec):
         if eos and self.eos_id is None:
             raise HFTokenizerError(f"{str(conf_path)!r}: eos_token {eos!r} is not a token")
         self.bos = bos_prefix(self.tok, conf)
-        self.chat_template = _template(folder, conf.get("chat_template"))
+        self.chat_template = chat_template(folder, conf.get("chat_template"))
         self.end_ids = _generation_eos(folder, self.vocab_size)
 
 
@@ -88,7 +88,7 @@ def _generation_eos(folder: Path, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _template(folder: Path, inline) -> str | None:
+def chat_template(folder: Path, inline) -> str | None:
     """The folder's chat template: chat_template.jinja (where transformers now saves it), or
     tokenizer_config.json's, a string or a list of named ones (the one named default)."""
     if (folder / "chat_template.jinja").is_file():

@@ -142,3 +142,18 @@ def native_kernel_built(status: dict) -> bool:
         return False
     assert status["available"], status
     return True
+
+
+def llama_cpp_tools(need: tuple[str, ...] | None = None):
+    """llama.cpp's tools named by $SHARDQ_LLAMA_CPP, or None when the calling test has nothing
+    more to run: under CI=true (which has no tools) the locator's absent line is what it
+    checks; elsewhere the test is skipped with that line."""
+    from experiments.speed import llama_cpp
+
+    tools, line = llama_cpp.locate(None, **({"need": need} if need else {}))
+    if tools is None:
+        if os.environ.get("CI") == "true":
+            assert "skipped" in line and llama_cpp.ENV in line
+            return None
+        pytest.skip(f"needs llama.cpp's tools: {line}")
+    return tools

@@ -230,7 +230,7 @@ def test_bad_input_writes_nothing(mixed_run, tmp_path):
     _, workdir = mixed_run
     out = tmp_path / "out"
     with pytest.raises(ConfigError,
-                       match="format='gguf': needs the tokenizer of a GGUF .* a byte model"):
+                       match="format='gguf': needs a pretrained model's tokenizer .* a byte model"):
         exporter.export(exporter.run_source(workdir), "gguf", out)
     with pytest.raises(ConfigError, match="format='onnx': allowed safetensors, gguf"):
         exporter.export(exporter.run_source(workdir), "onnx", out)

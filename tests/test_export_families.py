@@ -20,8 +20,10 @@ from experiments.cli.config import ConfigError
 from experiments.pretrained import exporter
 from model.gguf import GGUFFile
 from model.hf_decoder import load_hf
+from model.hf_tokenizer import HFTokenizer
 from model.llama_export import GGUF_FILE, SAFETENSORS_FILE
 from model.llama_gguf import load_gguf
+from model.tokenizer import tokenizer_from_gguf
 from tests import gguf_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -195,8 +197,8 @@ def qwen2_run(tmp_path_factory):
 
 
 def test_a_run_from_a_hugging_face_folder_exports_as_its_family(qwen2_run, tmp_path):
-    """Its trained weights, the folder's tokenizer files as they are, qwen2's config.json; no
-    GGUF (the folder's tokenizer has no GGUF form here)."""
+    """Its trained weights, the folder's tokenizer files as they are, qwen2's config.json; its
+    GGUF holds the same weights and the folder's tokenizer."""
     from experiments.training.restore import restore_params
 
     summary = exporter.export(exporter.pretrained_source(str(qwen2_run)), "safetensors",
@@ -209,9 +211,15 @@ def test_a_run_from_a_hugging_face_folder_exports_as_its_family(qwen2_run, tmp_p
     trained = jax.device_get(restore_params(qwen2_run, devices=1).params)
     for k, v in _flat(trained):
         np.testing.assert_array_equal(_lookup(back, k), v, err_msg=k)
-    with pytest.raises(ConfigError, match="a run from a Hugging Face folder, whose tokenizer"):
-        exporter.export(exporter.run_source(qwen2_run), "gguf", tmp_path / "g")
-    assert not (tmp_path / "g").exists()
+    summary = exporter.export(exporter.run_source(qwen2_run), "gguf", tmp_path / "g")
+    assert summary["tokenizer"] == "bpe"
+    _, from_gguf, g = load_gguf(tmp_path / "g" / GGUF_FILE)
+    for k, v in _flat(trained):
+        np.testing.assert_array_equal(_lookup(from_gguf, k), v, err_msg=k)
+    theirs = HFTokenizer(FIXTURES / "qwen2")
+    ours = tokenizer_from_gguf(g)
+    for text in ("The capital of France is", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours.encode(text) == theirs.encode(text)
 
 
 def test_a_run_from_a_gguf_file_exports_with_that_files_tokenizer(tmp_path):

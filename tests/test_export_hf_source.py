@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from model.hf_decoder import load_hf
 from model.llama_export import GGUF_FILE
 from model.llama_gguf import load_gguf
 from model.tokenizer import PRE_TOKENIZER_REGEXES, tokenizer_from_gguf
-from tests.helpers import launch_in_one_process
+from tests.helpers import launch_in_one_process, llama_cpp_tools
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b",
@@ -78,6 +77,15 @@ def _own_regex(regex: str, ignore_merges: bool = False):
     return edit
 
 
+def _llama_form(tok: dict) -> None:
+    """Llama 2's tokenizer.json as published: a U+2581 put before the text, then spaces
+    respelled (the fixture, saved by transformers 5, has a Metaspace instead)."""
+    tok["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    tok["pre_tokenizer"] = None
+
+
 # The GGUF pre-tokenizer name each folder's tokenizer is exported as.
 PRE = {"llama": "smollm", "llama3": "llama-bpe", "qwen2": "qwen2", "qwen3": "gpt-2",
        "gemma3_text": "smollm"}
@@ -93,7 +101,9 @@ def folders(tmp_path_factory):
             "llama3": _edited(FIXTURES / "llama3", root / "llama3", tokenizer=own["llama-bpe"]),
             "qwen3": _edited(FIXTURES / "qwen3", root / "qwen3"),
             "gemma3_text": _edited(FIXTURES / "gemma3_text", root / "gemma3",
-                                   config=_conventional, tokenizer=_digits_first)}
+                                   config=_conventional, tokenizer=_digits_first),
+            "llama_spm": _edited(FIXTURES / "llama_spm", root / "llama_spm",
+                                 tokenizer=_llama_form)}
 
 
 @pytest.fixture(scope="module")
@@ -104,17 +114,21 @@ def exported(folders, tmp_path_factory):
         dst = tmp_path_factory.mktemp("gguf") / arch
         check_source(str(folder), None, fmt="gguf")
         summary = exporter.export(exporter.pretrained_source(str(folder)), "gguf", dst)
-        assert summary["tokenizer"] == "bpe" and summary["source"] == str(folder)
+        assert summary["source"] == str(folder)
+        assert summary["tokenizer"] == ("sentencepiece" if arch == "llama_spm" else "bpe")
         out[arch] = dst / GGUF_FILE
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
+ALL = ["llama", "llama3", "qwen2", "qwen3", "gemma3_text", "llama_spm"]
+
+
+@pytest.mark.parametrize("arch", ALL)
 def test_gguf_reads_back_to_the_folders_parameters(arch, folders, exported):
     cfg, params = load_hf(folders[arch])
     cfg2, back, g = load_gguf(exported[arch])
-    assert g.get_str("general.architecture") == {"gemma3_text": "gemma3",
-                                                 "llama3": "llama"}.get(arch, arch)
+    assert g.get_str("general.architecture") == {"gemma3_text": "gemma3", "llama3": "llama",
+                                                 "llama_spm": "llama"}.get(arch, arch)
     assert ("rope_freqs.weight" in g.tensors) == (arch == "llama3")
     assert cfg2 == cfg
     a, b = _flat(params), _flat(back)
@@ -144,13 +158,47 @@ def test_gguf_tokenizer_gives_the_folders_ids(arch, folders, exported):
             assert ours.chat_prompt(row["messages"]) == row["text"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ALL)
 def test_gguf_scores_as_the_folder(arch, folders, exported):
     want = scoring.score_texts(loading.load(str(folders[arch])), TEXTS)
     got = scoring.score_texts(loading.load(str(exported[arch])), TEXTS)
     for w, r in zip(want, got, strict=True):
         assert r["tokens"] == w["tokens"] and r["next_token"] == w["next_token"]
         assert abs(r["mean_nll"] - w["mean_nll"]) <= 1e-6
+
+
+def test_a_sentencepiece_folder_writes_a_sentencepiece_vocabulary(exported, tmp_path):
+    """Llama 2's form (byte fallback, U+2581 for a space) becomes `tokenizer.ggml.model`
+    llama: no merges, scores that rank pieces by id as the folder's merges do, byte, unknown
+    and control types, a space before the text. Its ids are SentencePiece's own (the fixture's
+    reference, made by the sentencepiece library) on every text but one that names `</s>`,
+    which SentencePiece reads as characters. The fixture as transformers 5 saved it (a
+    Metaspace, which adds no second U+2581 before a text that starts with a space) writes the
+    same vocabulary."""
+    g = GGUFFile(exported["llama_spm"])
+    theirs = Tokenizer.from_file(str(FIXTURES / "llama_spm" / "tokenizer.json"))
+    types = g.get_ints("tokenizer.ggml.token_type")
+    assert g.get_str("tokenizer.ggml.model") == "llama"
+    assert "tokenizer.ggml.merges" not in g.metadata
+    assert g.get_bool("tokenizer.ggml.add_space_prefix", default=False)
+    assert g.get_bool("tokenizer.ggml.add_bos_token", default=False)
+    assert [types[theirs.token_to_id(t)] for t in ("<unk>", "<s>", "<0x41>", "\u2581t")] == [
+        2, 3, 6, 1]
+    scores = np.asarray(g.metadata["tokenizer.ggml.scores"][1], np.float32)
+    normal = np.flatnonzero(types == 1)
+    np.testing.assert_array_equal(scores[normal], -normal.astype(np.float32))
+    ours = tokenizer_from_gguf(g)
+    rows = json.loads((FIXTURES / "llama_spm" / "reference.json").read_text())["results"]
+    plain = [r for r in rows if "</s>" not in r["text"]]
+    assert len(plain) == len(rows) - 1 and any(r["text"].startswith(" ") for r in plain)
+    for r in plain:
+        assert ours.encode(r["text"]) == r["tokens"], r["text"]
+    exporter.export(exporter.pretrained_source(str(FIXTURES / "llama_spm")), "gguf",
+                    tmp_path / "v5")
+    v5 = GGUFFile(tmp_path / "v5" / GGUF_FILE)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+                "tokenizer.ggml.add_space_prefix"):
+        assert np.array_equal(np.asarray(v5.metadata[key][1]), np.asarray(g.metadata[key][1]))
 
 
 def test_a_non_special_added_token_exports_as_user_defined(tmp_path):
@@ -226,6 +274,15 @@ def _unigram(tok: dict) -> None:
     tok["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["a", -1.0]]}
 
 
+def _merges_out_of_order(tok: dict) -> None:
+    merges = tok["model"]["merges"]
+    merges[1], merges[4] = merges[4], merges[1]
+
+
+def _metaspace_split(tok: dict) -> None:
+    tok["pre_tokenizer"] = {**tok["pre_tokenizer"], "split": True}
+
+
 def _ignore_merges(tok: dict) -> None:
     tok["model"]["ignore_merges"] = True  # with GPT-2's split: llama.cpp would not ignore them
 
@@ -236,6 +293,8 @@ REFUSALS = [
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
+    (_merges_out_of_order, "llama_spm", "the merges do not follow the token order"),
+    (_metaspace_split, "llama_spm", "pre_tokenizer Metaspace(split): a GGUF SentencePiece"),
     (None, "gemma3_text", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
 ]
 
@@ -281,12 +340,9 @@ def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path)
     far from llama.cpp's."""
     from experiments.speed import llama_cpp
 
-    tools, line = llama_cpp.locate(None, need=(llama_cpp.PERPLEXITY,))
+    tools = llama_cpp_tools(need=(llama_cpp.PERPLEXITY,))
     if tools is None:
-        if os.environ.get("CI") == "true":
-            assert "skipped" in line and llama_cpp.ENV in line
-            return
-        pytest.skip(f"needs llama.cpp's tools: {line}")
+        return
     text = tmp_path / "text.txt"
     # llama-perplexity reads a special token's text as plain characters; our encode as the token
     words = " ".join(t for t in TEXTS if "<|" not in t) * 100
@@ -313,3 +369,36 @@ def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path)
                                       rope_high_freq_factor=0.0, rope_original_max_len=0)
             pre = dataclasses.replace(pre, cfg=cfg, graphdef=loading.abstract_graphdef(cfg))
             assert abs(_nll_as_llama_cpp(pre, windows) - theirs) > 5e-3 * theirs
+
+
+def test_llama_cpp_tokenizes_a_gemma_folders_gguf_as_we_do(tmp_path, monkeypatch):
+    """Gemma 3's vocabulary of 262,144 pieces, written as a Hugging Face folder from the
+    packaged GGUF (one block) and from that folder back to GGUF: llama.cpp tokenizes a text
+    (BOS first) as the folder does. Control: the same file with every score 0, where
+    llama.cpp joins pairs left to right, tokenizes it otherwise."""
+    from experiments.speed import llama_cpp
+    from model import gguf_spm_vocab
+    from model.hf_tokenizer import HFTokenizer
+
+    tools = llama_cpp_tools(need=(llama_cpp.PERPLEXITY,))
+    if tools is None:
+        return
+    folder = tmp_path / "hf"
+    exporter.export(exporter.pretrained_source("gemma3-270m", 1), "safetensors", folder)
+    text = tmp_path / "text.txt"
+    words = (json.__doc__ + " ".join(t for t in TEXTS if "<|" not in t)) * 4
+    text.write_bytes(words.encode())
+    want = HFTokenizer(folder).encode(words)[:512]
+    assert want[0] == HFTokenizer(folder).token_id("<bos>")
+
+    def tokens_of(out: Path) -> list[int]:
+        exporter.export(exporter.pretrained_source(str(folder)), "gguf", out)
+        base = out / "run.kld"
+        llama_cpp.perplexity(tools, out / GGUF_FILE, 2, base, text=text, ctx=256, chunks=2)
+        windows = llama_cpp.base_tokens(base)
+        return windows[0] + windows[1]
+
+    assert tokens_of(tmp_path / "g") == want
+    monkeypatch.setattr(gguf_spm_vocab, "scores",
+                        lambda types: np.zeros(len(types), np.float32))
+    assert tokens_of(tmp_path / "zero") != want

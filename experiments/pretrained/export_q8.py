@@ -52,11 +52,9 @@ def quantized_params(source: Source, mode: str, alpha: float | None = None
     untied), and the module paths made int8."""
     if mode not in Q8_MODES:
         raise ConfigError(f"quant={mode!r}: allowed {', '.join(Q8_MODES)}")
-    if source.gguf is None and not source.hf_model:
-        what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
-                if source.hf_folder is not None else "a byte model")
-        raise ConfigError(f"quant={mode!r}: a Q8_0 GGUF needs the tokenizer of a GGUF; this "
-                          f"run is {what}")
+    if source.gguf is None and source.hf_folder is None:
+        raise ConfigError(f"quant={mode!r}: a Q8_0 GGUF needs a pretrained model's tokenizer; "
+                          f"this run is a byte model")
     cfg = source.cfg
     for what, cols in (("d_model", cfg.d_model), ("q_dim", cfg.q_dim), ("d_ff", cfg.d_ff)):
         if cols % QK8_0:  # checked before the long calibration

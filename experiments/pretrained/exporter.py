@@ -79,7 +79,6 @@ class Source:
     quant_info: dict | None = None
     registered: str | None = None  # the registered model `gguf` belongs to (its tokenizer cache)
     hf_folder: Path | None = None  # a Hugging Face folder, or a run from one: its tokenizer
-    hf_model: bool = False  # the folder itself is exported: its tokenizer may become GGUF keys
 
     def tokenizer(self):
         """The tokenizer of the model (None: a byte model)."""
@@ -128,8 +127,7 @@ def hf_source(folder: str | Path, layers: int | None = None) -> Source:
         cfg = config_from_hf(hf, where, layers)
     except HFError as e:
         raise ConfigError(str(e)) from None
-    return Source(str(folder), cfg, hf_reader(folder, cfg), None, hf_folder=folder,
-                  hf_model=True)
+    return Source(str(folder), cfg, hf_reader(folder, cfg), None, hf_folder=folder)
 
 
 def pretrained_source(name: str, layers: int | None = None,
@@ -229,12 +227,10 @@ def check_format(fmt: str, source: Source) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"format={fmt!r}: allowed {', '.join(FORMATS)}")
     check_quant(source.quant, fmt)
-    if fmt == "gguf" and source.gguf is None and not source.hf_model:
-        what = ("a run from a Hugging Face folder, whose tokenizer a GGUF cannot hold"
-                if source.hf_folder is not None else "a byte model")
-        raise ConfigError(f"format='gguf': needs the tokenizer of a GGUF (a run started from "
-                          f"smollm2, gemma3-270m or a .gguf file, or --model); this run is "
-                          f"{what} (use --format safetensors)")
+    if fmt == "gguf" and source.gguf is None and source.hf_folder is None:
+        raise ConfigError("format='gguf': needs a pretrained model's tokenizer (a run started "
+                          "from smollm2, gemma3-270m, a .gguf file or a Hugging Face folder, or "
+                          "--model); this run is a byte model (use --format safetensors)")
 
 
 def _tokenizer_files(folder: Path, source: Source) -> dict:
@@ -252,7 +248,7 @@ def _tokenizer_files(folder: Path, source: Source) -> dict:
         add_bos, template, max_len = False, None, source.cfg.max_len
     else:
         bpe = source.tokenizer()
-        tok, kind = bpe.tok, _tokenizer_kind(g)
+        tok, kind = bpe.tok, _tokenizer_kind(g.get_str("tokenizer.ggml.model"))
         ids = {k: g.get_int(f"tokenizer.ggml.{k}_token_id") for k in
                ("bos", "eos", "padding", "unknown") if f"tokenizer.ggml.{k}_token_id" in g.metadata}
         special = {"bos_id": ids.get("bos"), "eos_id": ids.get("eos"),
@@ -271,9 +267,9 @@ def _tokenizer_files(folder: Path, source: Source) -> dict:
     return {"tokenizer": kind, **special}
 
 
-def _tokenizer_kind(g: GGUFFile) -> str:
-    return {"gpt2": "bpe", "llama": "sentencepiece"}.get(g.get_str("tokenizer.ggml.model"),
-                                                           g.get_str("tokenizer.ggml.model"))
+def _tokenizer_kind(model: str) -> str:
+    """The summary's name of a GGUF's `tokenizer.ggml.model`."""
+    return {"gpt2": "bpe", "llama": "sentencepiece"}.get(model, model)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -320,9 +316,10 @@ def _write(folder: Path, source: Source, fmt: str) -> dict:
         written["tokenizer"] = tok["tokenizer"]
         written["model_type"] = config["model_type"]
     else:
+        meta = gguf_metadata(source)
         written = write_gguf(folder / GGUF_FILE, cfg, source.read, context_length=ctx,
-                             metadata=gguf_metadata(source), q8=source.q8)
-        written["tokenizer"] = "bpe" if source.gguf is None else _tokenizer_kind(source.gguf)
+                             metadata=meta, q8=source.q8)
+        written["tokenizer"] = _tokenizer_kind(meta["tokenizer.ggml.model"][1])
     return written
 
 

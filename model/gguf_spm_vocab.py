@@ -1,0 +1,123 @@
+"""A Hugging Face folder's SentencePiece-style tokenizer (BPE over pieces that spell a space
+as U+2581, unknown bytes as <0xNN> tokens: Llama 2, TinyLlama, Mistral, Gemma) as a GGUF
+SentencePiece vocabulary (`tokenizer.ggml.model` llama).
+
+Such a vocabulary holds no merges. llama.cpp joins the adjacent pair whose joined piece has
+the highest score; shardq's reader (`model.tokenizer.SentencePieceTokenizer`) ranks each split
+of a piece by the piece's position in the file. Both equal the folder's BPE when its merges
+rank pieces by id: the merges are every split of a normal piece into two pieces, and each
+merge makes a piece of no lower id than the merge before it. The scores written are then
+minus the id. A folder whose merges follow another order is refused, not written as a file
+that tokenizes differently.
+
+The space before the text is the other half: a U+2581 put before each stretch of text between
+special tokens (Llama's `Prepend` + `Replace` normalizer, or a `Metaspace` that always
+prepends) is `add_space_prefix` true, as llama.cpp adds one after every special token; spaces
+only respelled (Gemma's `Replace`, or a `Metaspace` that never prepends) are false.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+SPACE = "\u2581"
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+_REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+_PREPEND = {"type": "Prepend", "prepend": SPACE}
+_SPLIT = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
+          "invert": False}
+
+
+class VocabError(ValueError):
+    """What a GGUF SentencePiece vocabulary cannot hold (the caller names the file)."""
+
+
+def is_sentencepiece(model: dict) -> bool:
+    """A BPE model with byte fallback: SentencePiece's form in tokenizer.json."""
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+
+
+def _metaspace(pre) -> str | None:
+    """A Metaspace pre-tokenizer's prepend scheme, if it is one that keeps the text whole."""
+    if not (isinstance(pre, dict) and pre.get("type") == "Metaspace"
+            and pre.get("replacement") == SPACE and not pre.get("split", True)):
+        return None
+    scheme = pre.get("prepend_scheme")
+    if scheme is None:  # before tokenizers 0.15: a flag
+        scheme = "always" if pre.get("add_prefix_space", True) else "never"
+    return scheme
+
+
+def space_prefix(tok: dict) -> bool:
+    """Whether a U+2581 goes before each stretch of text (add_space_prefix); VocabError for a
+    normalizer and pre-tokenizer that are neither Llama's form nor Gemma's."""
+    norm, pre = tok.get("normalizer"), tok.get("pre_tokenizer")
+    if norm == {"type": "Sequence", "normalizers": [_PREPEND, _REPLACE]} and pre is None:
+        return True
+    if norm == _REPLACE and pre in (None, _SPLIT):
+        return False
+    if norm is None and _metaspace(pre) in ("always", "never"):
+        return _metaspace(pre) == "always"
+    raise VocabError(f"normalizer {_kind(norm)} with pre_tokenizer {_kind(pre)}: a GGUF "
+                     f"SentencePiece vocabulary puts a {SPACE} before every stretch of text or "
+                     f"before none (Llama's Prepend + Replace or Metaspace always; Gemma's "
+                     f"Replace or Metaspace never)")
+
+
+def _kind(part) -> str:
+    if not isinstance(part, dict):
+        return repr(part)
+    if part.get("type") == "Metaspace":
+        return f"Metaspace({_metaspace(part) or 'split'})"
+    inner = part.get("normalizers") or part.get("pretokenizers")
+    if part.get("type") == "Sequence" and isinstance(inner, list):
+        return "Sequence[" + ", ".join(_kind(p) for p in inner) + "]"
+    return str(part.get("type"))
+
+
+def token_types(tokens: list[str], added: dict[int, int], unk_id: int | None) -> np.ndarray:
+    """llama.cpp's type per token: added tokens as given (control or user-defined), <0xNN>
+    byte tokens, the unknown token, the rest normal."""
+    types = [added.get(i, BYTE if _BYTE_TOKEN.fullmatch(t) else NORMAL)
+             for i, t in enumerate(tokens)]
+    if unk_id is not None:
+        types[unk_id] = UNKNOWN
+    return np.array(types, np.int32)
+
+
+def check_merge_order(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]
+                      ) -> None:
+    """VocabError unless the merges are what ranking by position recovers: each makes a piece
+    of no lower id than the one before, and they are every split of a normal piece into two
+    pieces (splits of control, byte and unused tokens are left aside: the text never reaches
+    the model whole there)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    last = -1
+    for left, right in merges:
+        i = ids.get(left + right)
+        if i is None:
+            raise VocabError(f"merge {left!r} + {right!r} makes no token")
+        if i < last:
+            raise VocabError(f"merge {left!r} + {right!r} (token {i}) comes after a merge "
+                             f"making token {last}: the merges do not follow the token order, "
+                             f"which a SentencePiece vocabulary ranks by")
+        last = i
+    normal = {t for t, kind in zip(tokens, types, strict=True) if kind == NORMAL}
+    listed = {(left, right) for left, right in merges if left + right in normal}
+    splits = {(t[:k], t[k:]) for t in normal for k in range(1, len(t))
+              if t[:k] in ids and t[k:] in ids}
+    if listed != splits:
+        missing = sorted(splits - listed)[:1] or sorted(listed - splits)[:1]
+        raise VocabError(f"the merges are not every split of a token into two tokens (e.g. "
+                         f"{missing[0][0]!r} + {missing[0][1]!r}), as a SentencePiece "
+                         f"vocabulary's readers take them")
+
+
+def scores(types: np.ndarray) -> np.ndarray:
+    """Minus the id for a normal token (a lower id merges first); 0 for the others, as
+    llama.cpp's converter scores SentencePiece's control and byte pieces."""
+    return np.where(types == NORMAL, -np.arange(len(types), dtype=np.float32),
+                    np.float32(0.0)).astype(np.float32)
