@@ -222,6 +222,22 @@ def test_a_non_special_added_token_exports_as_user_defined(tmp_path):
     assert ours.decode(want) == theirs.decode(want, skip_special_tokens=False)
 
 
+def test_a_template_in_its_own_file_goes_into_the_gguf(tmp_path):
+    """transformers 5 saves the chat template as chat_template.jinja, not in
+    tokenizer_config.json: the GGUF's tokenizer.chat_template is that file's; a folder with
+    neither writes none."""
+    from model.gguf_tokenizer import tokenizer_metadata
+
+    folder = shutil.copytree(FIXTURES / "llama", tmp_path / "jinja")
+    conf = json.loads((folder / "tokenizer_config.json").read_text())
+    template = conf.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(conf))
+    vocab = load_hf(folder)[0].vocab_size
+    assert "tokenizer.chat_template" not in tokenizer_metadata(folder, vocab)
+    (folder / "chat_template.jinja").write_text(template)
+    assert tokenizer_metadata(folder, vocab)["tokenizer.chat_template"][1] == template
+
+
 def test_plain_gpt2_split_exports_as_gpt_2(tmp_path):
     """The fixture as transformers wrote it (GPT-2's byte-level regex alone) is written as
     llama.cpp's gpt-2 pre-tokenizer, which our reader splits the same way."""
