@@ -1,12 +1,15 @@
-"""A Hugging Face folder's byte-level BPE tokenizer as GGUF tokenizer metadata
-(`tokenizer.ggml.*`), so a GGUF exported from the folder tokenizes as the folder does, in
-shardq's GGUF reader (model/tokenizer.py) and in llama.cpp.
+"""A Hugging Face folder's tokenizer as GGUF tokenizer metadata (`tokenizer.ggml.*`), so a
+GGUF exported from the folder tokenizes as the folder does, in shardq's GGUF reader
+(model/tokenizer.py) and in llama.cpp. A SentencePiece-style tokenizer (byte fallback) becomes
+a SentencePiece vocabulary (model/gguf_spm_vocab.py says how); a byte-level BPE is written as
+below.
 
 Only what both readers rebuild exactly is written; anything else is refused in one line rather
 than written as a file that tokenizes differently:
   model          BPE over byte-level symbols (no byte fallback, no word prefixes or suffixes,
                  merges not skipped), written as `tokenizer.ggml.model` gpt2;
-  normalizer     none;
+  normalizer     none, or NFC (Qwen's), which llama.cpp's converter leaves out too: a text
+                 not in NFC may tokenize otherwise;
   pre-tokenizer  GPT-2's regex (`ByteLevel` with its regex and no prefix space), alone or
                  after every number character split off (`Digits` one at a time, or a
                  `Split` on \\p{N}), written as a `tokenizer.ggml.pre` name that llama.cpp
@@ -16,11 +19,11 @@ than written as a file that tokenizes differently:
                  its regex), written as llama-bpe or qwen2;
   added tokens   matched whole: special ones as control tokens, others as user-defined; one
                  that strips its neighbours' spaces has no equal in the readers.
-BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with a
-string chat template; `add_bos_token` is whether transformers puts the BOS first
-(`model.hf_tokenizer.bos_prefix`). Ids must run 0..n-1; a model whose embedding has
-more rows than the tokenizer has tokens gets `[PADi]` tokens of type unused, as llama.cpp's
-converter writes them.
+BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
+the chat template (chat_template.jinja or tokenizer_config.json's); `add_bos_token` is whether
+transformers puts the BOS first (`model.hf_tokenizer.bos_prefix`). Ids must run 0..n-1; a
+model whose embedding has more rows than the tokenizer has tokens gets `[PADi]` tokens of type
+unused, as llama.cpp's converter writes them.
 """
 
 from __future__ import annotations
@@ -166,7 +169,9 @@ def _byte_level_form(tok: dict, model: dict, where: str) -> str:
     """The GGUF pre-tokenizer name of a byte-level BPE tokenizer.json (TokenizerExportError,
     naming the file, where it has none)."""
     _check_model(model, where)
-    if tok.get("normalizer") is not None:
+    # Qwen's NFC is left out, as llama.cpp's converter leaves it: the GGUF's readers take the
+    # text as written, which differs only for a text not already in NFC
+    if tok.get("normalizer") not in (None, {"type": "NFC"}):
         raise TokenizerExportError(f"{where}: normalizer "
                                    f"{_describe(tok['normalizer'])} has no GGUF form")
     try:

@@ -238,6 +238,24 @@ def test_a_template_in_its_own_file_goes_into_the_gguf(tmp_path):
     assert tokenizer_metadata(folder, vocab)["tokenizer.chat_template"][1] == template
 
 
+def test_qwens_nfc_is_left_out_as_llama_cpp_leaves_it(tmp_path):
+    """Qwen's tokenizer.json normalizes to NFC first; the GGUF, like llama.cpp's own Qwen
+    files, has no place for that: its ids are the folder's on text in NFC, and a text that is
+    not (an accent as a separate combining mark) tokenizes as written."""
+    def nfc(tok: dict) -> None:
+        _own_regex(PRE_TOKENIZER_REGEXES["qwen2"])(tok)
+        tok["normalizer"] = {"type": "NFC"}
+    folder = _edited(FIXTURES / "qwen2", tmp_path / "src", tokenizer=nfc)
+    exporter.export(exporter.pretrained_source(str(folder)), "gguf", tmp_path / "g")
+    ours = tokenizer_from_gguf(GGUFFile(tmp_path / "g" / GGUF_FILE))
+    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text
+    decomposed = "cafe\u0301"
+    assert theirs.encode(decomposed).ids == theirs.encode("caf\u00e9").ids
+    assert ours.encode(decomposed) != ours.encode("caf\u00e9")
+
+
 def test_plain_gpt2_split_exports_as_gpt_2(tmp_path):
     """The fixture as transformers wrote it (GPT-2's byte-level regex alone) is written as
     llama.cpp's gpt-2 pre-tokenizer, which our reader splits the same way."""
@@ -290,6 +308,10 @@ def _unigram(tok: dict) -> None:
     tok["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["a", -1.0]]}
 
 
+def _lowercase(tok: dict) -> None:
+    tok["normalizer"] = {"type": "Lowercase"}
+
+
 def _merges_out_of_order(tok: dict) -> None:
     merges = tok["model"]["merges"]
     merges[1], merges[4] = merges[4], merges[1]
@@ -309,6 +331,7 @@ REFUSALS = [
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
+    (_lowercase, "llama", "normalizer Lowercase has no GGUF form"),
     (_merges_out_of_order, "llama_spm", "the merges do not follow the token order"),
     (_metaspace_split, "llama_spm", "pre_tokenizer Metaspace(split): a GGUF SentencePiece"),
     (None, "gemma3_text", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
