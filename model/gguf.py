@@ -295,5 +295,8 @@ class GGUFFile:
     def get_strings(self, key: str) -> list[str]:
         return self._get(key, ((ARRAY, "str"),), "an array of strings")
 
+    def get_floats(self, key: str) -> np.ndarray:
+        return self._get(key, ((ARRAY, "f"),), "an array of floats")
+
     def get_ints(self, key: str) -> np.ndarray:
         return self._get(key, ((ARRAY, "i"), (ARRAY, "u")), "an array of integers")

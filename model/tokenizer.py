@@ -136,34 +136,44 @@ class BPETokenizer(TokenizerCodec):
 
 
 
-def positional_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+def respelled(tokens: list[str]) -> list[str]:
+    """Tokens that are runs of spaces (as Gemma files store them) spelled as U+2581 runs, as
+    the text reaches them."""
+    return [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def ranked_merges(vocab: dict[str, int], scores=None) -> list[tuple[str, str]]:
     """BPE merges recovered from a SentencePiece vocabulary that lists none: every split of a
-    token into two tokens, best first by the merged token's position in the file (a Gemma
-    file's scores do not follow its merge order; its token order does), then longer left and
-    right pieces first, as transformers' `generate_merges` orders them."""
+    token into two tokens, best first by the merged token's score (`scores[id]`, as
+    SentencePiece and llama.cpp rank them: Llama's runs of spaces score lowest of all), or with
+    `scores` None by its position (a Gemma file's scores do not follow its merge order; its
+    token order does), then longer left and right pieces first, as transformers'
+    `generate_merges` orders them."""
     merges = []
     for token, index in vocab.items():
         local = [(token[:i], token[i:]) for i in range(1, len(token))
                  if token[:i] in vocab and token[i:] in vocab]
         local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        merges += [(-index, left, right) for left, right in local]
+        rank = -index if scores is None else float(scores[index])
+        merges += [(rank, left, right) for left, right in local]
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
     return [(left, right) for _, left, right in merges]
 
 
 class SentencePieceTokenizer(TokenizerCodec):
-    """A GGUF's SentencePiece-style vocabulary (`tokenizer.ggml.model` llama, as Gemma's):
-    spaces written as U+2581, BPE over merges recovered from the token order, unknown bytes as
-    <0xNN> tokens (byte fallback). Built as transformers builds it from the same file
-    (GemmaTokenizer after its GGUF fixes), so both encode a text to the same ids: tokens that
-    are runs of spaces are respelled as U+2581 runs, control tokens are special tokens and
-    user-defined ones are matched whole."""
+    """A GGUF's SentencePiece-style vocabulary (`tokenizer.ggml.model` llama: Llama 2's,
+    Gemma's): spaces written as U+2581, BPE over merges recovered from the scores (Gemma's: the
+    token order), unknown bytes as <0xNN> tokens (byte fallback). Built as transformers builds
+    it from the same file (GemmaTokenizer after its GGUF fixes for Gemma), so both encode a
+    text to the same ids: tokens that are runs of spaces are respelled as U+2581 runs, control
+    tokens are special tokens and user-defined ones are matched whole."""
 
     def __init__(self, tokens: list[str], token_types, *, eos_id: int, unk: str,
                  add_bos: bool, bos_id: int | None, built: Path | None = None,
-                 add_space_prefix: bool = False):
+                 add_space_prefix: bool = False, scores=None):
         """`built`: a tokenizer.json this constructor wrote for the same file before (read
-        instead of recovering the merges again, the slow part), or where to write it."""
+        instead of recovering the merges again, the slow part), or where to write it;
+        `scores`: the file's, which rank the merges (None: the token order ranks them)."""
         self.eos_id, self.vocab_size = eos_id, len(tokens)
         self.bos = [bos_id] if add_bos and bos_id is not None else []
         self.bos_id = bos_id
@@ -174,10 +184,9 @@ class SentencePieceTokenizer(TokenizerCodec):
             raise GGUFError(f"tokenizer: {len(token_types)} token types for {len(tokens)} tokens")
         if not 0 <= eos_id < len(tokens):
             raise GGUFError(f"tokenizer: eos id {eos_id} outside the vocabulary of {len(tokens)}")
-        spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
+        vocab = {t: i for i, t in enumerate(respelled(tokens))}
         try:
-            tok = Tokenizer(models.BPE(vocab=vocab, merges=positional_merges(vocab),
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=ranked_merges(vocab, scores),
                                        fuse_unk=True, unk_token=unk, byte_fallback=True))
         except Exception as e:  # tokenizers raises its own Exception type on bad merges
             raise GGUFError(f"tokenizer: BPE model cannot be built ({str(e)[:120]})") from None
@@ -260,7 +269,11 @@ def _tokenizer_of(g: GGUFFile, built: Path | None) -> BPETokenizer | SentencePie
                             f"outside the vocabulary")
         # llama.cpp adds BOS, and a space before the text, to a SentencePiece vocabulary
         # unless the file says otherwise (Gemma's says no space)
+        ranked = not g.get_str("general.architecture").startswith("gemma") and \
+            "tokenizer.ggml.scores" in g.metadata
         return SentencePieceTokenizer(tokens, g.get_ints("tokenizer.ggml.token_type").tolist(),
+                                      scores=(g.get_floats("tokenizer.ggml.scores") if ranked
+                                              else None),
                                       eos_id=g.get_int("tokenizer.ggml.eos_token_id"),
                                       unk=tokens[unk], bos_id=bos, built=built,
                                       add_bos=g.get_bool("tokenizer.ggml.add_bos_token",

@@ -73,3 +73,32 @@ def test_bench_decode_runs_a_converted_file_cutting_its_prompt_to_the_context(tm
     assert d["prompt_tokens"] == 256 - 8 and d["model"] == str(CONVERTED / "qwen2.gguf")
     assert [v["variant"] for v in d["variants"]] == ["float"]
     assert d["variants"][0]["new_tokens"] == 8 and d["variants"][0]["tokens_per_s"] > 0
+
+
+# llama.cpp's sources ship real vocabularies with test texts and the ids Hugging Face's
+# tokenizers give them (models/ggml-vocab-NAME.gguf, .inp, .out)
+VOCABS = ("llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3")
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_reads_llama_cpps_vocabularies_as_hugging_face_tokenizes(name):
+    """Our GGUF reader gives the recorded ids for every test text of Llama 2's SentencePiece
+    vocabulary (its runs of spaces score lowest, so they join last), Llama 3's, Qwen2's,
+    GPT-2's and Phi-3's (where llama.cpp's tools are named; their sources sit above them)."""
+    from model.gguf import GGUFFile
+    from model.tokenizer import tokenizer_from_gguf
+    from tests.helpers import llama_cpp_tools
+
+    tools = llama_cpp_tools()
+    if tools is None:
+        return
+    models = next((p / "models" for p in tools.quantize.parents
+                   if (p / "models" / f"ggml-vocab-{name}.gguf.out").is_file()), None)
+    if models is None:
+        pytest.skip(f"no models/ggml-vocab-{name}.gguf above {tools.quantize}")
+    tok = tokenizer_from_gguf(GGUFFile(models / f"ggml-vocab-{name}.gguf"))
+    texts = (models / f"ggml-vocab-{name}.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    ids = (models / f"ggml-vocab-{name}.gguf.out").read_text().split("\n")
+    assert len(texts) > 40
+    for text, want in zip(texts, ids, strict=False):
+        assert tok.encode(text, add_bos=False) == [int(i) for i in want.split()], repr(text)
