@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         source = (exporter.run_source(args.workdir, args.layers, args.step)
                   if args.workdir is not None else
                   exporter.pretrained_source(args.model, args.layers, args.step))
+        exporter.check_format(args.format, source)  # before a long calibration
         if args.quant != "none":
             source = export_q8.quantized_source(source, args.quant)
         summary = exporter.export(source, args.format, args.out, args.force)

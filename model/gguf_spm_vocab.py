@@ -3,17 +3,20 @@ as U+2581, unknown bytes as <0xNN> tokens: Llama 2, TinyLlama, Mistral, Gemma) a
 SentencePiece vocabulary (`tokenizer.ggml.model` llama).
 
 Such a vocabulary holds no merges. llama.cpp joins the adjacent pair whose joined piece has
-the highest score; shardq's reader (`model.tokenizer.SentencePieceTokenizer`) ranks each split
-of a piece by the piece's position in the file. Both equal the folder's BPE when its merges
-rank pieces by id: the merges are every split of a normal piece into two pieces, and each
-merge makes a piece of no lower id than the merge before it. The scores written are then
-minus the id. A folder whose merges follow another order is refused, not written as a file
-that tokenizes differently.
+the highest score; shardq's reader (`model.tokenizer.ranked_merges`, as transformers) ranks
+each split of a piece by the piece's score, or for a gemma3 file by its position. So the
+scores written rank the pieces in the order the folder's merges first make them, pieces whose
+merges interleave (Llama's runs of spaces, which SentencePiece scores alike) sharing one; the
+merges must be every split of a normal piece into two pieces, and ranking by those scores (or
+by position) must give back the pieces in the folder's order. A folder whose merges follow
+another order is refused, not written as a file that tokenizes differently.
 
 The space before the text is the other half: a U+2581 put before each stretch of text between
 special tokens (Llama's `Prepend` + `Replace` normalizer, or a `Metaspace` that always
 prepends) is `add_space_prefix` true, as llama.cpp adds one after every special token; spaces
-only respelled (Gemma's `Replace`, or a `Metaspace` that never prepends) are false.
+only respelled (Gemma's `Replace`, or a `Metaspace` that never prepends) are false. A
+`Metaspace` adds no second U+2581 before a text that starts with a space; SentencePiece, and so
+the GGUF's readers, do.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import re
 
 import numpy as np
+
+from model.tokenizer import ranked_merges, respelled
 
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
@@ -88,23 +93,14 @@ def token_types(tokens: list[str], added: dict[int, int], unk_id: int | None) ->
     return np.array(types, np.int32)
 
 
-def check_merge_order(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]
-                      ) -> None:
-    """VocabError unless the merges are what ranking by position recovers: each makes a piece
-    of no lower id than the one before, and they are every split of a normal piece into two
-    pieces (splits of control, byte and unused tokens are left aside: the text never reaches
-    the model whole there)."""
+def _every_split(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]) -> None:
+    """VocabError unless the merges making normal pieces are every split of a normal piece
+    into two pieces (splits of control, byte and unused tokens are left aside: the text never
+    reaches the model whole there)."""
     ids = {t: i for i, t in enumerate(tokens)}
-    last = -1
     for left, right in merges:
-        i = ids.get(left + right)
-        if i is None:
+        if left + right not in ids:
             raise VocabError(f"merge {left!r} + {right!r} makes no token")
-        if i < last:
-            raise VocabError(f"merge {left!r} + {right!r} (token {i}) comes after a merge "
-                             f"making token {last}: the merges do not follow the token order, "
-                             f"which a SentencePiece vocabulary ranks by")
-        last = i
     normal = {t for t, kind in zip(tokens, types, strict=True) if kind == NORMAL}
     listed = {(left, right) for left, right in merges if left + right in normal}
     splits = {(t[:k], t[k:]) for t in normal for k in range(1, len(t))
@@ -116,8 +112,45 @@ def check_merge_order(tokens: list[str], types: np.ndarray, merges: list[tuple[s
                          f"vocabulary's readers take them")
 
 
-def scores(types: np.ndarray) -> np.ndarray:
-    """Minus the id for a normal token (a lower id merges first); 0 for the others, as
+def _tie_scores(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]
+                ) -> np.ndarray:
+    """A score per token that ranks the merges as the folder does: the pieces in the order
+    their first merge comes, pieces whose merges interleave (Llama's runs of spaces, which
+    SentencePiece scores alike) sharing one score; 0 for the tokens that are not normal, as
     llama.cpp's converter scores SentencePiece's control and byte pieces."""
-    return np.where(types == NORMAL, -np.arange(len(types), dtype=np.float32),
-                    np.float32(0.0)).astype(np.float32)
+    ids = {t: i for i, t in enumerate(tokens)}
+    spans: dict[int, list[int]] = {}
+    for rank, (left, right) in enumerate(merges):
+        i = ids[left + right]
+        if types[i] == NORMAL:
+            spans.setdefault(i, [rank, rank])[1] = rank
+    out = np.zeros(len(tokens), np.float32)
+    out[types == NORMAL] = -float(len(spans) + 1)  # pieces no merge makes: never joined
+    group, reach = 0, -1
+    for i, (first, last) in sorted(spans.items(), key=lambda kv: kv[1][0]):
+        if first > reach:
+            group += 1
+        reach = max(reach, last)
+        out[i] = -float(group)
+    return out
+
+
+def vocabulary_scores(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]],
+                      by_position: bool) -> np.ndarray:
+    """The scores to write, checked: the merges a reader recovers from them (by score, or by
+    position for a Gemma file, `model.tokenizer.ranked_merges`) make the folder's pieces in the
+    folder's order; VocabError otherwise."""
+    _every_split(tokens, types, merges)
+    scores = _tie_scores(tokens, types, merges)
+    spelled = {t: i for i, t in enumerate(respelled(tokens))}
+    normal = {t for t, kind in zip(tokens, types, strict=True) if kind == NORMAL}
+    made = [left + right for left, right in merges if left + right in normal]
+    again = [left + right for left, right in
+             ranked_merges(spelled, None if by_position else scores) if left + right in normal]
+    if again != made:
+        at = next(k for k, (a, b) in enumerate(zip(again + [None], made + [None], strict=False))
+                  if a != b)
+        how = "the token order" if by_position else "a score per token"
+        raise VocabError(f"the merges follow an order {how} cannot state (merge {at} makes "
+                         f"{(made + [None])[at]!r}; ranked by {how}, {(again + [None])[at]!r})")
+    return scores

@@ -21,7 +21,8 @@ than written as a file that tokenizes differently:
                  that strips its neighbours' spaces has no equal in the readers.
 BOS, EOS, padding and unknown come from tokenizer_config.json (or config.json's ids), with
 the chat template (chat_template.jinja or tokenizer_config.json's); `add_bos_token` is whether
-transformers puts the BOS first (`model.hf_tokenizer.bos_prefix`). Ids must run 0..n-1; a
+transformers puts the BOS first (`model.hf_tokenizer.bos_prefix`: tokenizer.json's
+post-processor). Ids must run 0..n-1; a
 model whose embedding has more rows than the tokenizer has tokens gets `[PADi]` tokens of type
 unused, as llama.cpp's converter writes them.
 """
@@ -205,9 +206,11 @@ def _sentencepiece_form(tok: dict, model: dict, where: str) -> bool:
         raise TokenizerExportError(f"{where}: {e}") from None
 
 
-def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
+def tokenizer_metadata(folder: str | Path, vocab_size: int, by_position: bool = False) -> dict:
     """{key: (value type, value)} (as `model.gguf.GGUFFile.metadata` holds it) of the folder's
-    tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise."""
+    tokenizer, for a model with `vocab_size` embedding rows; TokenizerExportError otherwise.
+    `by_position`: a SentencePiece vocabulary is read back ranked by token order (a gemma3
+    file), not by its scores."""
     folder = Path(folder)
     path = folder / "tokenizer.json"
     where = repr(str(path))
@@ -240,7 +243,7 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
         raise TokenizerExportError(f"{where}: {n} tokens for a model of {vocab_size} embedding "
                                    f"rows")
     tokens += [f"[PAD{i}]" for i in range(n, vocab_size)]
-    meta = _special_ids(folder, tok, vocab, n)
+    meta = _special_ids(folder, vocab, n)
     if pieces:
         unk = meta.get("tokenizer.ggml.unknown_token_id", (None, None))[1]
         if unk is None:
@@ -252,12 +255,13 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
         kinds = spm.token_types(tokens, {**types, **{i: UNUSED for i in range(n, vocab_size)}},
                                 unk)
         try:
-            spm.check_merge_order(tokens, kinds, _merge_pairs(model, where))
+            scores = spm.vocabulary_scores(tokens, kinds, _merge_pairs(model, where),
+                                           by_position=by_position)
         except spm.VocabError as e:
             raise TokenizerExportError(f"{where}: {e}") from None
         return {**meta, "tokenizer.ggml.model": (_STR, "llama"),
                 "tokenizer.ggml.tokens": (_STR_ARRAY, tokens),
-                "tokenizer.ggml.scores": (_F32_ARRAY, spm.scores(kinds)),
+                "tokenizer.ggml.scores": (_F32_ARRAY, scores),
                 "tokenizer.ggml.token_type": (_I32_ARRAY, kinds),
                 "tokenizer.ggml.unknown_token_id": (_U32, unk),
                 "tokenizer.ggml.add_space_prefix": (_BOOL, form)}
@@ -269,7 +273,7 @@ def tokenizer_metadata(folder: str | Path, vocab_size: int) -> dict:
             "tokenizer.ggml.merges": (_STR_ARRAY, _merges(model, where))}
 
 
-def _special_ids(folder: Path, tok: dict, vocab: dict[str, int], n: int) -> dict:
+def _special_ids(folder: Path, vocab: dict[str, int], n: int) -> dict:
     """BOS, EOS, padding and unknown ids, whether the BOS goes first, the chat template and
     the name."""
     meta = {}
@@ -288,7 +292,11 @@ def _special_ids(folder: Path, tok: dict, vocab: dict[str, int], n: int) -> dict
     if "tokenizer.ggml.eos_token_id" not in meta:  # shardq's reader needs one
         raise TokenizerExportError(f"{str(folder)!r}: no EOS token (tokenizer_config.json's "
                                    f"eos_token or config.json's eos_token_id)")
-    first = bos_prefix(Tokenizer.from_str(json.dumps(tok)), conf)
+    try:
+        first = bos_prefix(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    except Exception as e:  # tokenizers raises its own Exception type on a bad file
+        raise TokenizerExportError(f"{str(folder / 'tokenizer.json')!r}: not a tokenizers file "
+                                   f"({str(e).splitlines()[0][:120]})") from None
     bos_id = meta.get("tokenizer.ggml.bos_token_id", (None, None))[1]
     if first and first != [bos_id]:
         raise TokenizerExportError(f"{str(folder / 'tokenizer.json')!r}: a text's encoding "

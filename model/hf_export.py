@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.config import ModelConfig
 from model.hf_decoder import LLAMA3_KEYS, HFError, config_from_hf
@@ -154,12 +154,18 @@ def generation_config(bos_id: int | None, eos_id: int | None) -> dict:
 
 def with_bos_first(tok: Tokenizer, bos_id: int) -> Tokenizer:
     """A copy of `tok` whose post-processor puts the BOS before a text (and before each text of
-    a pair): transformers 5 adds what the post-processor says, whatever add_bos_token says."""
-    out = Tokenizer.from_str(tok.to_str())
+    a pair, the second as type 1): transformers 5 adds what the post-processor says, whatever
+    add_bos_token says. Written in tokenizer.json's own form, so any token text is taken as
+    it is."""
     bos = tok.id_to_token(bos_id)
-    out.post_processor = processors.TemplateProcessing(
-        single=[bos, "$A"], pair=[bos, "$A", bos, "$B:1"], special_tokens=[(bos, bos_id)])
-    return out
+    special = lambda type_id: {"SpecialToken": {"id": bos, "type_id": type_id}}  # noqa: E731
+    text = lambda name, type_id: {"Sequence": {"id": name, "type_id": type_id}}  # noqa: E731
+    data = json.loads(tok.to_str())
+    data["post_processor"] = {
+        "type": "TemplateProcessing", "single": [special(0), text("A", 0)],
+        "pair": [special(0), text("A", 0), special(1), text("B", 1)],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def tokenizer_config(tok, *, bos_id: int | None, eos_id: int | None, pad_id: int | None,

@@ -27,19 +27,19 @@ def token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def bos_prefix(tok: Tokenizer, conf: dict) -> list[int]:
+def bos_prefix(tok: Tokenizer) -> list[int]:
     """The ids a text's encoding starts with, as transformers' default call gives them: what
-    tokenizer.json's post-processor puts first (where Llama's and Gemma's BOS live; transformers
-    5 follows it whatever add_bos_token says), else the BOS when tokenizer_config.json's
-    add_bos_token asks for one."""
-    bare = tok.encode("a", add_special_tokens=False).ids
-    full = tok.encode("a", add_special_tokens=True).ids
-    starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
-    if bare and starts and starts[0] > 0:
-        return full[:starts[0]]
-    bos = token_text(conf.get("bos_token"))
-    bos_id = tok.token_to_id(bos) if bos else None
-    return [bos_id] if conf.get("add_bos_token", False) and bos_id is not None else []
+    tokenizer.json's post-processor puts first (where Llama's and Gemma's BOS live).
+    transformers 5 follows the post-processor alone; add_bos_token in tokenizer_config.json
+    changes nothing beside a tokenizer.json."""
+    for probe in ("a", "Hello", "0", "."):
+        bare = tok.encode(probe, add_special_tokens=False).ids
+        if not bare:
+            continue
+        full = tok.encode(probe, add_special_tokens=True).ids
+        starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+        return full[:starts[0]] if starts else []
+    return []
 
 
 class HFTokenizer(TokenizerCodec):
@@ -67,7 +67,7 @@ class HFTokenizer(TokenizerCodec):
         self.bos_id = self.tok.token_to_id(bos) if bos else None
         if eos and self.eos_id is None:
             raise HFTokenizerError(f"{str(conf_path)!r}: eos_token {eos!r} is not a token")
-        self.bos = bos_prefix(self.tok, conf)
+        self.bos = bos_prefix(self.tok)
         self.chat_template = chat_template(folder, conf.get("chat_template"))
         self.end_ids = _generation_eos(folder, self.vocab_size)
 

@@ -24,7 +24,7 @@ from model.gguf import GGUFFile
 from model.hf_decoder import load_hf
 from model.llama_export import GGUF_FILE
 from model.llama_gguf import load_gguf
-from model.tokenizer import PRE_TOKENIZER_REGEXES, tokenizer_from_gguf
+from model.tokenizer import PRE_TOKENIZER_REGEXES, SentencePieceTokenizer, tokenizer_from_gguf
 from tests.helpers import launch_in_one_process, llama_cpp_tools
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -185,8 +185,10 @@ def test_a_sentencepiece_folder_writes_a_sentencepiece_vocabulary(exported, tmp_
     assert [types[theirs.token_to_id(t)] for t in ("<unk>", "<s>", "<0x41>", "\u2581t")] == [
         2, 3, 6, 1]
     scores = np.asarray(g.metadata["tokenizer.ggml.scores"][1], np.float32)
-    normal = np.flatnonzero(types == 1)
-    np.testing.assert_array_equal(scores[normal], -normal.astype(np.float32))
+    made = [theirs.token_to_id(a + b) for a, b in
+            json.loads((FIXTURES / "llama_spm" / "tokenizer.json").read_text())["model"]["merges"]]
+    assert np.all(np.diff(scores[list(dict.fromkeys(made))]) < 0)  # in the merges' order
+    assert np.all(scores[types != 1] == 0)
     ours = tokenizer_from_gguf(g)
     rows = json.loads((FIXTURES / "llama_spm" / "reference.json").read_text())["results"]
     plain = [r for r in rows if "</s>" not in r["text"]]
@@ -199,6 +201,65 @@ def test_a_sentencepiece_folder_writes_a_sentencepiece_vocabulary(exported, tmp_
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
                 "tokenizer.ggml.add_space_prefix"):
         assert np.array_equal(np.asarray(v5.metadata[key][1]), np.asarray(g.metadata[key][1]))
+
+
+def _spaces_last(tok: dict) -> None:
+    """Llama's order: SentencePiece scores its runs of spaces lowest of all, so the folder
+    merges `▁ ▁` last although `▁▁` has a low id."""
+    merges = tok["model"]["merges"]
+    merges.append(merges.pop(0))
+
+
+def test_merges_out_of_token_order_are_scored_as_the_folder_ranks_them(tmp_path):
+    """A folder that joins two spaces last (as Llama 2's and TinyLlama's do): the GGUF's
+    scores put that merge last, and our reader, which ranks a Llama file's merges by score,
+    tokenizes as the folder, here where two spaces meet a word. A gemma3 file is read by token
+    order, which cannot state that order: refused."""
+    from model.gguf_tokenizer import TokenizerExportError, tokenizer_metadata
+
+    folder = _edited(FIXTURES / "llama_spm", tmp_path / "src",
+                     tokenizer=lambda t: (_llama_form(t), _spaces_last(t)))
+    exporter.export(exporter.pretrained_source(str(folder)), "gguf", tmp_path / "g")
+    ours = tokenizer_from_gguf(GGUFFile(tmp_path / "g" / GGUF_FILE))
+    theirs = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    texts = TEXTS + [" leading space", "a  b   c"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text).ids, text
+    g = GGUFFile(tmp_path / "g" / GGUF_FILE)  # control: the same file ranked by token order
+    tokens = g.get_strings("tokenizer.ggml.tokens")
+    by_order = SentencePieceTokenizer(
+        tokens, g.get_ints("tokenizer.ggml.token_type").tolist(), eos_id=2, unk="<unk>",
+        add_bos=True, bos_id=1, add_space_prefix=True)
+    differ = [t for t in texts if by_order.encode(t) != theirs.encode(t).ids]
+    assert "a  b   c" in differ and all("  " in t for t in differ)  # where spaces meet
+    with pytest.raises(TokenizerExportError, match="an order the token order cannot state"):
+        tokenizer_metadata(folder, load_hf(folder)[0].vocab_size, by_position=True)
+
+
+@pytest.mark.parametrize("normalizer, pre, prefix", [
+    ({"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}, None, True),
+    (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always",
+            "split": False}, True),
+    ({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}, None, False),
+    (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never",
+            "split": False}, False),
+    (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first",
+            "split": False}, None),
+])
+def test_the_space_before_the_text(normalizer, pre, prefix):
+    """Llama's forms put a U+2581 before every stretch of text (add_space_prefix), Gemma's
+    before none; Metaspace's "first" (before the first stretch only) has no GGUF form, since
+    llama.cpp adds the space after every special token."""
+    from model import gguf_spm_vocab
+
+    tok = {"normalizer": normalizer, "pre_tokenizer": pre}
+    if prefix is None:
+        with pytest.raises(gguf_spm_vocab.VocabError, match=r"Metaspace\(first\)"):
+            gguf_spm_vocab.space_prefix(tok)
+    else:
+        assert gguf_spm_vocab.space_prefix(tok) is prefix
 
 
 def test_a_non_special_added_token_exports_as_user_defined(tmp_path):
@@ -312,9 +373,19 @@ def _lowercase(tok: dict) -> None:
     tok["normalizer"] = {"type": "Lowercase"}
 
 
-def _merges_out_of_order(tok: dict) -> None:
+def _merges_interleaved(tok: dict) -> None:
+    """`e r` between the two merges that make `▁in`: no score per token ranks them so."""
     merges = tok["model"]["merges"]
-    merges[1], merges[4] = merges[4], merges[1]
+    at = merges.index(["e", "r"])
+    merges.insert(merges.index(["\u2581i", "n"]) - 1, merges.pop(at))
+
+
+def _split_missing(tok: dict) -> None:
+    tok["model"]["merges"].remove(["\u2581", "in"])
+
+
+def _normalized_added(tok: dict) -> None:
+    tok["added_tokens"][1]["normalized"] = True
 
 
 def _metaspace_split(tok: dict) -> None:
@@ -332,7 +403,9 @@ REFUSALS = [
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
     (_lowercase, "llama", "normalizer Lowercase has no GGUF form"),
-    (_merges_out_of_order, "llama_spm", "the merges do not follow the token order"),
+    (_merges_interleaved, "llama_spm", "an order a score per token cannot state"),
+    (_split_missing, "llama_spm", "not every split of a token into two tokens (e.g. '\u2581'"),
+    (_normalized_added, "llama_spm", "added token '<s>' is matched after normalizing"),
     (_metaspace_split, "llama_spm", "pre_tokenizer Metaspace(split): a GGUF SentencePiece"),
     (None, "gemma3_text", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
 ]
@@ -415,6 +488,7 @@ def test_llama_cpp_tokenizes_a_gemma_folders_gguf_as_we_do(tmp_path, monkeypatch
     packaged GGUF (one block) and from that folder back to GGUF: llama.cpp tokenizes a text
     (BOS first) as the folder does. Control: the same file with every score 0, where
     llama.cpp joins pairs left to right, tokenizes it otherwise."""
+    from experiments.pretrained import export_checks
     from experiments.speed import llama_cpp
     from model import gguf_spm_vocab
     from model.hf_tokenizer import HFTokenizer
@@ -438,6 +512,7 @@ def test_llama_cpp_tokenizes_a_gemma_folders_gguf_as_we_do(tmp_path, monkeypatch
         return windows[0] + windows[1]
 
     assert tokens_of(tmp_path / "g") == want
-    monkeypatch.setattr(gguf_spm_vocab, "scores",
-                        lambda types: np.zeros(len(types), np.float32))
+    monkeypatch.setattr(gguf_spm_vocab, "_tie_scores",
+                        lambda tokens, types, merges: np.zeros(len(tokens), np.float32))
+    export_checks._converted.cache_clear()  # the folder's conversion is kept per folder state
     assert tokens_of(tmp_path / "zero") != want

@@ -1,6 +1,6 @@
 """The BOS goes where transformers puts it. transformers 5 adds what tokenizer.json's
-post-processor says (Llama 2's, Llama 3's and Gemma's BOS live there; tokenizer_config.json's
-add_bos_token is no longer saved), so reading a Hugging Face folder, writing its GGUF and
+post-processor says (Llama 2's, Llama 3's and Gemma's BOS live there) and drops
+tokenizer_config.json's add_bos_token, so reading a Hugging Face folder, writing its GGUF and
 writing a Hugging Face folder all follow the post-processor."""
 
 from __future__ import annotations
@@ -73,14 +73,16 @@ def test_a_folder_reads_with_the_bos_its_post_processor_adds(tmp_path):
                for g, r in zip(missed, same, strict=True)) > 100 * worst
 
 
-def test_the_post_processor_decides_and_add_bos_token_fills_in(tmp_path):
-    """add_bos_token false does not remove a post-processor's BOS (transformers 5 keeps it);
-    add_bos_token true without one adds it; neither: no BOS."""
+def test_the_post_processor_alone_decides(tmp_path):
+    """As in transformers 5, which drops add_bos_token beside a tokenizer.json: false does not
+    remove a post-processor's BOS, and true adds none where the post-processor puts none."""
     spm = _with_config(FIXTURES / "llama_spm", tmp_path / "spm", add_bos_token=False)
     assert HFTokenizer(spm).bos == [1]
     qwen = _with_config(FIXTURES / "qwen2", tmp_path / "qwen", add_bos_token=True)
-    assert HFTokenizer(qwen).bos == [HFTokenizer(qwen).token_id("<|endoftext|>")]
-    assert HFTokenizer(FIXTURES / "qwen2").bos == []
+    assert HFTokenizer(qwen).bos == []
+    bare = _post_processor(_with_config(FIXTURES / "llama_spm", tmp_path / "bare",
+                                        add_bos_token=True), None)
+    assert HFTokenizer(bare).bos == []
 
 
 def test_a_gguf_from_a_folder_adds_the_bos_its_post_processor_adds(tmp_path):

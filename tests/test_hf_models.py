@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tokenizers import Tokenizer
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import loading
@@ -26,6 +27,7 @@ from model import DecoderLM, param_count
 from model.chat_template import ChatTemplateError
 from model.generate import generate
 from model.hf_decoder import HFError, expected_shapes, iter_params, load_hf, read_config
+from model.hf_export import with_bos_first
 from model.hf_tokenizer import HFTokenizer, HFTokenizerError
 from model.llama_export import ExportError, family
 from model.rope import llama3_freqs, rope_freqs
@@ -366,8 +368,9 @@ def test_chat_ids_are_the_templates_alone_and_a_refusal_is_one_line(tmp_path):
     template refuses is one ConfigError line naming the model."""
     folder = tmp_path / "gemma"
     shutil.copytree(FIXTURES / "gemma3_text", folder)
-    conf = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**conf, "add_bos_token": True}))
+    bos = HFTokenizer(folder).bos_id
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    with_bos_first(tokenizer, bos).save(str(folder / "tokenizer.json"))
     pre = loading.load(str(folder))
     assert pre.tokenizer.bos  # encode would put one first
     rows = json.loads((folder / "reference.json").read_text())["chat"]

@@ -169,7 +169,7 @@ def test_a_model_without_a_gguf_export_runs_without_its_peer(fake_tools, tmp_pat
     assert files == {} and "\n" not in line
     assert line.startswith("llama.cpp peer rows skipped: the model has no GGUF export (")
     assert "pre_tokenizer Metaspace(split)" in line
-    assert not list((tmp_path / "peer").glob("split*/*.gguf"))
+    assert not list((tmp_path / "peer").glob("split*/**/*.gguf"))
 
 
 def test_peer_row_and_ratios(tmp_path):

@@ -3,11 +3,12 @@ before it starts the runtime, and `exporter.export` checks the same way again.""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from experiments.cli.config import ConfigError, check_output_folder
 from experiments.pretrained import model_ref
-from model.gguf_export import check_gguf
+from model.gguf_export import check_gguf, gguf_arch
 from model.gguf_tokenizer import TokenizerExportError, tokenizer_metadata
 from model.hf_decoder import HFError, config_from_hf, read_config
 from model.llama_export import ExportError
@@ -57,9 +58,27 @@ def _check_hf(folder: Path, layers: int | None, fmt: str) -> None:
         if fmt == "gguf":
             cfg = config_from_hf(hf, where, layers)
             check_gguf(cfg)
-            tokenizer_metadata(folder, cfg.vocab_size)
-    except (HFError, ExportError, TokenizerExportError) as e:
+            folder_tokenizer(folder, cfg)
+    except (HFError, ExportError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def folder_tokenizer(folder: Path, cfg) -> dict:
+    """The GGUF tokenizer keys of a Hugging Face folder's tokenizer for the model `cfg`
+    (ConfigError, one line, where a GGUF cannot hold it); converted once per folder state, so
+    the check before JAX and the export share the work."""
+    stamp = tuple((folder / name).stat().st_mtime_ns if (folder / name).is_file() else None
+                  for name in ("tokenizer.json", "tokenizer_config.json", "config.json",
+                               "chat_template.jinja"))
+    try:
+        return _converted(str(folder), cfg.vocab_size, gguf_arch(cfg) == "gemma3", stamp)
+    except (TokenizerExportError, ExportError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _converted(folder: str, vocab_size: int, by_position: bool, stamp: tuple) -> dict:
+    return tokenizer_metadata(folder, vocab_size, by_position)
 
 
 def check_quant(quant: str, fmt: str) -> None:

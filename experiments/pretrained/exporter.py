@@ -38,14 +38,18 @@ import orbax.checkpoint as ocp
 
 from experiments.cli.config import ConfigError
 from experiments.pretrained import model_ref, registered
-from experiments.pretrained.export_checks import check_layers, check_out, check_quant
+from experiments.pretrained.export_checks import (
+    check_layers,
+    check_out,
+    check_quant,
+    folder_tokenizer,
+)
 from experiments.training import checkpoint as ckpt
 from experiments.training import integrity, lineage
 from experiments.training.config import load_config
 from model.config import ModelConfig
 from model.gguf import GGUFFile
 from model.gguf_export import check_gguf, write_gguf
-from model.gguf_tokenizer import TokenizerExportError, tokenizer_metadata
 from model.hf_decoder import HFError, config_from_hf, expected_shapes, iter_params, read_config
 from model.hf_export import (
     byte_tokenizer,
@@ -231,6 +235,8 @@ def check_format(fmt: str, source: Source) -> None:
         raise ConfigError("format='gguf': needs a pretrained model's tokenizer (a run started "
                           "from smollm2, gemma3-270m, a .gguf file or a Hugging Face folder, or "
                           "--model); this run is a byte model (use --format safetensors)")
+    if fmt == "gguf":
+        gguf_metadata(source)  # a folder's tokenizer a GGUF cannot hold: refused before the work
 
 
 def _tokenizer_files(folder: Path, source: Source) -> dict:
@@ -296,10 +302,7 @@ def gguf_metadata(source: Source) -> dict:
     Hugging Face folder's tokenizer converted (ConfigError, one line, when it cannot be)."""
     if source.gguf is not None:
         return source.gguf.metadata
-    try:
-        return tokenizer_metadata(source.hf_folder, source.cfg.vocab_size)
-    except TokenizerExportError as e:
-        raise ConfigError(str(e)) from None
+    return folder_tokenizer(source.hf_folder, source.cfg)
 
 
 def _write(folder: Path, source: Source, fmt: str) -> dict:
