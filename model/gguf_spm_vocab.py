@@ -15,8 +15,10 @@ The space before the text is the other half: a U+2581 put before each stretch of
 special tokens (Llama's `Prepend` + `Replace` normalizer, or a `Metaspace` that always
 prepends) is `add_space_prefix` true, as llama.cpp adds one after every special token; spaces
 only respelled (Gemma's `Replace`, or a `Metaspace` that never prepends) are false. A
-`Metaspace` adds no second U+2581 before a text that starts with a space; SentencePiece, and so
-the GGUF's readers, do.
+`Metaspace` that prepends before the first stretch only (what transformers 5 saves for Llama)
+is written as true too, as llama.cpp reads every Llama vocabulary: its GGUF then puts a U+2581
+after a special token where the folder does not. And a `Metaspace` adds no second U+2581 before
+a text that starts with a space; SentencePiece, and so the GGUF's readers, do.
 """
 
 from __future__ import annotations
@@ -64,12 +66,12 @@ def space_prefix(tok: dict) -> bool:
         return True
     if norm == _REPLACE and pre in (None, _SPLIT):
         return False
-    if norm is None and _metaspace(pre) in ("always", "never"):
-        return _metaspace(pre) == "always"
+    if norm is None and _metaspace(pre) in ("always", "first", "never"):
+        return _metaspace(pre) != "never"
     raise VocabError(f"normalizer {_kind(norm)} with pre_tokenizer {_kind(pre)}: a GGUF "
-                     f"SentencePiece vocabulary puts a {SPACE} before every stretch of text or "
-                     f"before none (Llama's Prepend + Replace or Metaspace always; Gemma's "
-                     f"Replace or Metaspace never)")
+                     f"SentencePiece vocabulary puts a {SPACE} before the text or not (Llama's "
+                     f"Prepend + Replace or a Metaspace that keeps the text whole; Gemma's "
+                     f"Replace)")
 
 
 def _kind(part) -> str:

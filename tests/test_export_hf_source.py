@@ -174,7 +174,8 @@ def test_a_sentencepiece_folder_writes_a_sentencepiece_vocabulary(exported, tmp_
     reference, made by the sentencepiece library) on every text but one that names `</s>`,
     which SentencePiece reads as characters. The fixture as transformers 5 saved it (a
     Metaspace, which adds no second U+2581 before a text that starts with a space) writes the
-    same vocabulary."""
+    same vocabulary, and so does the Metaspace transformers 5 saves for Llama (a U+2581 before
+    the first stretch of text only)."""
     g = GGUFFile(exported["llama_spm"])
     theirs = Tokenizer.from_file(str(FIXTURES / "llama_spm" / "tokenizer.json"))
     types = g.get_ints("tokenizer.ggml.token_type")
@@ -195,12 +196,17 @@ def test_a_sentencepiece_folder_writes_a_sentencepiece_vocabulary(exported, tmp_
     assert len(plain) == len(rows) - 1 and any(r["text"].startswith(" ") for r in plain)
     for r in plain:
         assert ours.encode(r["text"]) == r["tokens"], r["text"]
-    exporter.export(exporter.pretrained_source(str(FIXTURES / "llama_spm")), "gguf",
-                    tmp_path / "v5")
-    v5 = GGUFFile(tmp_path / "v5" / GGUF_FILE)
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
-                "tokenizer.ggml.add_space_prefix"):
-        assert np.array_equal(np.asarray(v5.metadata[key][1]), np.asarray(g.metadata[key][1]))
+    def first_only(tok: dict) -> None:  # as transformers 5 saves a Llama folder
+        tok["pre_tokenizer"]["prepend_scheme"] = "first"
+    for name, folder in (("always", FIXTURES / "llama_spm"),
+                         ("first", _edited(FIXTURES / "llama_spm", tmp_path / "first_src",
+                                           tokenizer=first_only))):
+        exporter.export(exporter.pretrained_source(str(folder)), "gguf", tmp_path / name)
+        v5 = GGUFFile(tmp_path / name / GGUF_FILE)
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                    "tokenizer.ggml.scores", "tokenizer.ggml.add_space_prefix"):
+            assert np.array_equal(np.asarray(v5.metadata[key][1]),
+                                  np.asarray(g.metadata[key][1])), (name, key)
 
 
 def _spaces_last(tok: dict) -> None:
@@ -246,17 +252,20 @@ def test_merges_out_of_token_order_are_scored_as_the_folder_ranks_them(tmp_path)
     (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never",
             "split": False}, False),
     (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first",
-            "split": False}, None),
+            "split": False}, True),
+    (None, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first",
+            "split": True}, None),
+    ({"type": "Lowercase"}, None, None),
 ])
 def test_the_space_before_the_text(normalizer, pre, prefix):
-    """Llama's forms put a U+2581 before every stretch of text (add_space_prefix), Gemma's
-    before none; Metaspace's "first" (before the first stretch only) has no GGUF form, since
-    llama.cpp adds the space after every special token."""
+    """Llama's forms put a U+2581 before the text (add_space_prefix: llama.cpp puts one after
+    every special token too, whichever form the folder has), Gemma's put none; a Metaspace
+    that splits the text at spaces, or another normalizer, has no GGUF form."""
     from model import gguf_spm_vocab
 
     tok = {"normalizer": normalizer, "pre_tokenizer": pre}
     if prefix is None:
-        with pytest.raises(gguf_spm_vocab.VocabError, match=r"Metaspace\(first\)"):
+        with pytest.raises(gguf_spm_vocab.VocabError, match="a GGUF SentencePiece vocabulary"):
             gguf_spm_vocab.space_prefix(tok)
     else:
         assert gguf_spm_vocab.space_prefix(tok) is prefix
