@@ -158,12 +158,15 @@ def with_bos_first(tok: Tokenizer, bos_id: int) -> Tokenizer:
     add_bos_token says. Written in tokenizer.json's own form, so any token text is taken as
     it is."""
     bos = tok.id_to_token(bos_id)
-    special = lambda type_id: {"SpecialToken": {"id": bos, "type_id": type_id}}  # noqa: E731
-    text = lambda name, type_id: {"Sequence": {"id": name, "type_id": type_id}}  # noqa: E731
+
+    def first(text: str, type_id: int) -> list[dict]:
+        return [{"SpecialToken": {"id": bos, "type_id": type_id}},
+                {"Sequence": {"id": text, "type_id": type_id}}]
+
     data = json.loads(tok.to_str())
     data["post_processor"] = {
-        "type": "TemplateProcessing", "single": [special(0), text("A", 0)],
-        "pair": [special(0), text("A", 0), special(1), text("B", 1)],
+        "type": "TemplateProcessing", "single": first("A", 0),
+        "pair": first("A", 0) + first("B", 1),
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
     return Tokenizer.from_str(json.dumps(data))
 
