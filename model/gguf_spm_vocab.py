@@ -1,5 +1,5 @@
 """A Hugging Face folder's SentencePiece-style tokenizer (BPE over pieces that spell a space
-as U+2581, unknown bytes as <0xNN> tokens: Llama 2, TinyLlama, Mistral, Gemma) as a GGUF
+as U+2581, unknown bytes as <0xNN> tokens: Llama 2, TinyLlama, Gemma) as a GGUF
 SentencePiece vocabulary (`tokenizer.ggml.model` llama).
 
 Such a vocabulary holds no merges. llama.cpp joins the adjacent pair whose joined piece has
