@@ -116,14 +116,18 @@ REPLIES_REFUSALS = [
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """CHAT_REFUSALS and REPLIES_REFUSALS, refused from the flags alone, all run in one process
-    (tests/helpers.cli_in_one_process): (chat's, chat_replies' and the file they must not
-    write)."""
+    """CHAT_REFUSALS and REPLIES_REFUSALS, refused from the flags alone, then a spread prompt
+    longer than the context (refused once the tokenizer has read it), all run in one process
+    (tests/helpers.cli_in_one_process; the last case may start JAX): (chat's, chat_replies',
+    the file they must not write, the long prompt's)."""
     out = tmp_path_factory.mktemp("refused") / "r.json"
+    long = ("chat_replies", ["--layers", str(LAYERS), "--spread-prompt", "word " * 9000,
+                             "--out", str(out)])
     procs = cli_in_one_process([("chat", args) for args, _ in CHAT_REFUSALS]
                                + [("chat_replies", [*args, "--out", str(out)])
-                                  for args, _ in REPLIES_REFUSALS])
-    return procs[:len(CHAT_REFUSALS)], procs[len(CHAT_REFUSALS):], out
+                                  for args, _ in REPLIES_REFUSALS] + [long])
+    n = len(CHAT_REFUSALS)
+    return procs[:n], procs[n:-1], out, procs[-1]
 
 
 @pytest.mark.parametrize("case", range(len(CHAT_REFUSALS)),
@@ -201,11 +205,9 @@ def test_chat_replies_cli_refuses_bad_input_and_writes_nothing(refused, case):
     assert not refused[2].exists()
 
 
-def test_chat_replies_cli_refuses_a_long_spread_prompt_and_writes_nothing(tmp_path):
-    out = tmp_path / "r.json"
-    one_line_error(cli("chat_replies", "--layers", str(LAYERS), "--spread-prompt", "word " * 9000,
-                       "--out", str(out)), "spread_prompt: longer")
-    assert not out.exists()
+def test_chat_replies_cli_refuses_a_long_spread_prompt_and_writes_nothing(refused):
+    one_line_error(refused[3], "spread_prompt: longer")
+    assert not refused[2].exists()
 
 
 def test_streamed_text_is_whole_characters_and_adds_up_to_the_reply(truncated):

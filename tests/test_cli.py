@@ -9,7 +9,7 @@ import pytest
 from experiments.cli.config import ConfigError
 from experiments.training.config import load_config
 from experiments.training.restore import restore_params
-from tests.helpers import cli, cli_in_one_process, one_line_error
+from tests.helpers import cli, cli_in_one_process, launch_in_one_process, one_line_error
 
 # Refused before JAX starts: these run in one process (tests/helpers.cli_in_one_process).
 EARLY = [
@@ -92,17 +92,18 @@ def test_train_evaluate_sample_end_to_end(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert all(r["tokens_per_s"] > 0 for r in rows if "loss" in r)
 
-    proc = cli("evaluate", "--workdir", str(workdir), "--json", "--devices", "2")
-    assert proc.returncode == 0, proc.stderr
-    ev = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The newest checkpoint, then an older one (--step restores that one, not the newest):
+    # both on 2 devices, so one process (one backend) runs both.
+    newest, step2 = launch_in_one_process(
+        [("experiments.evaluate", ["--workdir", str(workdir), "--json", "--devices", "2"]),
+         ("experiments.evaluate", ["--workdir", str(workdir), "--json", "--devices", "2",
+                                   "--step", "2"])])
+    assert newest["status"] == 0 and step2["status"] == 0, newest["stderr"] + step2["stderr"]
+    ev = json.loads(newest["stdout"].strip().splitlines()[-1])
     assert ev["step"] == 4 and ev["param_bytes"] == 41120 * 4
     assert ev["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     assert ev["bits_per_byte"] == pytest.approx(ev["val_loss"] / 0.6931471805599453)
-
-    # An older checkpoint: --step restores that one, not the newest.
-    proc = cli("evaluate", "--workdir", str(workdir), "--json", "--devices", "2", "--step", "2")
-    assert proc.returncode == 0, proc.stderr
-    older = json.loads(proc.stdout.strip().splitlines()[-1])
+    older = json.loads(step2["stdout"].strip().splitlines()[-1])
     val_at = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     assert older["step"] == 2 and older["val_loss"] == pytest.approx(val_at[2], rel=1e-5)
     assert older["val_loss"] != pytest.approx(val_at[4], rel=1e-5)
