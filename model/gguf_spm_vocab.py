@@ -27,10 +27,9 @@ import re
 
 import numpy as np
 
-from model.tokenizer import ranked_merges, respelled
+from model.tokenizer import BYTE, NORMAL, UNKNOWN, ranked_merges, respelled
+from model.tokenizer import SPIECE_SPACE as SPACE
 
-SPACE = "\u2581"
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 _REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
 _PREPEND = {"type": "Prepend", "prepend": SPACE}
@@ -95,15 +94,13 @@ def token_types(tokens: list[str], added: dict[int, int], unk_id: int | None) ->
     return np.array(types, np.int32)
 
 
-def _every_split(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]) -> None:
+def _every_split(ids: dict[str, int], normal: set[str], merges: list[tuple[str, str]]) -> None:
     """VocabError unless the merges making normal pieces are every split of a normal piece
     into two pieces (splits of control, byte and unused tokens are left aside: the text never
     reaches the model whole there)."""
-    ids = {t: i for i, t in enumerate(tokens)}
     for left, right in merges:
         if left + right not in ids:
             raise VocabError(f"merge {left!r} + {right!r} makes no token")
-    normal = {t for t, kind in zip(tokens, types, strict=True) if kind == NORMAL}
     listed = {(left, right) for left, right in merges if left + right in normal}
     splits = {(t[:k], t[k:]) for t in normal for k in range(1, len(t))
               if t[:k] in ids and t[k:] in ids}
@@ -114,19 +111,18 @@ def _every_split(tokens: list[str], types: np.ndarray, merges: list[tuple[str, s
                          f"vocabulary's readers take them")
 
 
-def _tie_scores(tokens: list[str], types: np.ndarray, merges: list[tuple[str, str]]
+def _tie_scores(ids: dict[str, int], types: np.ndarray, merges: list[tuple[str, str]]
                 ) -> np.ndarray:
     """A score per token that ranks the merges as the folder does: the pieces in the order
     their first merge comes, pieces whose merges interleave (Llama's runs of spaces, which
     SentencePiece scores alike) sharing one score; 0 for the tokens that are not normal, as
     llama.cpp's converter scores SentencePiece's control and byte pieces."""
-    ids = {t: i for i, t in enumerate(tokens)}
     spans: dict[int, list[int]] = {}
     for rank, (left, right) in enumerate(merges):
         i = ids[left + right]
         if types[i] == NORMAL:
             spans.setdefault(i, [rank, rank])[1] = rank
-    out = np.zeros(len(tokens), np.float32)
+    out = np.zeros(len(types), np.float32)
     out[types == NORMAL] = -float(len(spans) + 1)  # pieces no merge makes: never joined
     group, reach = 0, -1
     for i, (first, last) in sorted(spans.items(), key=lambda kv: kv[1][0]):
@@ -142,10 +138,11 @@ def vocabulary_scores(tokens: list[str], types: np.ndarray, merges: list[tuple[s
     """The scores to write, checked: the merges a reader recovers from them (by score, or by
     position for a Gemma file, `model.tokenizer.ranked_merges`) make the folder's pieces in the
     folder's order; VocabError otherwise."""
-    _every_split(tokens, types, merges)
-    scores = _tie_scores(tokens, types, merges)
-    spelled = {t: i for i, t in enumerate(respelled(tokens))}
+    ids = {t: i for i, t in enumerate(tokens)}
     normal = {t for t, kind in zip(tokens, types, strict=True) if kind == NORMAL}
+    _every_split(ids, normal, merges)
+    scores = _tie_scores(ids, types, merges)
+    spelled = {t: i for i, t in enumerate(respelled(tokens))}
     made = [left + right for left, right in merges if left + right in normal]
     again = [left + right for left, right in
              ranked_merges(spelled, None if by_position else scores) if left + right in normal]

@@ -34,13 +34,25 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFValueType
-from tokenizers import Tokenizer
 
 from model import gguf_spm_vocab as spm
-from model.hf_tokenizer import bos_prefix, chat_template, token_text
-from model.tokenizer import IGNORE_MERGES, PRE_TOKENIZER_REGEXES, PRE_TOKENIZER_SPLITS
+from model.hf_tokenizer import (
+    HFTokenizerError,
+    bos_prefix,
+    chat_template,
+    read_tokenizer,
+    token_text,
+)
+from model.tokenizer import (
+    CONTROL,
+    IGNORE_MERGES,
+    NORMAL,
+    PRE_TOKENIZER_REGEXES,
+    PRE_TOKENIZER_SPLITS,
+    UNUSED,
+    USER_DEFINED,
+)
 
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp token types
 # llama.cpp's pre-tokenizer names, by the split that comes before GPT-2's regex (None: none).
 LLAMA_CPP_PRE = {None: ("gpt-2",), r"\p{N}": ("smollm",)}
 _STR, _U32, _BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
@@ -293,10 +305,9 @@ def _special_ids(folder: Path, vocab: dict[str, int], n: int) -> dict:
         raise TokenizerExportError(f"{str(folder)!r}: no EOS token (tokenizer_config.json's "
                                    f"eos_token or config.json's eos_token_id)")
     try:
-        first = bos_prefix(Tokenizer.from_file(str(folder / "tokenizer.json")))
-    except Exception as e:  # tokenizers raises its own Exception type on a bad file
-        raise TokenizerExportError(f"{str(folder / 'tokenizer.json')!r}: not a tokenizers file "
-                                   f"({str(e).splitlines()[0][:120]})") from None
+        first = bos_prefix(read_tokenizer(folder / "tokenizer.json"))
+    except HFTokenizerError as e:
+        raise TokenizerExportError(str(e)) from None
     bos_id = meta.get("tokenizer.ggml.bos_token_id", (None, None))[1]
     if first and first != [bos_id]:
         raise TokenizerExportError(f"{str(folder / 'tokenizer.json')!r}: a text's encoding "

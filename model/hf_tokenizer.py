@@ -27,6 +27,16 @@ def token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def read_tokenizer(path: Path) -> Tokenizer:
+    """tokenizer.json through the `tokenizers` library; HFTokenizerError (one line naming the
+    file) where it is no such file."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type on a bad file
+        raise HFTokenizerError(f"{str(path)!r}: not a tokenizers file "
+                               f"({str(e).splitlines()[0][:120]})") from None
+
+
 def bos_prefix(tok: Tokenizer) -> list[int]:
     """The ids a text's encoding starts with, as transformers' default call gives them: what
     tokenizer.json's post-processor puts first (where Llama's and Gemma's BOS live).
@@ -50,11 +60,7 @@ class HFTokenizer(TokenizerCodec):
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise HFTokenizerError(f"{str(folder)!r}: no tokenizer.json")
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises its own Exception type on a bad file
-            raise HFTokenizerError(f"{str(path)!r}: not a tokenizers file "
-                                   f"({str(e).splitlines()[0][:120]})") from None
+        self.tok = read_tokenizer(path)
         conf_path = folder / "tokenizer_config.json"
         try:
             conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}

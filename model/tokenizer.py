@@ -28,8 +28,9 @@ from model.chat_template import ChatTemplateError
 from model.chat_template import render as render_chat
 from model.gguf import GGUFError, GGUFFile
 
-CONTROL = 3  # llama.cpp token_type of special (control) tokens
-USER_DEFINED = 4  # llama.cpp token_type of tokens matched whole in the text, not special
+# llama.cpp's token types: control is a special token, user-defined one matched whole in the
+# text but not special, byte a <0xNN> piece of SentencePiece's byte fallback
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
 # The split before GPT-2's regex, by GGUF pre-tokenizer name (llama.cpp writes GPT-2's own as
 # gpt-2; gpt2 is the same split).

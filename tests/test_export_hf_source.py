@@ -522,6 +522,6 @@ def test_llama_cpp_tokenizes_a_gemma_folders_gguf_as_we_do(tmp_path, monkeypatch
 
     assert tokens_of(tmp_path / "g") == want
     monkeypatch.setattr(gguf_spm_vocab, "_tie_scores",
-                        lambda tokens, types, merges: np.zeros(len(tokens), np.float32))
+                        lambda ids, types, merges: np.zeros(len(types), np.float32))
     export_checks._converted.cache_clear()  # the folder's conversion is kept per folder state
     assert tokens_of(tmp_path / "zero") != want
