@@ -34,7 +34,13 @@ os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from model.native_build import cache_dir  # noqa: E402
 from parallel.devices import request_cpu_devices  # noqa: E402
+
+# The native kernels are built once, into the cache a user's runs use: fixed here, before a
+# test points XDG_CACHE_HOME at a folder of its own (test_chat.py's layout probe), so that the
+# launchers such a test starts do not compile them again.
+os.environ.setdefault("SHARDQ_CACHE_DIR", str(cache_dir().parent))
 
 request_cpu_devices(8)
 
