@@ -10,7 +10,9 @@ families read here differ only in fields of the one decoder:
   qwen3    q/k RMSNorm per head (`qk_norm`) and an explicit `head_dim` (`head_size`);
   gemma3_text  q/k norm, (1 + w) norms with post-attention and post-MLP norms, GeGLU, a query
            scale, scaled embeddings, a final soft-cap, and `layer_types` (sliding and global
-           layers, each kind with its RoPE base from `rope_parameters`).
+           layers, each kind with its RoPE base from `rope_parameters`);
+  phi3     Mistral's fields (`sliding_window`), with q/k/v stored as one tensor and gate/up as
+           another (split on reading, below); RoPE on every dimension of a head only.
 
 Name mapping (HF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). HF
 Linear weights are [out, in], Dense kernels [in, out]: every one is transposed. HF stores q and
@@ -25,6 +27,9 @@ model/llama_gguf.py's `_unpermute`) no rows are reordered.
   model.layers.N.self_attn.{q,k}_norm.weight -> blocks/attn/{q,k}_norm/scale
   model.layers.N.post_attention_layernorm.weight -> blocks/mlp_norm/scale
   model.layers.N.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/{gate,up,down}/kernel
+Phi-3 fuses the products that read one input, their rows one after another:
+  model.layers.N.self_attn.qkv_proj.weight   -> blocks/attn/{q,k,v}/kernel (rows q, then k, v)
+  model.layers.N.mlp.gate_up_proj.weight     -> blocks/mlp/{gate,up}/kernel (rows gate, then up)
 Gemma 3 names its norms differently (`post_attention_layernorm` is its post-attention norm):
   model.layers.N.post_attention_layernorm.weight  -> blocks/post_attn_norm/scale
   model.layers.N.pre_feedforward_layernorm.weight -> blocks/mlp_norm/scale
@@ -32,7 +37,7 @@ Gemma 3 names its norms differently (`post_attention_layernorm` is its post-atte
 
 Tensors are read one at a time (`safetensors.safe_open`), converted to float32 and written
 into one preallocated array per parameter, so the host holds the float32 model plus about one
-tensor while loading.
+tensor while loading (of a fused tensor, one part's rows).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from safetensors import safe_open
 from model.config import ModelConfig
 from model.llama_gguf import set_path, stacked_leaf
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -73,6 +78,10 @@ _GEMMA_MAP = {**_LAYER_MAP,
               "post_attention_layernorm.weight": "blocks/post_attn_norm/scale",
               "pre_feedforward_layernorm.weight": "blocks/mlp_norm/scale",
               "post_feedforward_layernorm.weight": "blocks/post_mlp_norm/scale"}
+# A fused tensor within a layer -> the NNX paths of its parts, in the order of their rows.
+_FUSED = {"self_attn.qkv_proj.weight": ("blocks/attn/q/kernel", "blocks/attn/k/kernel",
+                                        "blocks/attn/v/kernel"),
+          "mlp.gate_up_proj.weight": ("blocks/mlp/gate/kernel", "blocks/mlp/up/kernel")}
 _TOP_MAP = {"model.embed_tokens.weight": "embed/embedding", "lm_head.weight": "head/kernel",
             "model.norm.weight": "final_norm/scale"}
 
@@ -154,12 +163,15 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind in ("llama", "mistral", "qwen3"):
         _refuse(where, hf, "attention_bias", (False,))  # would put a bias on o as well
     _refuse(where, hf, "use_sliding_window", (False,))  # Qwen's per-layer windows
-    window = hf.get("sliding_window") if kind == "mistral" else None
+    for rope in (hf, _rope_params(hf)):  # Phi-4-mini's RoPE on a part of each head
+        _refuse(where, rope, "partial_rotary_factor", (1, 1.0))
+    window = hf.get("sliding_window") if kind in ("mistral", "phi3") else None
     types = set(hf.get("layer_types") or ())
     if types and (types - {"full_attention", "sliding_attention"} or len(types) > 1
                   or ("sliding_attention" in types) != (window is not None)):
         raise HFError(f"{where}: layer_types={sorted(types)} is not supported (every layer "
-                      f"the same attention, sliding only with a Mistral sliding_window)")
+                      f"the same attention, sliding only with a Mistral or Phi-3 "
+                      f"sliding_window)")
 
     def build() -> ModelConfig:
         layers = int(hf["num_hidden_layers"])
@@ -174,7 +186,8 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             d_ff=int(hf["intermediate_size"]), mlp="swiglu",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_len=context if max_len is None else min(max_len, context),
-            rope_base=_rope_base(hf, where, kinds=("default", "llama3")),
+            rope_base=_rope_base(hf, where, kinds=("default",) if kind == "phi3"
+                                 else ("default", "llama3")),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope_scaling(hf, where),
             head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
                        else int(head_dim)),
@@ -278,31 +291,48 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
                       f"({str(e).splitlines()[0][:120]})") from None
 
 
-def _target(name: str, post_norms: bool) -> tuple[str, int | None] | None:
+def _targets(name: str, post_norms: bool) -> tuple[tuple[str, ...], int | None] | None:
+    """(the NNX paths a tensor holds, in the order of its rows; its layer or None)."""
     if name in _TOP_MAP:
-        return _TOP_MAP[name], None
+        return (_TOP_MAP[name],), None
     m = _LAYER.fullmatch(name)
     names = _GEMMA_MAP if post_norms else _LAYER_MAP
-    if not m or m.group(2) not in names:
+    if not m:
         return None
-    return names[m.group(2)], int(m.group(1))
+    if m.group(2) in _FUSED and not post_norms:
+        return _FUSED[m.group(2)], int(m.group(1))
+    return ((names[m.group(2)],), int(m.group(1))) if m.group(2) in names else None
 
 
-def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, list[str]]:
-    """{NNX path: [HF name per layer]}, every name checked (shapes are checked on reading)."""
+# The tensor a parameter's layer is read from: the HF name and, where the tensor is fused, which
+# of its rows (start, stop, the fused tensor's rows); None: all of it.
+Source = tuple[str, tuple[int, int, int] | None]
+
+
+def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, list[Source]]:
+    """{NNX path: [its source per layer]}, every name checked (shapes are checked on
+    reading)."""
     want = expected_shapes(cfg)
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name in files:
-        target = _target(name, cfg.post_norms)
-        if target is None or target[0] not in want:
+        target = _targets(name, cfg.post_norms)
+        if target is None or not set(target[0]) <= set(want):
             if name == "lm_head.weight" and cfg.tie_embeddings:
                 continue  # a tied head saved anyway: the embedding serves
             raise HFError(f"{where}: tensor {name!r} is not part of this decoder")
-        path, layer = target
+        paths, layer = target
         if layer is not None and layer >= cfg.n_layers:
             continue  # a truncated model
-        plan[path][layer or 0] = name
+        total, start = sum(want[p][0] for p in paths), 0
+        for path in paths:
+            if plan[path][layer or 0] is not None:
+                a, b = sorted((plan[path][layer or 0][0], name))
+                raise HFError(f"{where}: tensors {a!r} and {b!r} both hold {path}")
+            rows = want[path][0]
+            plan[path][layer or 0] = (name, (start, start + rows, total) if len(paths) > 1
+                                      else None)
+            start += rows
     for path, names in plan.items():
         for i, name in enumerate(names):
             if name is None:
@@ -311,12 +341,22 @@ def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, lis
     return plan
 
 
-def _read(handle, name: str, shape: tuple[int, ...], where: str) -> np.ndarray:
-    """One tensor as float32, checked."""
-    dtype = handle.get_slice(name).get_dtype()
+def _read(handle, source: Source, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """One tensor, or one part's rows of a fused one, as float32, checked."""
+    name, rows = source
+    stored = handle.get_slice(name)
+    dtype = stored.get_dtype()
     if dtype not in DTYPES:
         raise HFError(f"{where}: tensor {name!r} is {dtype}; allowed {', '.join(DTYPES)}")
-    a = handle.get_tensor(name)
+    if rows is None:
+        a = handle.get_tensor(name)
+    else:  # the fused tensor's shape is what its parts add up to, read one part at a time
+        fused = (rows[2], *shape[1:])
+        if tuple(stored.get_shape()) != fused:
+            raise HFError(f"{where}: tensor {name!r} has shape {list(stored.get_shape())}, "
+                          f"config.json implies {list(fused)}")
+        a = stored[rows[0]:rows[1]]
+        name = f"{name}[{rows[0]}:{rows[1]}]"
     if tuple(a.shape) != shape:
         raise HFError(f"{where}: tensor {name!r} has shape {list(a.shape)}, config.json implies "
                       f"{list(shape)}")
@@ -334,11 +374,11 @@ def iter_params(folder: str | Path, cfg: ModelConfig):
     want = expected_shapes(cfg)
     handles: dict[Path, object] = {}
     try:
-        def read(path: str, name: str) -> np.ndarray:
-            file = files[name]
+        def read(path: str, source: Source) -> np.ndarray:
+            file = files[source[0]]
             if file not in handles:
                 handles[file] = safe_open(file, framework="numpy")
-            a = _read(handles[file], name, want[path], where)
+            a = _read(handles[file], source, want[path], where)
             return a.T if path.endswith("/kernel") else a
 
         for path, names in _plan(files, cfg, where).items():

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from experiments.cli.config import ConfigError
@@ -37,7 +38,7 @@ from quant.pipeline import quantize
 from quant.smoothquant import fold
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 TOLERANCE = 1e-4  # nats, mean NLL against transformers
 
 
@@ -96,6 +97,10 @@ def test_fixtures_cover_each_architecture_field():
     cfgs = {a: load_hf(FIXTURES / a)[0] for a in ARCHS}
     assert cfgs["mistral"].sliding_window is not None
     assert max(len(r["tokens"]) for r in rows["mistral"]) > cfgs["mistral"].sliding_window
+    assert max(len(r["tokens"]) for r in rows["phi3"]) > cfgs["phi3"].sliding_window
+    fused = load_file(str(FIXTURES / "phi3" / "model.safetensors"))
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
+            } <= fused.keys() and "model.layers.0.self_attn.q_proj.weight" not in fused
     assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim * 4 != cfgs["qwen3"].d_model
     assert not any(dataclasses.asdict(cfgs["llama"])[f] for f in ("qkv_bias", "qk_norm"))
@@ -167,6 +172,7 @@ _GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embe
 
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
                                          ("mistral", "sliding_window"),
+                                         ("phi3", "sliding_window"),
                                          ("llama3", "rope_scale_factor"),
                                          *(("gemma3_text", f) for f in _GEMMA_OFF)])
 def test_dropping_a_field_misses_the_reference(arch, field):
@@ -187,7 +193,19 @@ def test_dropping_a_field_misses_the_reference(arch, field):
     assert worst > 100 * TOLERANCE, (arch, field, worst)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text"])
+def test_phi3s_fused_tensors_split_in_their_row_order():
+    """The control for Phi-3's fused tensors: the parts read in another order (k and v, or gate
+    and up, exchanged) miss the reference that the order of their rows matches."""
+    cfg, params = load_hf(FIXTURES / "phi3")
+    for group, a, b in (("attn", "k", "v"), ("mlp", "gate", "up")):
+        swapped = jax.tree.map(lambda x: x, params)
+        layer = swapped["blocks"][group]
+        layer[a], layer[b] = layer[b], layer[a]
+        worst, _ = worst_error(model_of(cfg, swapped)[1], reference("phi3"))
+        assert worst > 100 * TOLERANCE, (a, b, worst)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text", "phi3"])
 def test_cached_decoding_follows_the_full_forward(arch):
     """Greedy tokens through the KV cache equal the argmax of the full forward at each step,
     the mistral and gemma prompts long enough that the window slides during decoding (on
@@ -299,6 +317,34 @@ def test_bad_folders_are_one_line(tmp_path):
         assert issubclass(e, ValueError)
 
 
+def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
+    """RoPE on part of each head (Phi-4-mini) or LongRoPE (Phi-3's long-context models) is
+    refused by name; a fused tensor of another size, or a part held twice, names the tensor."""
+    folder = bad_folder(tmp_path, "phi3")
+    hf = read_config(folder)
+    for change, match in (
+            ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
+            ({"rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.5}},
+             "partial_rotary_factor=0.5 is not supported"),
+            ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+             r"rope_type='longrope' is not supported \(allowed: 'default'\)")):
+        (folder / "config.json").write_text(json.dumps({**hf, **change}))
+        with pytest.raises(HFError, match=match):
+            load_hf(folder)
+    (folder / "config.json").write_text(json.dumps(hf))
+    tensors = load_file(folder / "model.safetensors")
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    for extra, match in (
+            ({qkv: tensors[qkv][:-1]}, re.escape(f"tensor {qkv!r} has shape [127, 64], "
+                                                 "config.json implies [128, 64]")),
+            ({"model.layers.1.self_attn.k_proj.weight": tensors[qkv][64:96]},
+             "tensors 'model.layers.1.self_attn.k_proj.weight' and "
+             "'model.layers.1.self_attn.qkv_proj.weight' both hold blocks/attn/k/kernel")):
+        save_file({**tensors, **extra}, folder / "model.safetensors")
+        with pytest.raises(HFError, match=match):
+            load_hf(folder)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
 def test_export_names_the_family_whose_fields_a_model_uses(arch):
     """Each fixture transformers made is exported as its own model_type; a GELU MLP, which no
@@ -309,17 +355,16 @@ def test_export_names_the_family_whose_fields_a_model_uses(arch):
         family(dataclasses.replace(cfg, mlp="gelu"))
 
 
-def test_sharded_and_half_precision_folders_read_the_same(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])  # phi3: parts of fused tensors
+def test_sharded_and_half_precision_folders_read_the_same(tmp_path, arch):
     """model-*.safetensors with model.safetensors.index.json reads as the one file does; a
     bfloat16 / float16 file reads as its values in float32."""
     import ml_dtypes
-    from safetensors.numpy import load_file, save_file
-
-    source = FIXTURES / "qwen3"
+    source = FIXTURES / arch
     cfg, want = load_hf(source)
     tensors = load_file(source / "model.safetensors")
     names = sorted(tensors)
-    sharded = bad_folder(tmp_path, "qwen3")
+    sharded = bad_folder(tmp_path, arch)
     (sharded / "model.safetensors").unlink()
     halves = {"model-00001-of-00002.safetensors": names[::2],
               "model-00002-of-00002.safetensors": names[1::2]}

@@ -59,7 +59,7 @@ def test_unsupported_architecture_is_refused_by_model_type(tmp_path):
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**hf, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"model_type='gpt2' is not supported \(allowed: "
-                                          r"llama, mistral, qwen2, qwen3, gemma3_text\)"):
+                                          r"llama, mistral, qwen2, qwen3, gemma3_text, phi3\)"):
         resolve(str(folder))
 
 

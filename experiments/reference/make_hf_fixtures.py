@@ -112,6 +112,11 @@ ARCHS = {
                dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 64})),
+    # Phi-3: q/k/v in one fused tensor and gate/up in another, and a sliding window as
+    # Phi-3-mini's.
+    "phi3": (transformers.Phi3Config,
+             dict(sliding_window=SLIDING_WINDOW, pad_token_id=1,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
