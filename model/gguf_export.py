@@ -53,6 +53,10 @@ def _copy_metadata(w, key: str, vtype, value) -> None:
 def gguf_arch(cfg: ModelConfig) -> str:
     """The GGUF architecture the model is written as (ExportError when none fits)."""
     kind = family(cfg)
+    if kind == "mistral":  # the llama layout with a window (Mistral's, Phi-3's)
+        raise ExportError(f"sliding_window={cfg.sliding_window}: format='gguf' has no window "
+                          f"for the llama layout (llama.cpp would attend over the whole "
+                          f"context); use --format safetensors")
     if kind not in GGUF_ARCH:
         raise ExportError(f"model_type={kind!r}: format='gguf' is written for "
                           f"{', '.join(GGUF_ARCH)} (the architectures shardq's GGUF reader "

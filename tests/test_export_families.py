@@ -158,8 +158,8 @@ def test_qwen_gguf_round_trip(arch, extra, meta, tmp_path):
 
 @pytest.mark.parametrize("arch, fmt, fragment", [
     ("gemma3_text", "gguf", "layer_pattern='sgsg': a gemma3 GGUF has no place for it"),
-    ("mistral", "gguf",
-     "model_type='mistral': format='gguf' is written for llama, qwen2, qwen3, gemma3_text"),
+    ("mistral", "gguf", "sliding_window=16: format='gguf' has no window for the llama layout"),
+    ("phi3", "gguf", "sliding_window=16: format='gguf' has no window for the llama layout"),
 ])
 def test_what_a_format_cannot_hold_is_refused(arch, fmt, fragment, meta, tmp_path):
     cfg, params = load_hf(FIXTURES / arch)

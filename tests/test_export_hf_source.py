@@ -407,7 +407,7 @@ def _ignore_merges(tok: dict) -> None:
 
 REFUSALS = [
     (_ignore_merges, "llama", "BPE ignore_merges=True with pre-tokenizer gpt-2"),
-    (None, "mistral", "model_type='mistral': format='gguf' is written for llama, qwen2, qwen3,"),
+    (None, "mistral", "sliding_window=16: format='gguf' has no window for the llama layout"),
     (_metaspace, "llama", "pre_tokenizer Metaspace: no GGUF pre-tokenizer name"),
     (_digit_runs, "llama", "pre_tokenizer Sequence[Digits, ByteLevel]: no GGUF pre-tokenizer"),
     (_unigram, "llama", "model 'Unigram' is not a byte-level BPE"),
