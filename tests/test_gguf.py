@@ -218,3 +218,29 @@ def test_llama3_scaling_is_read_back_from_the_divisors_llama_cpp_writes():
         ModelConfig(rope_high_freq_factor=4.0).validate()
     with pytest.raises(ValueError, match="rope_scale_factor=8.0: Llama 3's scaling needs"):
         ModelConfig(rope_scale_factor=8.0).validate()
+
+
+def test_rows_of_a_tensor_read_alone_as_in_the_whole(tmp_path):
+    """`GGUFFile.tensor(name, rows)` (how Phi-3's fused tensors are read, one part at a time)
+    equals those rows of the whole tensor, stored float32 or quantised (a row is whole
+    blocks); rows outside the tensor are one GGUFError line."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(6, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "rows.gguf"), "llama")
+    writer.add_tensor("f32", w)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("q8", gguf.quants.quantize(w, q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    g = GGUFFile(tmp_path / "rows.gguf")
+    for name in ("f32", "q8"):
+        whole = g.tensor(name)
+        assert whole.shape == (6, 64)
+        np.testing.assert_array_equal(g.tensor(name, (2, 5)), whole[2:5])
+    assert not np.array_equal(g.tensor("q8"), w)  # quantised: the rows are its blocks' values
+    with pytest.raises(GGUFError, match=r"tensor 'q8' \[6, 64\] has no rows 4..7"):
+        g.tensor("q8", (4, 7))

@@ -2,7 +2,8 @@
 (tests/fixtures/gguf_converted/, written by experiments/reference/make_llama_cpp_ggufs.py):
 shardq's GGUF reader, which did not write them, reads each to the folder's config and
 bit-identical parameters (llama's rotary rows put back, Llama 3's scaling recovered from its
-`rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size), tokenizes as transformers did
+`rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size, Phi-3's fused tensors split
+and its window), tokenizes as transformers did
 (the SentencePiece model of llama_spm as SentencePiece itself does: a space prefix, byte
 fallback, digits one at a time) and scores within 1e-4 nats of transformers' reference."""
 
@@ -23,9 +24,9 @@ from tests.helpers import launch_in_one_process
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3")
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "llama_spm": "llama"}
+             "llama_spm": "llama", "phi3": "phi3"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -102,3 +103,17 @@ def test_reads_llama_cpps_vocabularies_as_hugging_face_tokenizes(name):
     assert len(texts) > 40
     for text, want in zip(texts, ids, strict=False):
         assert tok.encode(text, add_bos=False) == [int(i) for i in want.split()], repr(text)
+
+
+def test_a_phi3_file_with_longrope_is_refused_in_one_line():
+    """Phi-3's long-context models carry LongRoPE's factors as tensors; the file (with one such
+    tensor listed beside the converter's) is refused by name, not read as full RoPE."""
+    from model.gguf import GGUFError, GGUFFile
+    from model.llama_gguf import config_from_gguf
+
+    g = GGUFFile(CONVERTED / "phi3.gguf")
+    assert config_from_gguf(g).sliding_window == 16
+    g.tensors["rope_factors_long.weight"] = g.tensors["output_norm.weight"]
+    with pytest.raises(GGUFError, match=r"LongRoPE \(rope_factors_long/short\) is not "
+                                        r"supported"):
+        config_from_gguf(g)

