@@ -78,10 +78,18 @@ class ModelConfig:
     rope_low_freq_factor: float = 0.0
     rope_high_freq_factor: float = 0.0
     rope_original_max_len: int = 0
+    # RoPE on the first `rotary_dim` dimensions of each query and key head only, the rest passed
+    # through (Phi-4-mini's partial_rotary_factor); None: the whole head.
+    rotary_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dimensions of a head RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def q_dim(self) -> int:
@@ -108,6 +116,13 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads={self.n_heads}: head dimension {self.head_dim} must be even for rotary"
             )
+        if self.rotary_dim is not None:
+            if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+                raise ValueError(f"rotary_dim={self.rotary_dim}: must be even, in 2.."
+                                 f"{self.head_dim} (the head dimension), or None")
+            if self.layer_pattern is not None or self.rope_scale_factor:
+                raise ValueError(f"rotary_dim={self.rotary_dim}: not with layer_pattern or "
+                                 f"rope_scale_factor (None: the whole head)")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window}: must be a positive integer "
                              f"or None")

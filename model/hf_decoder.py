@@ -12,7 +12,8 @@ families read here differ only in fields of the one decoder:
            scale, scaled embeddings, a final soft-cap, and `layer_types` (sliding and global
            layers, each kind with its RoPE base from `rope_parameters`);
   phi3     Mistral's fields (`sliding_window`), with q/k/v stored as one tensor and gate/up as
-           another (split on reading, below); RoPE on every dimension of a head only.
+           another (split on reading, below), and RoPE on part of each head where
+           `partial_rotary_factor` says so (`rotary_dim`, Phi-4-mini).
 
 Name mapping (HF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). HF
 Linear weights are [out, in], Dense kernels [in, out]: every one is transposed. HF stores q and
@@ -163,8 +164,10 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind in ("llama", "mistral", "qwen3"):
         _refuse(where, hf, "attention_bias", (False,))  # would put a bias on o as well
     _refuse(where, hf, "use_sliding_window", (False,))  # Qwen's per-layer windows
-    for rope in (hf, _rope_params(hf)):  # Phi-4-mini's RoPE on a part of each head
-        _refuse(where, rope, "partial_rotary_factor", (1, 1.0))
+    partial = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if kind != "phi3":  # RoPE on part of each head: Phi-3's field alone
+        for rope in (hf, _rope_params(hf)):
+            _refuse(where, rope, "partial_rotary_factor", (1, 1.0))
     window = hf.get("sliding_window") if kind in ("mistral", "phi3") else None
     types = set(hf.get("layer_types") or ())
     if types and (types - {"full_attention", "sliding_attention"} or len(types) > 1
@@ -192,9 +195,21 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            rotary_dim=_rotary_dim(partial, head_dim, d, heads, where),
             sliding_window=None if window is None else int(window))
 
     return _validated(where, build)
+
+
+def _rotary_dim(partial, head_dim, d_model: int, heads: int, where: str) -> int | None:
+    """RoPE's dimensions per head for a `partial_rotary_factor` as transformers takes it,
+    int(head size * factor); None for the whole head."""
+    if partial in (None, 1, 1.0):
+        return None
+    size = int(head_dim) if head_dim is not None else d_model // heads
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise HFError(f"{where}: partial_rotary_factor={partial!r}: must be a number in (0, 1]")
+    return int(size * partial)
 
 
 def _validated(where: str, build) -> ModelConfig:

@@ -54,6 +54,9 @@ def family(cfg: ModelConfig) -> str:
     if cfg.mlp == "gelu":
         raise ExportError("mlp='gelu': no exported family has an ungated GELU MLP (allowed: "
                           "swiglu for llama, mistral, qwen2, qwen3; geglu for gemma3_text)")
+    if cfg.rotary_dim is not None:
+        raise ExportError(f"rotary_dim={cfg.rotary_dim}: no exported family has RoPE on part of "
+                          f"each head (Phi-3's folders are read, not written)")
     if cfg.mlp == "geglu" or cfg.norm_plus_one or cfg.post_norms:
         return "gemma3_text"
     if cfg.qkv_bias:

@@ -203,11 +203,19 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
         raise
     except (TypeError, ValueError) as e:
         raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
-    if key("rope.dimension_count") in g.metadata and \
-            g.get_int(key("rope.dimension_count")) != cfg.head_dim:
-        raise GGUFError(f"{where}: partial rotary (rope.dimension_count="
-                        f"{g.get_int(key('rope.dimension_count'))}, head_dim={cfg.head_dim}) "
-                        f"is not supported")
+    rotated = (g.get_int(key("rope.dimension_count")) if key("rope.dimension_count") in g.metadata
+               else cfg.head_dim)
+    if rotated != cfg.head_dim:
+        # RoPE on the first dimensions of each head, as Phi-4-mini's: in the rotate-half order,
+        # which llama.cpp's NeoX-style architectures keep
+        if arch != "phi3":
+            raise GGUFError(f"{where}: partial rotary (rope.dimension_count={rotated}, "
+                            f"head_dim={cfg.head_dim}) is supported for phi3 only")
+        try:
+            cfg = dataclasses.replace(cfg, rotary_dim=rotated)
+            cfg.validate()
+        except ValueError as e:
+            raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
     return cfg
 
 

@@ -4,7 +4,8 @@ The Llama family's options are config fields of the same class: grouped-query at
 (`n_kv_heads`), a gated SwiGLU MLP (`mlp="swiglu"`), a head tied to the input embedding
 (`tie_embeddings`), `rope_base` and `norm_eps` (see `model.config.MODEL_PRESETS["smollm2"]`).
 Other families are fields too: Mistral's `sliding_window`, Qwen2's `qkv_bias`, Qwen3's
-`qk_norm` and `head_size` (model/hf_decoder.py reads them from a Hugging Face config), and
+`qk_norm` and `head_size`, Phi-4-mini's `rotary_dim` (model/hf_decoder.py reads them from a
+Hugging Face config), and
 Gemma 3's: (1 + w) norms, post-attention / post-MLP norms, a GeGLU MLP, a query scale, scaled
 embeddings, a final logit soft-cap, and interleaved sliding-window and global layers with
 their own RoPE bases (`layer_pattern`).
@@ -102,8 +103,13 @@ class Attention(nnx.Module):
         window, freqs = (cfg.sliding_window, None) if layer is None else layer
         if layer is None and cfg.rope_scale_factor:
             freqs = jnp.asarray(llama3_freqs(cfg))
-        sin, cos = rotary_angles(positions_BxT, cfg.head_dim // 2, cfg.rope_base, freqs)
-        q, k = rotary(q, sin, cos), rotary(k, sin, cos)
+        sin, cos = rotary_angles(positions_BxT, cfg.rope_dim // 2, cfg.rope_base, freqs)
+        if cfg.rotary_dim is None:
+            q, k = rotary(q, sin, cos), rotary(k, sin, cos)
+        else:  # the first rotary_dim dimensions of each head turn, the rest pass through
+            r = cfg.rotary_dim
+            q, k = (jnp.concatenate([rotary(y[..., :r], sin, cos), y[..., r:]], axis=-1)
+                    for y in (q, k))
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale
             scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)

@@ -118,6 +118,8 @@ def test_user_defined_tokens_are_matched_whole():
     ("layers", dict(block_count=7), "block_count=7"),
     ("heads", dict(metadata_overrides={"llama.attention.head_count_kv": 3}), "n_kv_heads=3"),
     ("type", dict(metadata_overrides={"llama.embedding_length": "32"}), "embedding_length"),
+    ("rotary", dict(metadata_overrides={"llama.rope.dimension_count": 4}),
+     "partial rotary (rope.dimension_count=4, head_dim=8) is supported for phi3 only"),
 ])
 def test_a_bad_model_file_is_one_line(tmp_path, case, kwargs, message):
     path = gguf_files.write(tmp_path / f"{case}.gguf", **kwargs)

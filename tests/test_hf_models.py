@@ -38,7 +38,7 @@ from quant.pipeline import quantize
 from quant.smoothquant import fold
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "phi3_partial")
 TOLERANCE = 1e-4  # nats, mean NLL against transformers
 
 
@@ -98,6 +98,7 @@ def test_fixtures_cover_each_architecture_field():
     assert cfgs["mistral"].sliding_window is not None
     assert max(len(r["tokens"]) for r in rows["mistral"]) > cfgs["mistral"].sliding_window
     assert max(len(r["tokens"]) for r in rows["phi3"]) > cfgs["phi3"].sliding_window
+    assert cfgs["phi3_partial"].rotary_dim == 12 < cfgs["phi3_partial"].head_dim  # 0.75 of 16
     fused = load_file(str(FIXTURES / "phi3" / "model.safetensors"))
     assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
             } <= fused.keys() and "model.layers.0.self_attn.q_proj.weight" not in fused
@@ -165,7 +166,8 @@ _OFF = {"rope_scale_factor": dict(rope_scale_factor=0.0, rope_low_freq_factor=0.
         "layer_pattern": dict(layer_pattern="gggg"),
         "rope_local_base": dict(rope_local_base=1_000_000.0),
         "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0),
-        "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0)}
+        "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0),
+        "rotary_dim": dict(rotary_dim=None)}
 _GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embed_scale",
               "final_softcap")
 
@@ -173,6 +175,7 @@ _GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embe
 @pytest.mark.parametrize("arch, field", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
                                          ("mistral", "sliding_window"),
                                          ("phi3", "sliding_window"),
+                                         ("phi3_partial", "rotary_dim"),
                                          ("llama3", "rope_scale_factor"),
                                          *(("gemma3_text", f) for f in _GEMMA_OFF)])
 def test_dropping_a_field_misses_the_reference(arch, field):
@@ -205,7 +208,8 @@ def test_phi3s_fused_tensors_split_in_their_row_order():
         assert worst > 100 * TOLERANCE, (a, b, worst)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text", "phi3",
+                                  "phi3_partial"])
 def test_cached_decoding_follows_the_full_forward(arch):
     """Greedy tokens through the KV cache equal the argmax of the full forward at each step,
     the mistral and gemma prompts long enough that the window slides during decoding (on
@@ -318,14 +322,21 @@ def test_bad_folders_are_one_line(tmp_path):
 
 
 def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
-    """RoPE on part of each head (Phi-4-mini) or LongRoPE (Phi-3's long-context models) is
-    refused by name; a fused tensor of another size, or a part held twice, names the tensor."""
+    """LongRoPE (Phi-3's long-context models), a rotary part that is no part of a head or
+    leaves an odd number of dimensions, and RoPE on part of a head outside Phi-3 are refused by
+    name; a fused tensor of another size, or a part held twice, names the tensor."""
+    llama = bad_folder(tmp_path, "llama")
+    hf = read_config(llama)
+    (llama / "config.json").write_text(json.dumps({**hf, "partial_rotary_factor": 0.75}))
+    with pytest.raises(HFError, match="partial_rotary_factor=0.75 is not supported"):
+        load_hf(llama)
     folder = bad_folder(tmp_path, "phi3")
     hf = read_config(folder)
     for change, match in (
-            ({"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
-            ({"rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.5}},
-             "partial_rotary_factor=0.5 is not supported"),
+            ({"rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 1.5}},
+             r"partial_rotary_factor=1.5: must be a number in \(0, 1\]"),
+            ({"rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.5625}},
+             "rotary_dim=9: must be even"),
             ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
              r"rope_type='longrope' is not supported \(allowed: 'default'\)")):
         (folder / "config.json").write_text(json.dumps({**hf, **change}))
@@ -353,6 +364,8 @@ def test_export_names_the_family_whose_fields_a_model_uses(arch):
     assert family(cfg) == arch
     with pytest.raises(ExportError, match="^mlp='gelu': no exported family"):
         family(dataclasses.replace(cfg, mlp="gelu"))
+    with pytest.raises(ExportError, match="^rotary_dim=4: no exported family has RoPE on part"):
+        family(dataclasses.replace(cfg, rotary_dim=4))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])  # phi3: parts of fused tensors

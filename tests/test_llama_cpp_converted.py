@@ -2,10 +2,11 @@
 (tests/fixtures/gguf_converted/, written by experiments/reference/make_llama_cpp_ggufs.py):
 shardq's GGUF reader, which did not write them, reads each to the folder's config and
 bit-identical parameters (llama's rotary rows put back, Llama 3's scaling recovered from its
-`rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size, Phi-3's fused tensors split
-and its window), tokenizes as transformers did
-(the SentencePiece model of llama_spm as SentencePiece itself does: a space prefix, byte
-fallback, digits one at a time) and scores within 1e-4 nats of transformers' reference."""
+`rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size, Phi-3's fused tensors split,
+its window and Phi-4-mini's RoPE on part of each head from `rope.dimension_count`), tokenizes
+as transformers did (the SentencePiece model of llama_spm as SentencePiece itself does: a space
+prefix, byte fallback, digits one at a time) and scores within 1e-4 nats of transformers'
+reference."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from tests.helpers import launch_in_one_process
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial")
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "llama_spm": "llama", "phi3": "phi3"}
+             "llama_spm": "llama", "phi3": "phi3", "phi3_partial": "phi3"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -45,6 +45,7 @@ FIELD_HELP = {
     "qkv_bias": "q, k and v projections carry a bias (Qwen2)",
     "qk_norm": "RMSNorm over each query and key head (Qwen3)",
     "sliding_window": "each query sees only this many keys back (none: the whole prefix)",
+    "rotary_dim": "RoPE on this many dimensions of each head (none: all of them)",
     "steps": "optimizer steps (also the length of the cosine schedule)",
     "batch_size": "sequences per optimizer step (global, over all devices)",
     "micro_steps": "gradient accumulation: micro-batches per step",

@@ -8,7 +8,9 @@ One folder per architecture the reader `model/hf_decoder.py` supports: llama, ll
 Llama 3's RoPE scaling), mistral (a sliding window shorter than the longest text), qwen2 (q/k/v
 biases), qwen3 (q/k RMSNorm and a head size other than d_model / n_heads), gemma3_text (four
 layers, sliding and global ones interleaved, a window shorter than the longest text, a query scale
-other than the head size's and a final soft-cap). Each holds what `save_pretrained` writes in
+other than the head size's and a final soft-cap), phi3 (q/k/v and gate/up each in one fused tensor,
+a window shorter than the longest text) and phi3_partial (Phi-4-mini's RoPE on three quarters of
+each head). Each holds what `save_pretrained` writes in
 float32 (config.json, model.safetensors), one byte-level BPE `tokenizer.json` trained here with the
 `tokenizers` library on standard-library docstrings (the same for every folder), a
 `tokenizer_config.json`, and `reference.json`: per text transformers' mean NLL in nats over
@@ -117,6 +119,11 @@ ARCHS = {
     "phi3": (transformers.Phi3Config,
              dict(sliding_window=SLIDING_WINDOW, pad_token_id=1,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Phi-4-mini's form of Phi-3: RoPE on three quarters of each head, a tied head, no window.
+    "phi3_partial": (transformers.Phi3Config,
+                     dict(pad_token_id=1, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75})),
 }
 
 

@@ -23,7 +23,7 @@ import runpy
 import sys
 from pathlib import Path
 
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial")
 PRE = "gpt-2"  # llama.cpp's name for the fixtures' pre-tokenizer
 
 
