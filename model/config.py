@@ -117,9 +117,10 @@ class ModelConfig:
                 f"n_heads={self.n_heads}: head dimension {self.head_dim} must be even for rotary"
             )
         if self.rotary_dim is not None:
-            if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
-                raise ValueError(f"rotary_dim={self.rotary_dim}: must be even, in 2.."
-                                 f"{self.head_dim} (the head dimension), or None")
+            # the whole head is None alone: one model, one config
+            if not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+                raise ValueError(f"rotary_dim={self.rotary_dim}: must be even and below the "
+                                 f"head dimension {self.head_dim}, or None (the whole head)")
             if self.layer_pattern is not None or self.rope_scale_factor:
                 raise ValueError(f"rotary_dim={self.rotary_dim}: not with layer_pattern or "
                                  f"rope_scale_factor (None: the whole head)")

@@ -157,6 +157,8 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind not in MODEL_TYPES:
         raise HFError(f"{where}: model_type={kind!r} is not supported (allowed: "
                       f"{', '.join(MODEL_TYPES)})")
+    if not isinstance(_rope_params(hf), dict):
+        raise HFError(f"{where}: rope_parameters (or rope_scaling) must be an object")
     if kind == "gemma3_text":
         return _validated(where, lambda: _gemma3_config(hf, where, n_layers, max_len))
     _refuse(where, hf, "hidden_act", ("silu",))
@@ -191,7 +193,9 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             max_len=context if max_len is None else min(max_len, context),
             rope_base=_rope_base(hf, where, kinds=("default",) if kind == "phi3"
                                  else ("default", "llama3")),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope_scaling(hf, where),
+            # transformers' defaults where the field is missing
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "phi3" else 1e-6)),
+            **_rope_scaling(hf, where),
             head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
@@ -209,7 +213,7 @@ def _rotary_dim(partial, head_dim, d_model: int, heads: int, where: str) -> int 
     size = int(head_dim) if head_dim is not None else d_model // heads
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise HFError(f"{where}: partial_rotary_factor={partial!r}: must be a number in (0, 1]")
-    return int(size * partial)
+    return None if int(size * partial) == size else int(size * partial)
 
 
 def _validated(where: str, build) -> ModelConfig:

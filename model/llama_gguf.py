@@ -379,7 +379,8 @@ def _in_our_layout(g: GGUFFile, cfg: ModelConfig, arch: str, path: str,
     a = g.tensor(name, rows)
     # min/max propagate NaN and reach +-inf without a per-element mask array
     if not (np.isfinite(a.min()) and np.isfinite(a.max())):
-        raise GGUFError(f"{str(g.path)!r}: tensor {name!r} holds non-finite values")
+        part = "" if rows is None else f" (rows {rows[0]}..{rows[1]})"
+        raise GGUFError(f"{str(g.path)!r}: tensor {name!r}{part} holds non-finite values")
     if cfg.norm_plus_one and path.endswith("norm/scale"):
         return a - np.float32(1.0)  # the file holds 1 + w (see the module docstring)
     llama_rows = arch in PERMUTED_ARCHITECTURES

@@ -323,8 +323,9 @@ def test_bad_folders_are_one_line(tmp_path):
 
 def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
     """LongRoPE (Phi-3's long-context models), a rotary part that is no part of a head or
-    leaves an odd number of dimensions, and RoPE on part of a head outside Phi-3 are refused by
-    name; a fused tensor of another size, or a part held twice, names the tensor."""
+    leaves an odd number of dimensions, RoPE on part of a head outside Phi-3 and RoPE parameters
+    that are no object are refused by name; a fused tensor of another size, or a part held
+    twice, names the tensor."""
     llama = bad_folder(tmp_path, "llama")
     hf = read_config(llama)
     (llama / "config.json").write_text(json.dumps({**hf, "partial_rotary_factor": 0.75}))
@@ -337,6 +338,8 @@ def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
              r"partial_rotary_factor=1.5: must be a number in \(0, 1\]"),
             ({"rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.5625}},
              "rotary_dim=9: must be even"),
+            ({"rope_parameters": [1e4]}, r"rope_parameters \(or rope_scaling\) must be an "
+                                         r"object"),
             ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
              r"rope_type='longrope' is not supported \(allowed: 'default'\)")):
         (folder / "config.json").write_text(json.dumps({**hf, **change}))

