@@ -110,8 +110,9 @@ LLAMA3_KEYS = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_
 
 
 def _rope_params(hf: dict) -> dict:
-    """The RoPE parameters: `rope_parameters` (transformers 5) or `rope_scaling` (before)."""
-    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    """The RoPE parameters: `rope_parameters` (transformers 5) or `rope_scaling` (before), which
+    transformers takes first where a config has both."""
+    return hf.get("rope_scaling") or hf.get("rope_parameters") or {}
 
 
 def _rope_base(hf: dict, where: str, layer_type: str | None = None,

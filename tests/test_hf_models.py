@@ -454,3 +454,17 @@ def test_generation_configs_eos_ids_also_stop_a_reply(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ["x"]}))
     with pytest.raises(HFTokenizerError, match="generation_config.json'.*eos_token_id="):
         HFTokenizer(folder)
+
+
+def test_rope_scaling_beside_rope_parameters_is_taken_first_as_transformers_does(tmp_path):
+    """A config.json holding both forms (an older `rope_scaling` beside transformers 5's
+    `rope_parameters`) is read from `rope_scaling`, as transformers reads it, with the
+    top-level `rope_theta`: here Llama 3's scaling with the plain folder's parameters beside
+    it."""
+    folder = bad_folder(tmp_path, "llama3")
+    hf = read_config(folder)
+    scaling = {k: v for k, v in hf["rope_parameters"].items() if k != "rope_theta"}
+    both = {**hf, "rope_scaling": scaling, "rope_theta": hf["rope_parameters"]["rope_theta"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    (folder / "config.json").write_text(json.dumps(both))
+    assert load_hf(folder)[0] == load_hf(FIXTURES / "llama3")[0]
