@@ -416,7 +416,12 @@ def rotary_angles(positions_BxT: jax.Array, half: int, base: float,
 
 def rotary(x_BxTxNxH: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     """Rotary position embedding (rotate-half convention) with `rotary_angles`' tables,
-    computed in fp32."""
+    computed in fp32: on the first 2 * (the tables' width) dimensions of each head, the rest
+    passed through (RoPE on part of a head, `ModelConfig.rotary_dim`)."""
+    turned = 2 * sin.shape[-1]
+    if turned < x_BxTxNxH.shape[-1]:
+        return jnp.concatenate([rotary(x_BxTxNxH[..., :turned], sin, cos),
+                                x_BxTxNxH[..., turned:]], axis=-1)
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxNxH.dtype)

@@ -104,12 +104,7 @@ class Attention(nnx.Module):
         if layer is None and cfg.rope_scale_factor:
             freqs = jnp.asarray(llama3_freqs(cfg))
         sin, cos = rotary_angles(positions_BxT, cfg.rope_dim // 2, cfg.rope_base, freqs)
-        if cfg.rotary_dim is None:
-            q, k = rotary(q, sin, cos), rotary(k, sin, cos)
-        else:  # the first rotary_dim dimensions of each head turn, the rest pass through
-            r = cfg.rotary_dim
-            q, k = (jnp.concatenate([rotary(y[..., :r], sin, cos), y[..., r:]], axis=-1)
-                    for y in (q, k))
+        q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale
             scale = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
