@@ -43,6 +43,7 @@ tensor while loading (of a fused tensor, one part's rows).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -51,7 +52,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import ModelConfig
-from model.llama_gguf import set_path, stacked_leaf
+from model.llama_gguf import fused_rows, set_path, stacked_leaf
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
@@ -158,7 +159,8 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind not in MODEL_TYPES:
         raise HFError(f"{where}: model_type={kind!r} is not supported (allowed: "
                       f"{', '.join(MODEL_TYPES)})")
-    if not isinstance(_rope_params(hf), dict):
+    rope = _rope_params(hf)
+    if not isinstance(rope, dict):
         raise HFError(f"{where}: rope_parameters (or rope_scaling) must be an object")
     if kind == "gemma3_text":
         return _validated(where, lambda: _gemma3_config(hf, where, n_layers, max_len))
@@ -167,10 +169,10 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
     if kind in ("llama", "mistral", "qwen3"):
         _refuse(where, hf, "attention_bias", (False,))  # would put a bias on o as well
     _refuse(where, hf, "use_sliding_window", (False,))  # Qwen's per-layer windows
-    partial = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if kind != "phi3":  # RoPE on part of each head: Phi-3's field alone
-        for rope in (hf, _rope_params(hf)):
-            _refuse(where, rope, "partial_rotary_factor", (1, 1.0))
+        for fields in (hf, rope):
+            _refuse(where, fields, "partial_rotary_factor", (1, 1.0))
     window = hf.get("sliding_window") if kind in ("mistral", "phi3") else None
     types = set(hf.get("layer_types") or ())
     if types and (types - {"full_attention", "sliding_attention"} or len(types) > 1
@@ -186,7 +188,7 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
         if n_layers is not None and not 1 <= n_layers <= layers:
             raise HFError(f"n_layers={n_layers}: must be in 1..{layers} (the model's layers)")
         context = int(hf.get("max_position_embeddings", 2048))
-        return ModelConfig(
+        cfg = ModelConfig(
             vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers or layers,
             n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
             d_ff=int(hf["intermediate_size"]), mlp="swiglu",
@@ -200,18 +202,17 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             head_size=(None if head_dim is None or heads * int(head_dim) == d and d % heads == 0
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-            rotary_dim=_rotary_dim(partial, head_dim, d, heads, where),
             sliding_window=None if window is None else int(window))
+        return dataclasses.replace(cfg, rotary_dim=_rotary_dim(partial, cfg.head_dim, where))
 
     return _validated(where, build)
 
 
-def _rotary_dim(partial, head_dim, d_model: int, heads: int, where: str) -> int | None:
-    """RoPE's dimensions per head for a `partial_rotary_factor` as transformers takes it,
-    int(head size * factor); None for the whole head."""
+def _rotary_dim(partial, size: int, where: str) -> int | None:
+    """RoPE's dimensions per head of `size` for a `partial_rotary_factor` as transformers takes
+    it, int(size * factor); None for the whole head."""
     if partial in (None, 1, 1.0):
         return None
-    size = int(head_dim) if head_dim is not None else d_model // heads
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise HFError(f"{where}: partial_rotary_factor={partial!r}: must be a number in (0, 1]")
     return None if int(size * partial) == size else int(size * partial)
@@ -344,15 +345,12 @@ def _plan(files: dict[str, Path], cfg: ModelConfig, where: str) -> dict[str, lis
         paths, layer = target
         if layer is not None and layer >= cfg.n_layers:
             continue  # a truncated model
-        total, start = sum(want[p][0] for p in paths), 0
-        for path in paths:
+        total = sum(want[p][0] for p in paths)
+        for path, rows in fused_rows(paths, want):
             if plan[path][layer or 0] is not None:
                 a, b = sorted((plan[path][layer or 0][0], name))
                 raise HFError(f"{where}: tensors {a!r} and {b!r} both hold {path}")
-            rows = want[path][0]
-            plan[path][layer or 0] = (name, (start, start + rows, total) if len(paths) > 1
-                                      else None)
-            start += rows
+            plan[path][layer or 0] = (name, None if rows is None else (*rows, total))
     for path, names in plan.items():
         for i, name in enumerate(names):
             if name is None:

@@ -320,6 +320,20 @@ def _unpermute(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
 Source = tuple[str, tuple[int, int] | None]
 
 
+def fused_rows(paths: tuple[str, ...], want: dict[str, tuple[int, ...]]
+               ) -> list[tuple[str, tuple[int, int] | None]]:
+    """Each NNX path a file tensor holds with its rows (start, stop) in that tensor, the parts
+    one after another at their expected sizes (`want`: [out, in] shapes); None for a tensor
+    that holds one parameter whole. (The Hugging Face reader splits Phi-3's the same way.)"""
+    if len(paths) == 1:
+        return [(paths[0], None)]
+    out, start = [], 0
+    for path in paths:
+        out.append((path, (start, start + want[path][0])))
+        start += want[path][0]
+    return out
+
+
 def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[Source]]:
     """{NNX path: [its source per layer]} after every name and shape check."""
     where = repr(str(g.path))
@@ -343,11 +357,8 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[Sou
         if info.shape != shape:
             raise GGUFError(f"{where}: tensor {name!r} has shape {list(info.shape)}, the "
                             f"metadata implies {list(shape)}")
-        start = 0
-        for path in paths:
-            rows = want[path][0]
-            plan[path][layer or 0] = (name, (start, start + rows) if len(paths) > 1 else None)
-            start += rows
+        for path, rows in fused_rows(paths, want):
+            plan[path][layer or 0] = (name, rows)
     for path, names in plan.items():
         for i, name in enumerate(names):
             if name is None:
