@@ -81,6 +81,19 @@ class ModelConfig:
     # RoPE on the first `rotary_dim` dimensions of each query and key head only, the rest passed
     # through (Phi-4-mini's partial_rotary_factor); None: the whole head.
     rotary_dim: int | None = None
+    # LongRoPE (Phi-3.5, Phi-4-mini): each rotary frequency divided by its own factor, the short
+    # ones while max_len is at most rope_original_max_len, the long ones beyond; sin and cos
+    # multiplied by rope_attention_factor. None / 0.0: off.
+    rope_short_factors: tuple[float, ...] | None = None
+    rope_long_factors: tuple[float, ...] | None = None
+    rope_attention_factor: float = 0.0
+
+    def __post_init__(self):
+        # a config read back from JSON holds lists; the model's static config must hash
+        for name in ("rope_short_factors", "rope_long_factors"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
     @property
     def head_dim(self) -> int:
@@ -140,6 +153,7 @@ class ModelConfig:
         for name in ("query_pre_attn_scalar", "final_softcap", "rope_local_base"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive, or 0 (off)")
+        self._validate_longrope()
         scaling = ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                    "rope_original_max_len")
         if self.rope_scale_factor:
@@ -150,10 +164,14 @@ class ModelConfig:
                     f"factor >= 1, rope_original_max_len > 0 and 0 < rope_low_freq_factor < "
                     f"rope_high_freq_factor (got {self.rope_original_max_len}, "
                     f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor})")
-        elif any(getattr(self, name) for name in scaling[1:]):
-            name = next(n for n in scaling[1:] if getattr(self, n))
-            raise ValueError(f"{name}={getattr(self, name)}: only with rope_scale_factor "
-                             f"(Llama 3's RoPE scaling); 0 when it is off")
+        else:
+            # LongRoPE shares rope_original_max_len alone
+            unused = scaling[1:3] if self.rope_short_factors is not None else scaling[1:]
+            if any(getattr(self, name) for name in unused):
+                name = next(n for n in unused if getattr(self, n))
+                raise ValueError(f"{name}={getattr(self, name)}: only with rope_scale_factor "
+                                 f"(Llama 3's RoPE scaling) or, for rope_original_max_len, "
+                                 f"LongRoPE; 0 when it is off")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "
@@ -177,6 +195,34 @@ class ModelConfig:
         if self.scan_unroll < 1:
             raise ValueError(f"scan_unroll={self.scan_unroll}: must be >= 1")
 
+    def _validate_longrope(self) -> None:
+        short, long = self.rope_short_factors, self.rope_long_factors
+        if short is None and long is None:
+            if self.rope_attention_factor:
+                raise ValueError(f"rope_attention_factor={self.rope_attention_factor}: only with "
+                                 f"LongRoPE (rope_short_factors, rope_long_factors); 0 when off")
+            return
+        n = self.rope_dim // 2
+        for name, factors in (("rope_short_factors", short), ("rope_long_factors", long)):
+            if not (isinstance(factors, tuple) and len(factors) == n and all(
+                    isinstance(f, (int, float)) and not isinstance(f, bool)
+                    and 0 < f < float("inf") for f in factors)):
+                raise ValueError(f"{name}: LongRoPE needs {n} positive finite numbers (one per "
+                                 f"rotary frequency) in both rope_short_factors and "
+                                 f"rope_long_factors")
+        if not (self.rope_original_max_len > 0 and 0 < self.rope_attention_factor < float("inf")):
+            raise ValueError(f"rope_original_max_len={self.rope_original_max_len}, "
+                             f"rope_attention_factor={self.rope_attention_factor}: LongRoPE "
+                             f"needs both positive")
+        if self.rope_scale_factor or self.layer_pattern is not None:
+            raise ValueError("rope_short_factors: LongRoPE is not with rope_scale_factor (Llama "
+                             "3's scaling) or layer_pattern")
+
+
+def _plain(value):
+    """A field's value as JSON writes it (a tuple is a list there)."""
+    return list(value) if isinstance(value, tuple) else value
+
 
 def differing_fields(written: dict, cfg: ModelConfig) -> list[str]:
     """The fields in which `written` (a ModelConfig as a dict, from a run's config.json or a
@@ -187,7 +233,7 @@ def differing_fields(written: dict, cfg: ModelConfig) -> list[str]:
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     names = [*here, *sorted(written.keys() - here.keys())]
     return [k for k in names if k not in EXECUTION_FIELDS
-            and (k not in here or written.get(k, defaults.get(k)) != here[k])]
+            and (k not in here or _plain(written.get(k, defaults.get(k))) != _plain(here[k]))]
 
 
 # Shapes. The large ones follow GPT-3-style width/depth ratios with a byte vocabulary and are

@@ -12,8 +12,9 @@ families read here differ only in fields of the one decoder:
            scale, scaled embeddings, a final soft-cap, and `layer_types` (sliding and global
            layers, each kind with its RoPE base from `rope_parameters`);
   phi3     Mistral's fields (`sliding_window`), with q/k/v stored as one tensor and gate/up as
-           another (split on reading, below), and RoPE on part of each head where
-           `partial_rotary_factor` says so (`rotary_dim`, Phi-4-mini).
+           another (split on reading, below), RoPE on part of each head where
+           `partial_rotary_factor` says so (`rotary_dim`, Phi-4-mini), and LongRoPE where
+           rope_type is "longrope" (`rope_short_factors`, Phi-3.5 and Phi-4-mini).
 
 Name mapping (HF -> NNX pure-dict path; per-layer tensors stacked on the `layers` axis). HF
 Linear weights are [out, in], Dense kernels [in, out]: every one is transposed. HF stores q and
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -52,7 +54,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import ModelConfig
-from model.llama_gguf import fused_rows, set_path, stacked_leaf
+from model.llama_gguf import fused_rows, set_path, shortest_f32, stacked_leaf
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}  # what a tensor may be stored as
@@ -108,6 +110,8 @@ def read_config(folder: str | Path) -> dict:
 LLAMA3_KEYS = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
                "high_freq_factor": "rope_high_freq_factor",
                "original_max_position_embeddings": "rope_original_max_len"}
+# Phi-3's LongRoPE, by the names transformers reads it under
+LONGROPE_TYPES = ("longrope", "su")
 
 
 def _rope_params(hf: dict) -> dict:
@@ -145,6 +149,39 @@ def _rope_scaling(hf: dict, where: str) -> dict:
                       f"{', '.join(LLAMA3_KEYS)}") from None
 
 
+def _longrope(hf: dict, where: str) -> dict:
+    """The config fields of Phi-3's LongRoPE (rope_type "longrope", once "su"), as transformers
+    derives them: the pretraining context is the config's own `original_max_position_embeddings`
+    (4096 where absent), the attention factor the given one or sqrt(1 + ln(s) / ln(original))
+    for s = max_position_embeddings / original (`factor` where given) above 1; {} for none."""
+    rope = _rope_params(hf)
+    if rope.get("rope_type", rope.get("type")) not in LONGROPE_TYPES:
+        return {}
+    short, long = rope.get("short_factor"), rope.get("long_factor")
+    numbers = lambda v: isinstance(v, list) and all(  # noqa: E731
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    if not (numbers(short) and numbers(long)):
+        raise HFError(f"{where}: rope_type='longrope' needs short_factor and long_factor as "
+                      f"lists of numbers")
+    try:
+        original = int(hf.get("original_max_position_embeddings", 4096))
+        factor = float(rope.get("factor") or int(hf.get("max_position_embeddings", 4096))
+                       / original)
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = (1.0 if factor <= 1
+                         else math.sqrt(1 + math.log(factor) / math.log(original)))
+        attention = shortest_f32(attention)
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise HFError(f"{where}: rope_type='longrope' needs a positive "
+                      f"original_max_position_embeddings, max_position_embeddings and "
+                      f"factor") from None
+    # as float32 decimals, which is what RoPE computes with and what a GGUF of the model holds
+    return dict(rope_short_factors=tuple(map(shortest_f32, short)),
+                rope_long_factors=tuple(map(shortest_f32, long)),
+                rope_original_max_len=original, rope_attention_factor=attention)
+
+
 def _refuse(where: str, hf: dict, key: str, ok) -> None:
     if key in hf and hf[key] not in ok:
         raise HFError(f"{where}: {key}={hf[key]!r} is not supported (allowed: "
@@ -154,7 +191,8 @@ def _refuse(where: str, hf: dict, key: str, ok) -> None:
 def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = None,
                    max_len: int | None = None) -> ModelConfig:
     """The decoder's config from a Hugging Face config.json (as a dict); `n_layers` keeps the
-    first layers, `max_len` shortens the context (None: max_position_embeddings)."""
+    first layers, `max_len` shortens the context (None: max_position_embeddings; with LongRoPE,
+    original_max_position_embeddings: a longer one switches to the long factors)."""
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
         raise HFError(f"{where}: model_type={kind!r} is not supported (allowed: "
@@ -194,7 +232,7 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             d_ff=int(hf["intermediate_size"]), mlp="swiglu",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_len=context if max_len is None else min(max_len, context),
-            rope_base=_rope_base(hf, where, kinds=("default",) if kind == "phi3"
+            rope_base=_rope_base(hf, where, kinds=("default", *LONGROPE_TYPES) if kind == "phi3"
                                  else ("default", "llama3")),
             # transformers' defaults where the field is missing
             norm_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "phi3" else 1e-6)),
@@ -203,7 +241,11 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
                        else int(head_dim)),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             sliding_window=None if window is None else int(window))
-        return dataclasses.replace(cfg, rotary_dim=_rotary_dim(partial, cfg.head_dim, where))
+        cfg = dataclasses.replace(cfg, rotary_dim=_rotary_dim(partial, cfg.head_dim, where))
+        longrope = _longrope(hf, where) if kind == "phi3" else {}
+        if longrope and max_len is None:  # the pretraining context, where the short factors hold
+            longrope["max_len"] = min(context, longrope["rope_original_max_len"])
+        return dataclasses.replace(cfg, **longrope)
 
     return _validated(where, build)
 

@@ -401,16 +401,21 @@ def fused_causal_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array,
 
 
 def rotary_angles(positions_BxT: jax.Array, half: int, base: float,
-                  freqs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  freqs: jax.Array | None = None,
+                  scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) [B, T, 1, half] float32 of the rotary angles at `positions_BxT`: `freqs` [half]
-    (a layer's own, traced), else the ones `base` gives.
+    (a layer's own, traced), else the ones `base` gives; both times `scale` (LongRoPE's
+    attention factor).
 
     They are computed once, apart from the products that rotate q and k: fused into each of
     them, XLA:CPU would evaluate sin and cos again for every element of every head."""
     if freqs is None:
         freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]  # B,T,H/2
-    sin, cos = jax.lax.optimization_barrier((jnp.sin(angles), jnp.cos(angles)))
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if scale != 1.0:
+        sin, cos = sin * jnp.float32(scale), cos * jnp.float32(scale)
+    sin, cos = jax.lax.optimization_barrier((sin, cos))
     return sin[:, :, None, :], cos[:, :, None, :]
 
 

@@ -57,6 +57,9 @@ def family(cfg: ModelConfig) -> str:
     if cfg.rotary_dim is not None:
         raise ExportError(f"rotary_dim={cfg.rotary_dim}: no exported family has RoPE on part of "
                           f"each head (Phi-3's folders are read, not written)")
+    if cfg.rope_short_factors is not None:
+        raise ExportError("rope_short_factors: no exported family has LongRoPE (Phi-3's folders "
+                          "are read, not written)")
     if cfg.mlp == "geglu" or cfg.norm_plus_one or cfg.post_norms:
         return "gemma3_text"
     if cfg.qkv_bias:

@@ -47,8 +47,12 @@ read one part at a time (`GGUFFile.tensor`'s rows):
   blk.N.attn_qkv.weight    -> blocks/attn/{q,k,v}/kernel (rows q, then k, v)
   blk.N.ffn_up.weight      -> blocks/mlp/{gate,up}/kernel (rows gate, then up)
 q/k rows stay in the rotate-half order. `attention.sliding_window` is the model's window, which
-transformers applies (llama.cpp's Phi-3 graph leaves it out); LongRoPE's `rope_factors_*` are
-refused.
+transformers applies (llama.cpp's Phi-3 graph leaves it out). LongRoPE goes into the config:
+  rope_factors_short.weight, rope_factors_long.weight -> rope_short_factors, rope_long_factors
+  rope.scaling.original_context_length -> rope_original_max_len
+  rope.scaling.attn_factor             -> rope_attention_factor (1 where absent)
+and the context defaults to the original one, where the short factors hold (as the Hugging Face
+reader's).
 """
 
 from __future__ import annotations
@@ -108,6 +112,10 @@ GEMMA3_LOCAL_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales this model's queries by its width per head
 # Llama 3's RoPE scaling as llama.cpp's converter writes it: one divisor per frequency.
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE as llama.cpp's Phi-3 converter writes it: one divisor per rotary frequency, a set for
+# contexts up to the original one and a set beyond.
+LONGROPE_FACTORS = {"rope_factors_short.weight": "rope_short_factors",
+                    "rope_factors_long.weight": "rope_long_factors"}
 _TOP_MAP = {"token_embd.weight": ("embed/embedding", False),
             "output.weight": ("head/kernel", True),
             "output_norm.weight": ("final_norm/scale", False)}
@@ -126,7 +134,7 @@ def package_gguf_path() -> Path:
     raise GGUFError(f"package {PACKAGE!r} ships no {GGUF_NAME}")
 
 
-def _shortest_f32(x: float) -> float:
+def shortest_f32(x: float) -> float:
     """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
     return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
 
@@ -158,7 +166,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
     context = g.get_int(key("context_length"))
     vocab = (g.get_int(key("vocab_size")) if key("vocab_size") in g.metadata
              else len(g.get_strings("tokenizer.ggml.tokens")))
-    rope_base = (_shortest_f32(g.get_float(key("rope.freq_base")))
+    rope_base = (shortest_f32(g.get_float(key("rope.freq_base")))
                  if key("rope.freq_base") in g.metadata else 10_000.0)
     d_model = g.get_int(key("embedding_length"))
     head_size = (g.get_int(key("attention.key_length"))
@@ -167,9 +175,10 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
         head_size = None  # the default, as the Hugging Face reader leaves it
     family: dict = dict(mlp="swiglu", head_size=head_size,
                         qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    longrope = _longrope(g, key, where) if arch == "phi3" else {}
+    if longrope and max_len is None:  # the pretraining context, where the short factors hold
+        context = min(context, longrope["rope_original_max_len"])
     if arch == "phi3":
-        if any(name.startswith("rope_factors_") for name in g.tensors):
-            raise GGUFError(f"{where}: LongRoPE (rope_factors_long/short) is not supported")
         # the model's window, as transformers applies it (llama.cpp's Phi-3 graph leaves it out)
         window = (g.get_int(key("attention.sliding_window"))
                   if key("attention.sliding_window") in g.metadata else 0)
@@ -180,9 +189,9 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
             mlp="geglu", head_size=key_length, qk_norm=True,
             sliding_window=g.get_int(key("attention.sliding_window")),
             layer_pattern=gemma3_layer_pattern(n_layers or layers),
-            rope_local_base=(_shortest_f32(g.get_float(key("rope.freq_base_swa")))
+            rope_local_base=(shortest_f32(g.get_float(key("rope.freq_base_swa")))
                              if key("rope.freq_base_swa") in g.metadata else GEMMA3_LOCAL_BASE),
-            final_softcap=(_shortest_f32(g.get_float(key("final_logit_softcapping")))
+            final_softcap=(shortest_f32(g.get_float(key("final_logit_softcapping")))
                            if key("final_logit_softcapping") in g.metadata else 0.0),
             norm_plus_one=True, post_norms=True, embed_scale=True,
             query_pre_attn_scalar=gemma3_query_scalar(layers, d_model, heads, key_length))
@@ -192,7 +201,7 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
             n_layers=n_layers or layers, n_heads=heads, n_kv_heads=kv_heads,
             d_ff=g.get_int(key("feed_forward_length")),
             max_len=context if max_len is None else min(max_len, context), rope_base=rope_base,
-            norm_eps=_shortest_f32(g.get_float(key("attention.layer_norm_rms_epsilon"))),
+            norm_eps=shortest_f32(g.get_float(key("attention.layer_norm_rms_epsilon"))),
             tie_embeddings="output.weight" not in g.tensors, **family)
         cfg.validate()
         if ROPE_FREQS in g.tensors:  # Llama 3's scaling, of the model's own head size
@@ -205,18 +214,37 @@ def config_from_gguf(g: GGUFFile, n_layers: int | None = None,
         raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
     rotated = (g.get_int(key("rope.dimension_count")) if key("rope.dimension_count") in g.metadata
                else cfg.head_dim)
-    if rotated != cfg.head_dim:
-        # RoPE on the first dimensions of each head, as Phi-4-mini's: in the rotate-half order,
-        # which llama.cpp's NeoX-style architectures keep
-        if arch != "phi3":
-            raise GGUFError(f"{where}: partial rotary (rope.dimension_count={rotated}, "
-                            f"head_dim={cfg.head_dim}) is supported for phi3 only")
+    if rotated != cfg.head_dim and arch != "phi3":
+        raise GGUFError(f"{where}: partial rotary (rope.dimension_count={rotated}, "
+                        f"head_dim={cfg.head_dim}) is supported for phi3 only")
+    if rotated != cfg.head_dim or longrope:
+        # RoPE on the first dimensions of each head, as Phi-4-mini's (in the rotate-half order,
+        # which llama.cpp's NeoX-style architectures keep), with its LongRoPE factors
         try:
-            cfg = dataclasses.replace(cfg, rotary_dim=rotated)
+            cfg = dataclasses.replace(
+                cfg, rotary_dim=None if rotated == cfg.head_dim else rotated, **longrope)
             cfg.validate()
         except ValueError as e:
             raise GGUFError(f"{where}: metadata describes no valid model ({e})") from None
     return cfg
+
+
+def _longrope(g: GGUFFile, key, where: str) -> dict:
+    """The config fields of a Phi-3 file's LongRoPE; {} for none. The factors' count is the
+    config's check (one per rotary frequency)."""
+    present = [name for name in LONGROPE_FACTORS if name in g.tensors]
+    if not present:
+        return {}
+    if len(present) == 1 or key("rope.scaling.original_context_length") not in g.metadata:
+        raise GGUFError(f"{where}: LongRoPE needs {' and '.join(LONGROPE_FACTORS)} and "
+                        f"{key('rope.scaling.original_context_length')}")
+    fields = {field: tuple(map(shortest_f32, np.asarray(g.tensor(name), np.float32).reshape(-1)))
+              for name, field in LONGROPE_FACTORS.items()}
+    attention = key("rope.scaling.attn_factor")
+    return dict(fields,
+                rope_original_max_len=g.get_int(key("rope.scaling.original_context_length")),
+                rope_attention_factor=(shortest_f32(g.get_float(attention))
+                                       if attention in g.metadata else 1.0))
 
 
 def llama3_divisors(cfg: ModelConfig) -> np.ndarray:
@@ -342,7 +370,7 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[Sou
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name, info in g.tensors.items():
-        if name == ROPE_FREQS:
+        if name == ROPE_FREQS or name in LONGROPE_FACTORS:
             continue  # RoPE scaling, read into the config
         target = _targets(name, arch)
         if target is None or not set(target[0]) <= set(want):

@@ -1,5 +1,5 @@
-"""Rotary frequencies as transformers computes them (float32), with Llama 3's scaling: numpy
-only, so the GGUF reader uses them before JAX starts."""
+"""Rotary frequencies as transformers computes them (float32), with Llama 3's scaling and
+LongRoPE: numpy only, so the GGUF reader uses them before JAX starts."""
 
 from __future__ import annotations
 
@@ -31,3 +31,26 @@ def llama3_freqs(cfg: ModelConfig) -> np.ndarray:
     blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < original / high) & ~(wavelen > original / low)
     return np.where(medium, blended, scaled).astype(f32)
+
+
+def longrope_freqs(cfg: ModelConfig) -> np.ndarray:
+    """[rope_dim / 2] float32 LongRoPE frequencies, each divided by its short factor where the
+    model runs with a context (`max_len`) of at most `rope_original_max_len`, by its long one
+    beyond (llama.cpp picks by its context so; transformers by each sequence's length, which
+    is the same for any sequence the context holds when that is the shorter)."""
+    factors = (cfg.rope_long_factors if cfg.max_len > cfg.rope_original_max_len
+               else cfg.rope_short_factors)
+    exps = (np.arange(0, cfg.rope_dim, 2, dtype=np.int64).astype(np.float32)
+            / np.float32(cfg.rope_dim))
+    ext = np.asarray(factors, np.float32)
+    return (np.float32(1.0) / (ext * np.float32(cfg.rope_base) ** exps)).astype(np.float32)
+
+
+def attention_rope(cfg: ModelConfig) -> tuple[np.ndarray | None, float]:
+    """(frequencies, or None for the plain ones of `cfg.rope_base`; the factor sin and cos are
+    multiplied by) of a model without `layer_pattern`."""
+    if cfg.rope_short_factors is not None:
+        return longrope_freqs(cfg), cfg.rope_attention_factor
+    if cfg.rope_scale_factor:
+        return llama3_freqs(cfg), 1.0
+    return None, 1.0

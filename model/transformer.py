@@ -4,8 +4,8 @@ The Llama family's options are config fields of the same class: grouped-query at
 (`n_kv_heads`), a gated SwiGLU MLP (`mlp="swiglu"`), a head tied to the input embedding
 (`tie_embeddings`), `rope_base` and `norm_eps` (see `model.config.MODEL_PRESETS["smollm2"]`).
 Other families are fields too: Mistral's `sliding_window`, Qwen2's `qkv_bias`, Qwen3's
-`qk_norm` and `head_size`, Phi-4-mini's `rotary_dim` (model/hf_decoder.py reads them from a
-Hugging Face config), and
+`qk_norm` and `head_size`, Phi-4-mini's `rotary_dim` and LongRoPE (`rope_short_factors`;
+model/hf_decoder.py reads them from a Hugging Face config), and
 Gemma 3's: (1 + w) norms, post-attention / post-MLP norms, a GeGLU MLP, a query scale, scaled
 embeddings, a final logit soft-cap, and interleaved sliding-window and global layers with
 their own RoPE bases (`layer_pattern`).
@@ -45,7 +45,7 @@ from model.layers import (
     rotary_angles,
     shared_input,
 )
-from model.rope import llama3_freqs, rope_freqs
+from model.rope import attention_rope, llama3_freqs, rope_freqs
 
 # Name scopes that label the compiled program's operations (a profile groups its time by them:
 # experiments/speed/step_profile.py). They change no computation.
@@ -100,10 +100,13 @@ class Attention(nnx.Module):
         q, k, v = (split(y) for y in shared_input(x_BxTxD, self.q, self.k, self.v))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        window, freqs = (cfg.sliding_window, None) if layer is None else layer
-        if layer is None and cfg.rope_scale_factor:
-            freqs = jnp.asarray(llama3_freqs(cfg))
-        sin, cos = rotary_angles(positions_BxT, cfg.rope_dim // 2, cfg.rope_base, freqs)
+        if layer is None:
+            window = cfg.sliding_window
+            freqs, scale = attention_rope(cfg)
+        else:
+            (window, freqs), scale = layer, 1.0
+        sin, cos = rotary_angles(positions_BxT, cfg.rope_dim // 2, cfg.rope_base,
+                                 None if freqs is None else jnp.asarray(freqs), scale)
         q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale

@@ -38,7 +38,8 @@ from quant.pipeline import quantize
 from quant.smoothquant import fold
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "phi3_partial")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "phi3_partial",
+         "phi3_longrope")
 TOLERANCE = 1e-4  # nats, mean NLL against transformers
 
 
@@ -112,6 +113,14 @@ def test_fixtures_cover_each_architecture_field():
     assert llama3.rope_scale_factor == 8 and cfgs["llama"].rope_scale_factor == 0
     assert ratio[0] == 1 and ratio[-1] == np.float32(1 / 8)
     assert any(1 / 8 < r < 1 for r in ratio)
+    # LongRoPE: texts on both sides of the pretraining context, which is the default context
+    longrope = cfgs["phi3_longrope"]
+    lengths = [len(r["tokens"]) for r in rows["phi3_longrope"] if r["mean_nll"] is not None]
+    assert longrope.max_len == longrope.rope_original_max_len == 24 and longrope.rotary_dim == 12
+    assert sum(n <= 24 for n in lengths) >= 3 and sum(n > 24 for n in lengths) >= 3
+    assert longrope.rope_attention_factor > 1
+    assert all(a < b for a, b in zip(longrope.rope_short_factors[1:],
+                                     longrope.rope_long_factors[1:], strict=True))
     gemma = cfgs["gemma3_text"]
     assert set(gemma.layer_pattern) == {"s", "g"} and gemma.rope_local_base != gemma.rope_base
     assert max(len(r["tokens"]) for r in rows["gemma3_text"]) > gemma.sliding_window
@@ -153,10 +162,33 @@ def test_chat_template_renders_as_transformers(arch):
 
 
 def test_scores_match_transformers(loaded):
+    """Every text the model's context holds (LongRoPE's default context, its pretraining one,
+    holds the shorter texts: the longer ones are the next test's)."""
     arch, cfg, params = loaded
     _, model = model_of(cfg, params)
-    worst, wrong = worst_error(model, reference(arch))
+    rows = [r for r in reference(arch) if len(r["tokens"]) <= cfg.max_len]
+    assert len(rows) >= 4
+    worst, wrong = worst_error(model, rows)
     assert worst <= TOLERANCE and wrong == 0, (arch, worst, wrong)
+
+
+def test_longrope_scores_as_transformers_on_each_side_of_the_original_context():
+    """transformers takes LongRoPE's long factors for a sequence longer than the pretraining
+    context, its short ones otherwise; we take them by the context the model runs with. The
+    model read for a longer context scores the longer texts as transformers does. Controls:
+    each factor set on the other side's texts, and the long set without its attention factor,
+    miss the reference."""
+    short, params = load_hf(FIXTURES / "phi3_longrope")
+    long = load_hf(FIXTURES / "phi3_longrope", max_len=256)[0]
+    assert long == dataclasses.replace(short, max_len=256)
+    rows = [r for r in reference("phi3_longrope") if r["mean_nll"] is not None]
+    within = [r for r in rows if len(r["tokens"]) <= short.rope_original_max_len]
+    beyond = [r for r in rows if len(r["tokens"]) > short.rope_original_max_len]
+    worst, wrong = worst_error(model_of(long, params)[1], beyond)
+    assert worst <= TOLERANCE and wrong == 0, (worst, wrong)
+    for cfg, texts in ((short, beyond), (long, within),
+                       (dataclasses.replace(long, rope_attention_factor=1.0), beyond)):
+        assert worst_error(model_of(cfg, params)[1], texts)[0] > 100 * TOLERANCE
 
 
 # A field switched off: Llama 3's RoPE scaling; Gemma 3's: every layer global, or one layer
@@ -167,7 +199,9 @@ _OFF = {"rope_scale_factor": dict(rope_scale_factor=0.0, rope_low_freq_factor=0.
         "rope_local_base": dict(rope_local_base=1_000_000.0),
         "query_pre_attn_scalar": dict(query_pre_attn_scalar=0.0),
         "embed_scale": dict(embed_scale=False), "final_softcap": dict(final_softcap=0.0),
-        "rotary_dim": dict(rotary_dim=None)}
+        "rotary_dim": dict(rotary_dim=None),
+        "rope_short_factors": dict(rope_short_factors=None, rope_long_factors=None,
+                                   rope_attention_factor=0.0, rope_original_max_len=0)}
 _GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embed_scale",
               "final_softcap")
 
@@ -176,6 +210,7 @@ _GEMMA_OFF = ("layer_pattern", "rope_local_base", "query_pre_attn_scalar", "embe
                                          ("mistral", "sliding_window"),
                                          ("phi3", "sliding_window"),
                                          ("phi3_partial", "rotary_dim"),
+                                         ("phi3_longrope", "rope_short_factors"),
                                          ("llama3", "rope_scale_factor"),
                                          *(("gemma3_text", f) for f in _GEMMA_OFF)])
 def test_dropping_a_field_misses_the_reference(arch, field):
@@ -209,7 +244,7 @@ def test_phi3s_fused_tensors_split_in_their_row_order():
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma3_text", "phi3",
-                                  "phi3_partial"])
+                                  "phi3_partial", "phi3_longrope"])
 def test_cached_decoding_follows_the_full_forward(arch):
     """Greedy tokens through the KV cache equal the argmax of the full forward at each step,
     the mistral and gemma prompts long enough that the window slides during decoding (on
@@ -322,10 +357,10 @@ def test_bad_folders_are_one_line(tmp_path):
 
 
 def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
-    """LongRoPE (Phi-3's long-context models), a rotary part that is no part of a head or
-    leaves an odd number of dimensions, RoPE on part of a head outside Phi-3 and RoPE parameters
-    that are no object are refused by name; a fused tensor of another size, or a part held
-    twice, names the tensor."""
+    """A rotary part that is no part of a head or leaves an odd number of dimensions, RoPE on
+    part of a head outside Phi-3, RoPE parameters that are no object, a RoPE type other than
+    LongRoPE and LongRoPE without its factors, a context or one factor per frequency are
+    refused by name; a fused tensor of another size, or a part held twice, names the tensor."""
     llama = bad_folder(tmp_path, "llama")
     hf = read_config(llama)
     (llama / "config.json").write_text(json.dumps({**hf, "partial_rotary_factor": 0.75}))
@@ -340,8 +375,18 @@ def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
              "rotary_dim=9: must be even"),
             ({"rope_parameters": [1e4]}, r"rope_parameters \(or rope_scaling\) must be an "
                                          r"object"),
-            ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
-             r"rope_type='longrope' is not supported \(allowed: 'default'\)")):
+            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+             r"rope_type='yarn' is not supported \(allowed: 'default', 'longrope', 'su'\)"),
+            ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                  "short_factor": [1.0] * 8, "long_factor": "1"}},
+             "rope_type='longrope' needs short_factor and long_factor as lists of numbers"),
+            ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                  "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+              "original_max_position_embeddings": 0},
+             "rope_type='longrope' needs a positive original_max_position_embeddings"),
+            ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                  "short_factor": [1.0] * 6, "long_factor": [1.0] * 6}},
+             r"rope_short_factors: LongRoPE needs 8 positive finite numbers")):
         (folder / "config.json").write_text(json.dumps({**hf, **change}))
         with pytest.raises(HFError, match=match):
             load_hf(folder)
@@ -369,6 +414,9 @@ def test_export_names_the_family_whose_fields_a_model_uses(arch):
         family(dataclasses.replace(cfg, mlp="gelu"))
     with pytest.raises(ExportError, match="^rotary_dim=4: no exported family has RoPE on part"):
         family(dataclasses.replace(cfg, rotary_dim=4))
+    with pytest.raises(ExportError, match="^rope_short_factors: no exported family has LongRoPE"):
+        family(dataclasses.replace(load_hf(FIXTURES / "phi3_longrope")[0], rotary_dim=None,
+                                   rope_short_factors=(1.0,) * 8, rope_long_factors=(2.0,) * 8))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])  # phi3: parts of fused tensors

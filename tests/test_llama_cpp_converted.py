@@ -3,7 +3,8 @@
 shardq's GGUF reader, which did not write them, reads each to the folder's config and
 bit-identical parameters (llama's rotary rows put back, Llama 3's scaling recovered from its
 `rope_freqs`, Qwen2's biases, Qwen3's q/k norms and head size, Phi-3's fused tensors split,
-its window and Phi-4-mini's RoPE on part of each head from `rope.dimension_count`), tokenizes
+its window, Phi-4-mini's RoPE on part of each head from `rope.dimension_count` and its LongRoPE
+from `rope_factors_*`), tokenizes
 as transformers did (the SentencePiece model of llama_spm as SentencePiece itself does: a space
 prefix, byte fallback, digits one at a time) and scores within 1e-4 nats of transformers'
 reference."""
@@ -25,9 +26,11 @@ from tests.helpers import launch_in_one_process
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial",
+         "phi3_longrope")
 GGUF_ARCH = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "llama_spm": "llama", "phi3": "phi3", "phi3_partial": "phi3"}
+             "llama_spm": "llama", "phi3": "phi3", "phi3_partial": "phi3",
+             "phi3_longrope": "phi3"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,11 +58,19 @@ def test_scores_the_converters_file_as_transformers(arch):
         # transformers' tokenizer does
         want = r["transformers_tokens"] if "</s>" in r["text"] else r["tokens"]
         assert pre.tokenizer.encode(r["text"]) == want, r["text"]
-    ours = scoring.score_ids(pre, [r["tokens"] for r in rows])
-    for r, o in zip(rows, ours, strict=True):
-        assert o["next_token"] == r["next_token"], r["text"]
-        if r["mean_nll"] is not None:
-            assert abs(o["mean_nll"] - r["mean_nll"]) <= 1e-4, r["text"]
+    if arch == "phi3_longrope":  # the longer texts at a context beyond the original one
+        longer = dataclasses.replace(pre.cfg, max_len=256)
+        pres = [(pre, [r for r in rows if len(r["tokens"]) <= pre.cfg.max_len]),
+                (dataclasses.replace(pre, cfg=longer, graphdef=loading.abstract_graphdef(longer)),
+                 [r for r in rows if len(r["tokens"]) > pre.cfg.max_len])]
+    else:
+        pres = [(pre, rows)]
+    for model, texts in pres:
+        ours = scoring.score_ids(model, [r["tokens"] for r in texts])
+        for r, o in zip(texts, ours, strict=True):
+            assert o["next_token"] == r["next_token"], r["text"]
+            if r["mean_nll"] is not None:
+                assert abs(o["mean_nll"] - r["mean_nll"]) <= 1e-4, r["text"]
 
 
 def test_bench_decode_runs_a_converted_file_cutting_its_prompt_to_the_context(tmp_path):
@@ -106,15 +117,16 @@ def test_reads_llama_cpps_vocabularies_as_hugging_face_tokenizes(name):
         assert tok.encode(text, add_bos=False) == [int(i) for i in want.split()], repr(text)
 
 
-def test_a_phi3_file_with_longrope_is_refused_in_one_line():
-    """Phi-3's long-context models carry LongRoPE's factors as tensors; the file (with one such
-    tensor listed beside the converter's) is refused by name, not read as full RoPE."""
+def test_a_phi3_file_with_half_of_longrope_is_refused_in_one_line():
+    """LongRoPE's two factor sets and its original context come together; a file with one set
+    is refused by name, not read as plain RoPE."""
     from model.gguf import GGUFError, GGUFFile
     from model.llama_gguf import config_from_gguf
 
-    g = GGUFFile(CONVERTED / "phi3.gguf")
-    assert config_from_gguf(g).sliding_window == 16
-    g.tensors["rope_factors_long.weight"] = g.tensors["output_norm.weight"]
-    with pytest.raises(GGUFError, match=r"LongRoPE \(rope_factors_long/short\) is not "
-                                        r"supported"):
+    g = GGUFFile(CONVERTED / "phi3_longrope.gguf")
+    assert config_from_gguf(g).rope_original_max_len == 24
+    del g.tensors["rope_factors_short.weight"]
+    with pytest.raises(GGUFError, match="LongRoPE needs rope_factors_short.weight and "
+                                        "rope_factors_long.weight and "
+                                        "phi3.rope.scaling.original_context_length"):
         config_from_gguf(g)

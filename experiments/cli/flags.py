@@ -46,6 +46,10 @@ FIELD_HELP = {
     "qk_norm": "RMSNorm over each query and key head (Qwen3)",
     "sliding_window": "each query sees only this many keys back (none: the whole prefix)",
     "rotary_dim": "RoPE on this many dimensions of each head (none: all of them)",
+    "rope_short_factors": "LongRoPE: one divisor per rotary frequency, comma-separated, used "
+                          "while max_len <= rope_original_max_len (none: off)",
+    "rope_long_factors": "LongRoPE: the divisors used when max_len is longer",
+    "rope_attention_factor": "LongRoPE: sin and cos are multiplied by this (0: off)",
     "steps": "optimizer steps (also the length of the cosine schedule)",
     "batch_size": "sequences per optimizer step (global, over all devices)",
     "micro_steps": "gradient accumulation: micro-batches per step",
@@ -88,6 +92,14 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _parse_numbers(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in _parse_names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers separated by commas"
+                                         ) from None
+
+
 def add_field_flags(parser: argparse.ArgumentParser, cls, *, title: str,
                     skip: set[str] = frozenset(), aliases: dict[str, str] | None = None) -> None:
     """One --flag per dataclass field (`--d-model 256`, `--clip-search`, `--rules a,b`), stored
@@ -105,7 +117,9 @@ def add_field_flags(parser: argparse.ArgumentParser, cls, *, title: str,
         if kind is bool:  # `--flag` alone means true; `--flag false` also works
             extra = dict(type=_parse_bool, nargs="?", const=True)
         else:
-            extra = dict(type=_parse_names if typing.get_origin(kind) is tuple else kind)
+            extra = dict(type=kind if typing.get_origin(kind) is not tuple
+                         else _parse_numbers if typing.get_args(kind)[0] is float
+                         else _parse_names)
         group.add_argument(*names, dest=f"override_{f.name}", default=None,
                            metavar=f.name.upper(), help=_help(cls, f), **extra)
 

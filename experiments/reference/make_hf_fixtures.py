@@ -9,8 +9,10 @@ Llama 3's RoPE scaling), mistral (a sliding window shorter than the longest text
 biases), qwen3 (q/k RMSNorm and a head size other than d_model / n_heads), gemma3_text (four
 layers, sliding and global ones interleaved, a window shorter than the longest text, a query scale
 other than the head size's and a final soft-cap), phi3 (q/k/v and gate/up each in one fused tensor,
-a window shorter than the longest text) and phi3_partial (Phi-4-mini's RoPE on three quarters of
-each head). Each holds what `save_pretrained` writes in
+a window shorter than the longest text), phi3_partial (Phi-4-mini's RoPE on three quarters of
+each head) and phi3_longrope (phi3_partial with Phi-4-mini's LongRoPE, its pretraining context
+between the lengths of the texts, so that transformers scores the shorter texts with the short
+factors and the longer ones with the long). Each holds what `save_pretrained` writes in
 float32 (config.json, model.safetensors), one byte-level BPE `tokenizer.json` trained here with the
 `tokenizers` library on standard-library docstrings (the same for every folder), a
 `tokenizer_config.json`, and `reference.json`: per text transformers' mean NLL in nats over
@@ -37,6 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB = 320
 SLIDING_WINDOW = 16  # Mistral's fixture: shorter than the longest texts below
+LONGROPE_ORIGINAL = 24  # phi3_longrope's pretraining context: three texts below are shorter
 TEXTS = [
     "The capital of France is",
     "def add(a, b):\n    return a + b",
@@ -124,6 +127,16 @@ ARCHS = {
                      dict(pad_token_id=1, tie_word_embeddings=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                            "partial_rotary_factor": 0.75})),
+    # Phi-4-mini's LongRoPE on phi3_partial: one factor per rotary frequency (12 of each head's
+    # 16 dimensions: 6), growing with the wavelength as the published ones do; the attention
+    # factor is transformers' default for max_position_embeddings / 24.
+    "phi3_longrope": (transformers.Phi3Config,
+                      dict(pad_token_id=1, tie_word_embeddings=True,
+                           original_max_position_embeddings=LONGROPE_ORIGINAL,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.75,
+                                            "short_factor": [1.0, 1.05, 1.3, 1.9, 2.6, 3.1],
+                                            "long_factor": [1.0, 1.4, 3.5, 9.0, 21.0, 40.0]})),
 }
 
 

@@ -12,7 +12,7 @@ knows only published models' hashes; the fixtures' tokenizer (GPT-2's byte-level
 on docstrings) is given its llama.cpp name, gpt-2, instead, and the Phi-3 converter, which reads
 only a SentencePiece tokenizer.model, reads it as the other converters do (as a byte-level BPE).
 Everything else is the converter's own: tensor names, llama's rotary row order, Llama 3's
-`rope_freqs`, Phi-3's fused tensors, metadata, token types.
+`rope_freqs`, Phi-3's fused tensors and LongRoPE factors, metadata, token types.
 Gemma's folder is left out: it is off Gemma 3's conventions, which a GGUF cannot state.
 """
 
@@ -23,7 +23,7 @@ import runpy
 import sys
 from pathlib import Path
 
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "llama_spm", "phi3", "phi3_partial", "phi3_longrope")
 PRE = "gpt-2"  # llama.cpp's name for the fixtures' pre-tokenizer
 
 
