@@ -169,9 +169,9 @@ class ModelConfig:
             unused = scaling[1:3] if self.rope_short_factors is not None else scaling[1:]
             if any(getattr(self, name) for name in unused):
                 name = next(n for n in unused if getattr(self, n))
+                also = " or LongRoPE" if name == "rope_original_max_len" else ""
                 raise ValueError(f"{name}={getattr(self, name)}: only with rope_scale_factor "
-                                 f"(Llama 3's RoPE scaling) or, for rope_original_max_len, "
-                                 f"LongRoPE; 0 when it is off")
+                                 f"(Llama 3's RoPE scaling){also}; 0 when it is off")
         kv = self.n_kv_heads
         if kv is not None and (kv <= 0 or self.n_heads % kv):
             raise ValueError(f"n_kv_heads={self.n_kv_heads}: must be a positive divisor of "

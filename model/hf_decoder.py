@@ -155,25 +155,28 @@ def _longrope(hf: dict, where: str) -> dict:
     (4096 where absent), the attention factor the given one or sqrt(1 + ln(s) / ln(original))
     for s = max_position_embeddings / original (`factor` where given) above 1; {} for none."""
     rope = _rope_params(hf)
-    if rope.get("rope_type", rope.get("type")) not in LONGROPE_TYPES:
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in LONGROPE_TYPES:
         return {}
     short, long = rope.get("short_factor"), rope.get("long_factor")
     numbers = lambda v: isinstance(v, list) and all(  # noqa: E731
         isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
     if not (numbers(short) and numbers(long)):
-        raise HFError(f"{where}: rope_type='longrope' needs short_factor and long_factor as "
+        raise HFError(f"{where}: rope_type={kind!r} needs short_factor and long_factor as "
                       f"lists of numbers")
     try:
         original = int(hf.get("original_max_position_embeddings", 4096))
-        factor = float(rope.get("factor") or int(hf.get("max_position_embeddings", 4096))
-                       / original)
+        factor = rope.get("factor")
+        if factor is None:
+            factor = int(hf.get("max_position_embeddings", 4096)) / original
+        factor = float(factor)
         attention = rope.get("attention_factor")
         if attention is None:
             attention = (1.0 if factor <= 1
                          else math.sqrt(1 + math.log(factor) / math.log(original)))
         attention = shortest_f32(attention)
     except (TypeError, ValueError, ZeroDivisionError):
-        raise HFError(f"{where}: rope_type='longrope' needs a positive "
+        raise HFError(f"{where}: rope_type={kind!r} needs a positive "
                       f"original_max_position_embeddings, max_position_embeddings and "
                       f"factor") from None
     # as float32 decimals, which is what RoPE computes with and what a GGUF of the model holds
@@ -225,7 +228,7 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
         head_dim = hf.get("head_dim")
         if n_layers is not None and not 1 <= n_layers <= layers:
             raise HFError(f"n_layers={n_layers}: must be in 1..{layers} (the model's layers)")
-        context = int(hf.get("max_position_embeddings", 2048))
+        context = int(hf.get("max_position_embeddings", 4096 if kind == "phi3" else 2048))
         cfg = ModelConfig(
             vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=n_layers or layers,
             n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),

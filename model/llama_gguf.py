@@ -370,7 +370,7 @@ def _plan(g: GGUFFile, cfg: ModelConfig, file_layers: int) -> dict[str, list[Sou
     plan: dict[str, list] = {p: [None] * (cfg.n_layers if p.startswith("blocks/") else 1)
                              for p in want}
     for name, info in g.tensors.items():
-        if name == ROPE_FREQS or name in LONGROPE_FACTORS:
+        if name == ROPE_FREQS or (name in LONGROPE_FACTORS and arch == "phi3"):
             continue  # RoPE scaling, read into the config
         target = _targets(name, arch)
         if target is None or not set(target[0]) <= set(want):

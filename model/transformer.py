@@ -102,11 +102,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if layer is None:
             window = cfg.sliding_window
-            freqs, scale = attention_rope(cfg)
+            freqs, rope_scale = attention_rope(cfg)
         else:
-            (window, freqs), scale = layer, 1.0
+            (window, freqs), rope_scale = layer, 1.0
         sin, cos = rotary_angles(positions_BxT, cfg.rope_dim // 2, cfg.rope_base,
-                                 None if freqs is None else jnp.asarray(freqs), scale)
+                                 None if freqs is None else jnp.asarray(freqs), rope_scale)
         q, k = rotary(q, sin, cos), rotary(k, sin, cos)
         if cfg.query_pre_attn_scalar not in (0.0, cfg.head_dim):
             # attention divides by sqrt(head_dim); the query takes the rest of the scale

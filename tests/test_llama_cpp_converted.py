@@ -117,11 +117,20 @@ def test_reads_llama_cpps_vocabularies_as_hugging_face_tokenizes(name):
         assert tok.encode(text, add_bos=False) == [int(i) for i in want.split()], repr(text)
 
 
-def test_a_phi3_file_with_half_of_longrope_is_refused_in_one_line():
+def test_a_file_with_half_of_longrope_or_longrope_outside_phi3_is_refused_in_one_line():
     """LongRoPE's two factor sets and its original context come together; a file with one set
-    is refused by name, not read as plain RoPE."""
+    is refused by name, not read as plain RoPE, and so is a llama file with both (llama.cpp's
+    llama graph would apply them; our reader takes them for Phi-3 alone)."""
     from model.gguf import GGUFError, GGUFFile
-    from model.llama_gguf import config_from_gguf
+    from model.llama_gguf import config_from_gguf, load_params
+
+    llama = GGUFFile(CONVERTED / "llama.gguf")
+    factors = GGUFFile(CONVERTED / "phi3_longrope.gguf").tensors
+    for name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+        llama.tensors[name] = factors[name]
+    with pytest.raises(GGUFError, match="extra tensor 'rope_factors_short.weight' that a llama "
+                                        "decoder does not have"):
+        load_params(llama, config_from_gguf(llama))
 
     g = GGUFFile(CONVERTED / "phi3_longrope.gguf")
     assert config_from_gguf(g).rope_original_max_len == 24

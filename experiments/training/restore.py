@@ -84,7 +84,9 @@ def restore_params(workdir: str | Path, cfg: Config | None = None, step: int | N
 # None and n_heads are the same model.
 WRITTEN_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "mlp",
                   "tie_embeddings", "rope_base", "norm_eps", "param_dtype", "head_size",
-                  "qkv_bias", "qk_norm", "sliding_window", "rotary_dim")
+                  "qkv_bias", "qk_norm", "sliding_window", "rotary_dim", "rope_scale_factor",
+                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len",
+                  "rope_short_factors", "rope_long_factors", "rope_attention_factor")
 
 
 def check_written_with(mngr, steps: list[int], model) -> None:
