@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
             "experiments.pretrained.loading", "experiments.pretrained.chat_stream",
             "experiments.pretrained.decoding", "experiments.speed.machine", devices=1)
         pre = loading.for_decoding(loading.load_quantized(
-            args.model, args.layers, args.gguf, args.quant, args.alpha, args.step))
+            args.model, args.layers, args.gguf, args.quant, args.alpha, args.step, args.context))
         per_layer = {"rule": None, "scan": False, "per-layer": True}.get(args.layout)
         if args.layout == "probe":
             cpu = machine.describe()

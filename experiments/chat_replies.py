@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         loading, reply_stability, machine = startup.begin(
             "experiments.pretrained.loading", "experiments.pretrained.reply_stability",
             "experiments.speed.machine", devices=1)
-        float_model = loading.load(args.model, args.layers, args.gguf)
+        float_model = loading.load(args.model, args.layers, args.gguf, context=args.context)
         limit = float_model.cfg.max_len
         if len(loading.chat_ids(float_model, args.spread_prompt)) > limit:
             raise ConfigError(f"spread_prompt: longer than the context of {limit} tokens")

@@ -90,7 +90,7 @@ def run(args, modes: list[str]) -> dict:
         "experiments.pretrained.decoding", "experiments.pretrained.outliers",
         "experiments.training.pydoc_corpus", "experiments.speed.machine",
         "quant.alpha_search", devices=1)
-    float_model = loading.load(args.model, args.layers, args.gguf, args.step)
+    float_model = loading.load(args.model, args.layers, args.gguf, args.step, args.context)
     if float_model.name not in model_ref.REGISTERED:  # a path: no machine's absolute path kept
         float_model = dataclasses.replace(float_model, name=project_relative(float_model.name))
     scoring.validation_ids(float_model, args.tokens, args.window, args.corpus)

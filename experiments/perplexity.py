@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
                               f"(got {args.quant!r})")
         loading, scoring = startup.begin("experiments.pretrained.loading",
                                          "experiments.pretrained.scoring", devices=1)
-        float_model = loading.load(args.model, args.layers, args.gguf, args.step)
+        float_model = loading.load(args.model, args.layers, args.gguf, args.step, args.context)
         window = (args.window if args.window is not None
                   else min(DEFAULT_WINDOW, float_model.cfg.max_len))
         qcfg = (QuantConfig(mode=args.quant, alpha=args.alpha) if args.alpha is not None

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
         loading, scoring = startup.begin("experiments.pretrained.loading",
                                          "experiments.pretrained.scoring", devices=1)
         pre = loading.load_quantized(args.model, args.layers, args.gguf, args.quant, args.alpha,
-                                     args.step)
+                                     args.step, args.context)
         rows = scoring.score_texts(pre, args.text)
     except (ConfigError, GGUFError, QuantError) as e:
         fail(PROG, str(e).splitlines()[0])

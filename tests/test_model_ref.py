@@ -136,16 +136,29 @@ def _leaves(tree, prefix=""):
 
 
 def test_score_reads_a_hugging_face_folder_as_transformers_does():
-    from tests.helpers import cli
+    """qwen2 at its own context; phi3_longrope's texts longer than its pretraining context (its
+    default one) at `--context 256`, where it takes the long factors as transformers does for
+    them."""
+    from tests.helpers import launch_in_one_process
 
-    rows = json.loads((FIXTURES / "qwen2" / "reference.json").read_text())["results"][:3]
-    proc = cli("score", "--model", str(FIXTURES / "qwen2"), "--json",
-               *[a for r in rows for a in ("--text", r["text"])], timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
-    for want, row in zip(rows, got, strict=True):
-        assert row["tokens"] == want["tokens"] and row["next_token"] == want["next_token"]
-        assert abs(row["mean_nll"] - want["mean_nll"]) <= 1e-4
+    runs = {"qwen2": ([], _reference("qwen2")[:3]),
+            "phi3_longrope": (["--context", "256"],
+                              [r for r in _reference("phi3_longrope") if len(r["tokens"]) > 24])}
+    got = launch_in_one_process(
+        [("experiments.score", ["--model", str(FIXTURES / arch), "--json", *flags,
+                                *[a for r in rows for a in ("--text", r["text"])]])
+         for arch, (flags, rows) in runs.items()], timeout=600)
+    for (_, rows), run in zip(runs.values(), got, strict=True):
+        assert run["status"] == 0, run["stderr"]
+        results = json.loads(run["stdout"].strip().splitlines()[-1])["results"]
+        assert len(rows) == len(results) >= 3
+        for want, row in zip(rows, results, strict=True):
+            assert row["tokens"] == want["tokens"] and row["next_token"] == want["next_token"]
+            assert abs(row["mean_nll"] - want["mean_nll"]) <= 1e-4
+
+
+def _reference(arch: str) -> list[dict]:
+    return json.loads((FIXTURES / arch / "reference.json").read_text())["results"]
 
 
 def test_perplexity_labels_a_gguf_file_and_a_folder_with_their_paths(tmp_path):

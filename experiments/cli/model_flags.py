@@ -16,8 +16,8 @@ MODELS = model_ref.REGISTERED
 
 
 def add_model_flags(p, quant: bool = True) -> None:
-    """--model, --layers, --gguf and (unless quant=False: a launcher that runs several modes
-    itself) --quant."""
+    """--model, --layers, --context, --gguf and (unless quant=False: a launcher that runs
+    several modes itself) --quant."""
     p.add_argument("--model", default="smollm2", metavar="REF",
                    help=f"the model: {model_ref.ALLOWED} (default: smollm2)")
     if quant:
@@ -28,6 +28,11 @@ def add_model_flags(p, quant: bool = True) -> None:
                             f"and site on the calibration data, quant/alpha_search.py)")
     p.add_argument("--layers", type=int, default=None,
                    help="keep only the first N blocks (a truncated model, for quick checks)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="the context the model runs with, in tokens (default: the model's own: "
+                        "a folder's max_position_embeddings, or with LongRoPE its pretraining "
+                        "context; a GGUF's context_length; a run's max_len). A LongRoPE model "
+                        "takes its long factors beyond its pretraining context")
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="another Llama-architecture GGUF file (default: the model's package); "
                         "the same as --model PATH")
@@ -53,8 +58,9 @@ def check_model_flags(args) -> None:
             QuantConfig(mode=args.quant, alpha=alpha).validate()
         except QuantError as e:
             raise ConfigError(str(e)) from None
-    if args.layers is not None and args.layers < 1:
-        raise ConfigError(f"layers={args.layers}: must be a positive integer")
+    for name in ("layers", "context"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"{name}={getattr(args, name)}: must be a positive integer")
     if args.gguf is not None:
         check_gguf_path(args.gguf)
 

@@ -60,12 +60,28 @@ def abstract_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 
 def load(name: str = "smollm2", n_layers: int | None = None,
-         gguf_path: str | None = None, step: int | None = None) -> Pretrained:
+         gguf_path: str | None = None, step: int | None = None,
+         context: int | None = None) -> Pretrained:
     """The float32 model and tokenizer of the reference `name` (a registered name, a .gguf
     file, a Hugging Face folder or a run folder, its checkpoint `step` or else the newest
     intact one; ConfigError naming `model` otherwise), or of the Llama GGUF at `gguf_path`
-    (GGUFError, one line, on a bad file). The result is labelled with what was read: the name,
-    or the path."""
+    (GGUFError, one line, on a bad file), run with a context of `context` tokens (None: the
+    model's own). The result is labelled with what was read: the name, or the path."""
+    pre = _load(name, n_layers, gguf_path, step)
+    return pre if context is None else with_context(pre, context)
+
+
+def with_context(pre: Pretrained, context: int) -> Pretrained:
+    """`pre` run with a context of `context` tokens: the longest text it scores, the longest
+    conversation it continues; beyond the model's own, RoPE goes on past the positions it was
+    trained at (as `train --max-len` does), and a LongRoPE model takes its long factors past its
+    pretraining context."""
+    cfg = dataclasses.replace(pre.cfg, max_len=context)
+    return dataclasses.replace(pre, cfg=cfg, graphdef=abstract_graphdef(cfg))
+
+
+def _load(name: str, n_layers: int | None, gguf_path: str | None,
+          step: int | None) -> Pretrained:
     ref = model_ref.resolve(name)
     if step is not None and ref.kind != "run":
         model_ref.check_step(name, step)  # one line naming step
@@ -217,8 +233,9 @@ def for_decoding(pre: Pretrained, kernels: bool = True, attention: bool = True) 
 
 def load_quantized(name: str = "smollm2", n_layers: int | None = None,
                    gguf_path: str | None = None, mode: str = "none",
-                   alpha: float | None = None, step: int | None = None) -> Pretrained:
+                   alpha: float | None = None, step: int | None = None,
+                   context: int | None = None) -> Pretrained:
     """`load`, then `quantize` to `mode`; `alpha` (None: the mode's own choice) is SmoothQuant's
     migration strength at every site."""
     qcfg = QuantConfig(mode=mode, alpha=alpha) if alpha is not None else None
-    return quantize(load(name, n_layers, gguf_path, step), mode, qcfg)
+    return quantize(load(name, n_layers, gguf_path, step, context), mode, qcfg)
