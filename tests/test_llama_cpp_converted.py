@@ -88,6 +88,46 @@ def test_bench_decode_runs_a_converted_file_cutting_its_prompt_to_the_context(tm
     assert d["variants"][0]["new_tokens"] == 8 and d["variants"][0]["tokens_per_s"] > 0
 
 
+def test_llama_cpp_runs_the_phi3_files_as_we_read_them(tmp_path):
+    """llama.cpp runs its own Phi-3 files (RoPE on three quarters of each head; and LongRoPE,
+    whose long factors it takes: its context, rounded up to whole blocks of 256 positions, is
+    beyond the fixture's original 24) and its perplexity is ours, at a context that takes the
+    same factors, on the windows it tokenized (where its tools are named). Control: the
+    LongRoPE model without its attention factor misses it."""
+    from experiments.speed import llama_cpp
+    from tests.helpers import llama_cpp_tools
+
+    tools = llama_cpp_tools(need=(llama_cpp.PERPLEXITY,))
+    if tools is None:
+        return
+    text = tmp_path / "text.txt"
+    rows = json.loads((HF / "phi3" / "reference.json").read_text())["results"]
+    text.write_bytes((" ".join(r["text"] for r in rows) * 20).encode())
+    for arch, context in (("phi3_partial", None), ("phi3_longrope", 256)):
+        base = tmp_path / f"{arch}.kld"
+        got = llama_cpp.perplexity(tools, CONVERTED / f"{arch}.gguf", 1, base, text=text,
+                                   ctx=48, chunks=2)
+        windows = llama_cpp.base_tokens(base)
+        theirs = float(np.log(got["perplexity"]))
+        pre = loading.load(str(CONVERTED / f"{arch}.gguf"))
+        if context is not None:
+            pre = loading.with_context(pre, context)
+
+        # these peaky models' NLLs run to tens of nats, summed in float32 in two orders
+        assert abs(_second_halves(pre, windows) - theirs) < 5e-4 * theirs, arch
+        if context is not None:
+            plain = loading.with_context(dataclasses.replace(
+                pre, cfg=dataclasses.replace(pre.cfg, rope_attention_factor=1.0)), context)
+            assert abs(_second_halves(plain, windows) - theirs) > 5e-3 * theirs
+
+
+def _second_halves(pre, windows: list[list[int]]) -> float:
+    """Mean NLL over the second half of each window, which is what llama-perplexity scores."""
+    n = len(windows[0])
+    scored = scoring.score_ids(pre, windows, tail=n - 1 - n // 2)
+    return float(np.mean([r["mean_nll_last"] for r in scored]))
+
+
 # llama.cpp's sources ship real vocabularies with test texts and the ids Hugging Face's
 # tokenizers give them (models/ggml-vocab-NAME.gguf, .inp, .out)
 VOCABS = ("llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3")

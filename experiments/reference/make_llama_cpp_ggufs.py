@@ -13,7 +13,9 @@ on docstrings) is given its llama.cpp name, gpt-2, instead, and the Phi-3 conver
 only a SentencePiece tokenizer.model, reads it as the other converters do (as a byte-level BPE).
 Everything else is the converter's own: tensor names, llama's rotary row order, Llama 3's
 `rope_freqs`, Phi-3's fused tensors and LongRoPE factors, metadata, token types.
-Gemma's folder is left out: it is off Gemma 3's conventions, which a GGUF cannot state.
+The Phi-3 files are named `fixture` (`general.name`), so that llama.cpp loads them (a name with
+phi3 in it makes it look for Phi-3's own special tokens). Gemma's folder is left out: it is off
+Gemma 3's conventions, which a GGUF cannot state.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def main() -> None:
     for arch in ARCHS:
         sys.argv = [str(script), str(args.fixtures / arch), "--outtype", "f32",
                     "--outfile", str(args.out / f"{arch}.gguf")]
+        if arch.startswith("phi3"):
+            # llama.cpp gives a model named phi3 the attributes of Phi-3's SentencePiece
+            # tokens (</s>, <unk>, <s>), which the fixtures' vocabulary lacks: it would not load
+            sys.argv += ["--model-name", "fixture"]
         runpy.run_path(str(script), run_name="__main__")
 
 
