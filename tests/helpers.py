@@ -157,3 +157,15 @@ def llama_cpp_tools(need: tuple[str, ...] | None = None):
             return None
         pytest.skip(f"needs llama.cpp's tools: {line}")
     return tools
+
+
+def nll_as_llama_cpp(pre, windows: list[list[int]]) -> float:
+    """Mean NLL (nats) of `pre` as llama-perplexity computes it on its `windows` of token ids:
+    each window with BOS first where the tokenizer adds one, scored over its second half (the
+    last ctx - 1 - ctx // 2 predictions)."""
+    from experiments.pretrained import scoring
+
+    ctx = len(windows[0])
+    rows = scoring.score_ids(pre, [pre.tokenizer.bos[:1] + w[1:] if pre.tokenizer.bos else w
+                                   for w in windows], tail=ctx - 1 - ctx // 2)
+    return float(np.mean([r["mean_nll_last"] for r in rows]))

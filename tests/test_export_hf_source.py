@@ -25,7 +25,7 @@ from model.hf_decoder import load_hf
 from model.llama_export import GGUF_FILE
 from model.llama_gguf import load_gguf
 from model.tokenizer import PRE_TOKENIZER_REGEXES, SentencePieceTokenizer, tokenizer_from_gguf
-from tests.helpers import launch_in_one_process, llama_cpp_tools
+from tests.helpers import launch_in_one_process, llama_cpp_tools, nll_as_llama_cpp
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b",
@@ -444,15 +444,6 @@ def test_step_refused_for_a_folder():
         exporter.pretrained_source(str(FIXTURES / "llama"), step=3)
 
 
-def _nll_as_llama_cpp(pre, windows: list[list[int]]) -> float:
-    """Mean NLL (nats) as llama-perplexity computes it: each window with BOS first where the
-    tokenizer adds one, scored over its second half (the last ctx - 1 - ctx // 2 predictions)."""
-    ctx = len(windows[0])
-    rows = scoring.score_ids(pre, [pre.tokenizer.bos[:1] + w[1:] if pre.tokenizer.bos else w
-                                   for w in windows], tail=ctx - 1 - ctx // 2)
-    return float(np.mean([r["mean_nll_last"] for r in rows]))
-
-
 def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path):
     """llama.cpp, an independent implementation, runs each exported file on the same text and
     its perplexity is ours on the windows it tokenized (where its tools are named by
@@ -479,17 +470,17 @@ def test_llama_cpp_scores_the_folders_gguf_as_we_do(folders, exported, tmp_path)
         # nats: within 5e-4 of llama.cpp's, relative; Gemma's queries scaled by 1/sqrt(256)
         # instead of llama.cpp's 1/sqrt(head size) would be off by three times that.
         theirs = np.log(got["perplexity"])
-        assert abs(_nll_as_llama_cpp(pre, windows) - theirs) < 5e-4 * theirs, arch
+        assert abs(nll_as_llama_cpp(pre, windows) - theirs) < 5e-4 * theirs, arch
         if arch == "qwen2":  # the controls: the reader without the q/k/v biases ...
             blocks = pre.params["blocks"]["attn"]
             for x in "qkv":
                 blocks[x]["bias"] = jnp.zeros_like(blocks[x]["bias"])
-            assert abs(_nll_as_llama_cpp(pre, windows) - theirs) > 1e-2 * theirs
+            assert abs(nll_as_llama_cpp(pre, windows) - theirs) > 1e-2 * theirs
         if arch == "llama3":  # ... or without Llama 3's RoPE scaling
             cfg = dataclasses.replace(pre.cfg, rope_scale_factor=0.0, rope_low_freq_factor=0.0,
                                       rope_high_freq_factor=0.0, rope_original_max_len=0)
             pre = dataclasses.replace(pre, cfg=cfg, graphdef=loading.abstract_graphdef(cfg))
-            assert abs(_nll_as_llama_cpp(pre, windows) - theirs) > 5e-3 * theirs
+            assert abs(nll_as_llama_cpp(pre, windows) - theirs) > 5e-3 * theirs
 
 
 def test_llama_cpp_tokenizes_a_gemma_folders_gguf_as_we_do(tmp_path, monkeypatch):

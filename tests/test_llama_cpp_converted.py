@@ -22,7 +22,7 @@ from flax.traverse_util import flatten_dict
 from experiments.pretrained import loading, scoring
 from model.hf_decoder import load_hf
 from model.llama_gguf import load_gguf
-from tests.helpers import launch_in_one_process
+from tests.helpers import launch_in_one_process, nll_as_llama_cpp
 
 HF = Path(__file__).parent / "fixtures" / "hf"
 CONVERTED = Path(__file__).parent / "fixtures" / "gguf_converted"
@@ -114,18 +114,12 @@ def test_llama_cpp_runs_the_phi3_files_as_we_read_them(tmp_path):
             pre = loading.with_context(pre, context)
 
         # these peaky models' NLLs run to tens of nats, summed in float32 in two orders
-        assert abs(_second_halves(pre, windows) - theirs) < 5e-4 * theirs, arch
+        assert abs(nll_as_llama_cpp(pre, windows) - theirs) < 5e-4 * theirs, arch
         if context is not None:
             plain = loading.with_context(dataclasses.replace(
                 pre, cfg=dataclasses.replace(pre.cfg, rope_attention_factor=1.0)), context)
-            assert abs(_second_halves(plain, windows) - theirs) > 5e-3 * theirs
+            assert abs(nll_as_llama_cpp(plain, windows) - theirs) > 5e-3 * theirs
 
-
-def _second_halves(pre, windows: list[list[int]]) -> float:
-    """Mean NLL over the second half of each window, which is what llama-perplexity scores."""
-    n = len(windows[0])
-    scored = scoring.score_ids(pre, windows, tail=n - 1 - n // 2)
-    return float(np.mean([r["mean_nll_last"] for r in scored]))
 
 
 # llama.cpp's sources ship real vocabularies with test texts and the ids Hugging Face's
