@@ -149,7 +149,7 @@ def _rope_scaling(hf: dict, where: str) -> dict:
                       f"{', '.join(LLAMA3_KEYS)}") from None
 
 
-def _longrope(hf: dict, where: str) -> dict:
+def longrope_fields(hf: dict, where: str) -> dict:
     """The config fields of Phi-3's LongRoPE (rope_type "longrope", once "su"), as transformers
     derives them: the pretraining context is the config's own `original_max_position_embeddings`
     (4096 where absent), the attention factor the given one or sqrt(1 + ln(s) / ln(original))
@@ -245,7 +245,7 @@ def config_from_hf(hf: dict, where: str = "config.json", n_layers: int | None = 
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             sliding_window=None if window is None else int(window))
         cfg = dataclasses.replace(cfg, rotary_dim=_rotary_dim(partial, cfg.head_dim, where))
-        longrope = _longrope(hf, where) if kind == "phi3" else {}
+        longrope = longrope_fields(hf, where) if kind == "phi3" else {}
         if longrope and max_len is None:  # the pretraining context, where the short factors hold
             longrope["max_len"] = min(context, longrope["rope_original_max_len"])
         return dataclasses.replace(cfg, **longrope)

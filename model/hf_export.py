@@ -1,6 +1,7 @@
 """`DecoderLM` parameters -> a Hugging Face folder: model.safetensors (float32, the tensors of
-model/llama_export.py's plan), config.json of the model's family (llama, mistral, qwen2, qwen3
-or gemma3_text), generation_config.json, and the tokenizer files.
+model/llama_export.py's plan), config.json of the model's family (llama, mistral, qwen2, qwen3,
+gemma3_text, or phi3 for RoPE on part of each head and LongRoPE), generation_config.json, and
+the tokenizer files.
 
 config.json is checked before anything is written: model/hf_decoder.py must read it back as the
 exported config (the context length aside), so a model whose fields no family holds together
@@ -23,12 +24,12 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.config import ModelConfig
-from model.hf_decoder import LLAMA3_KEYS, HFError, config_from_hf
+from model.hf_decoder import LLAMA3_KEYS, HFError, config_from_hf, longrope_fields
 from model.llama_export import ExportError, Planned, family, mismatch, plan, tensors
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 class SafetensorsWriter:
@@ -91,7 +92,7 @@ def _whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
-def _family_fields(cfg: ModelConfig, kind: str) -> dict:
+def _family_fields(cfg: ModelConfig, kind: str, max_positions: int) -> dict:
     """The config.json keys that differ between the families."""
     full = ["full_attention"] * cfg.n_layers
     if kind == "gemma3_text":
@@ -106,6 +107,8 @@ def _family_fields(cfg: ModelConfig, kind: str) -> dict:
                 "final_logit_softcapping": cfg.final_softcap or None,
                 "attn_logit_softcapping": None, "attention_bias": False,
                 "use_bidirectional_attention": False}
+    if kind == "phi3":
+        return _phi3_fields(cfg, max_positions)
     rope = _rope(cfg.rope_base)
     if cfg.rope_scale_factor:  # Llama 3's scaling
         rope = {**rope, "rope_type": "llama3",
@@ -122,6 +125,28 @@ def _family_fields(cfg: ModelConfig, kind: str) -> dict:
             **({"attention_bias": False} if kind == "qwen3" else {})}
 
 
+def _phi3_fields(cfg: ModelConfig, max_positions: int) -> dict:
+    """Phi-3's RoPE: on int(head size x partial_rotary_factor) dimensions of each head, and
+    LongRoPE's factors and pretraining context as transformers saves them, with the attention
+    factor spelled out where the one transformers derives from max_positions differs."""
+    rope = _rope(cfg.rope_base)
+    if cfg.rotary_dim is not None:
+        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    out = {"hidden_act": "silu", "sliding_window": cfg.sliding_window, "resid_pdrop": 0.0,
+           "embd_pdrop": 0.0, "attention_bias": False}
+    if cfg.rope_short_factors is not None:
+        original = cfg.rope_original_max_len
+        rope.update(rope_type="longrope", short_factor=list(cfg.rope_short_factors),
+                    long_factor=list(cfg.rope_long_factors),
+                    original_max_position_embeddings=original)
+        plain = {**out, "rope_parameters": rope, "original_max_position_embeddings": original,
+                 "max_position_embeddings": max_positions}
+        if longrope_fields(plain, "")["rope_attention_factor"] != cfg.rope_attention_factor:
+            rope["attention_factor"] = cfg.rope_attention_factor
+        out["original_max_position_embeddings"] = original
+    return {**out, "rope_parameters": rope}
+
+
 def hf_config(cfg: ModelConfig, *, max_positions: int, bos_id: int | None,
               eos_id: int | None) -> dict:
     """config.json of the model's family; ExportError (one line) when model/hf_decoder.py
@@ -136,7 +161,7 @@ def hf_config(cfg: ModelConfig, *, max_positions: int, bos_id: int | None,
         "max_position_embeddings": max_positions, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
         "torch_dtype": "float32", "bos_token_id": bos_id, "eos_token_id": eos_id,
-        "pad_token_id": None, **_family_fields(cfg, kind)}
+        "pad_token_id": None, **_family_fields(cfg, kind, max_positions)}
     try:
         back = config_from_hf(out)
     except HFError as e:

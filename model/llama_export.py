@@ -8,8 +8,8 @@ its layers is written and the leaf is dropped before the next is read, so the wh
 never held at once.
 
 Names: the readers' own tables inverted (model/hf_decoder.py's for Hugging Face, Gemma's norms
-included; model/llama_gguf.py's for GGUF), so the two directions cannot drift apart. Dense
-kernels [in, out] become [out, in] in both formats.
+and Phi-3's fused q/k/v and gate/up included; model/llama_gguf.py's for GGUF), so the two
+directions cannot drift apart. Dense kernels [in, out] become [out, in] in both formats.
 
 Rotary rows: our q/k kernels are in the rotate-half order, which is Hugging Face's, so they are
 written as they are; llama.cpp's Llama converter interleaves the two halves of every head, so a
@@ -53,13 +53,10 @@ def family(cfg: ModelConfig) -> str:
     config they write reads back as `cfg`). ExportError for a model no family has."""
     if cfg.mlp == "gelu":
         raise ExportError("mlp='gelu': no exported family has an ungated GELU MLP (allowed: "
-                          "swiglu for llama, mistral, qwen2, qwen3; geglu for gemma3_text)")
-    if cfg.rotary_dim is not None:
-        raise ExportError(f"rotary_dim={cfg.rotary_dim}: no exported family has RoPE on part of "
-                          f"each head (Phi-3's folders are read, not written)")
-    if cfg.rope_short_factors is not None:
-        raise ExportError("rope_short_factors: no exported family has LongRoPE (Phi-3's folders "
-                          "are read, not written)")
+                          "swiglu for llama, mistral, qwen2, qwen3, phi3; geglu for "
+                          "gemma3_text)")
+    if cfg.rotary_dim is not None or cfg.rope_short_factors is not None:
+        return "phi3"  # RoPE on part of each head, LongRoPE: Phi-3's fields alone
     if cfg.mlp == "geglu" or cfg.norm_plus_one or cfg.post_norms:
         return "gemma3_text"
     if cfg.qkv_bias:
@@ -98,6 +95,14 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
             | {path: f"model.layers.{{}}.{name}" for name, path in layer.items()})
 
 
+def fused_names(cfg: ModelConfig, fmt: str) -> dict[tuple[str, ...], str]:
+    """NNX paths whose rows one file tensor holds, one after another -> its name ("{}" is the
+    layer): Phi-3's q/k/v and gate/up, in a phi3 folder."""
+    if fmt != "safetensors" or family(cfg) != "phi3":
+        return {}
+    return {paths: f"model.layers.{{}}.{name}" for name, paths in hf_decoder._FUSED.items()}
+
+
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
     """NNX path -> GGUF name ("{}" is the layer)."""
     layer = llama_gguf.layer_map(GGUF_ARCH.get(family(cfg), "llama"))
@@ -113,6 +118,13 @@ class Planned:
     name: str  # name in the file
     shape: tuple[int, ...]  # numpy shape in the file ([out, in] for a Linear weight)
     qtype: str = "F32"  # or "Q8_0" (GGUF only)
+    # a fused tensor: the paths whose rows it holds, one after another (`path` is the first)
+    parts: tuple[str, ...] = ()
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        """The parameter leaves the tensor is made from."""
+        return self.parts or (self.path,)
 
     @property
     def nbytes(self) -> int:
@@ -128,13 +140,21 @@ def plan(cfg: ModelConfig, fmt: str, q8: frozenset[str] | set[str] = frozenset()
     names = hf_names(cfg) if fmt == "safetensors" else gguf_names(cfg)
     if q8 and fmt != "gguf":
         raise ExportError(f"format={fmt!r}: int8 weights are written only to GGUF (Q8_0)")
+    shapes = expected_shapes(cfg)
+    fused = {path: (parts, name) for parts, name in fused_names(cfg, fmt).items()
+             for path in parts}
     out = []
-    for path, shape in expected_shapes(cfg).items():
-        if path not in names:
+    for path, shape in shapes.items():
+        parts, name = fused.get(path, ((), names.get(path)))
+        if parts and path != parts[0]:
+            continue  # in the first part's tensor
+        if name is None:
             raise ExportError(f"{path}: format={fmt!r} has no tensor for it")
+        if parts:
+            shape = (sum(shapes[p][0] for p in parts), *shape[1:])
         layers = range(cfg.n_layers) if path.startswith("blocks/") else [None]
         qtype = "Q8_0" if path in q8 else "F32"
-        out += [Planned(path, i, names[path].format(i), shape, qtype) for i in layers]
+        out += [Planned(path, i, name.format(i), shape, qtype, parts) for i in layers]
     return out
 
 
@@ -169,7 +189,11 @@ def _q8_tensor(cfg: ModelConfig, t: Planned, leaf: Int8Rows, fmt: str) -> np.nda
 
 def file_tensor(cfg: ModelConfig, t: Planned, leaf, fmt: str) -> np.ndarray:
     """The tensor `t` as the file stores it (float32, or Q8_0's bytes), from its (stacked)
-    parameter leaf."""
+    parameter leaf; of a fused tensor, from {path: leaf} of its parts."""
+    if t.parts:
+        shapes = expected_shapes(cfg)
+        return np.concatenate([file_tensor(cfg, Planned(p, t.layer, t.name, shapes[p], t.qtype),
+                                           leaf[p], fmt) for p in t.parts])
     if isinstance(leaf, Int8Rows):
         return _q8_tensor(cfg, t, leaf, fmt)
     if t.qtype != "F32":
@@ -192,13 +216,14 @@ def file_tensor(cfg: ModelConfig, t: Planned, leaf, fmt: str) -> np.ndarray:
 def tensors(cfg: ModelConfig, read: Callable[[str], np.ndarray],
             fmt: str, todo: list[Planned] | None = None) -> Iterator[tuple[Planned, np.ndarray]]:
     """(planned tensor, array) in plan order (`todo`, default `plan(cfg, fmt)`); `read(path)`
-    is called once per parameter leaf, and the leaf is released before the next one is read."""
+    is called once per parameter leaf, and the leaf is released before the next one is read
+    (a fused tensor's parts are read together)."""
     todo = plan(cfg, fmt) if todo is None else todo
     i = 0
     while i < len(todo):
-        path = todo[i].path
-        leaf = read(path)
-        while i < len(todo) and todo[i].path == path:
+        leaves = todo[i].leaves
+        leaf = {p: read(p) for p in leaves} if todo[i].parts else read(todo[i].path)
+        while i < len(todo) and todo[i].leaves == leaves:
             yield todo[i], file_tensor(cfg, todo[i], leaf, fmt)
             i += 1
         del leaf

@@ -1,9 +1,10 @@
 """Export of every family the Hugging Face reader reads (llama, mistral, qwen2, qwen3,
-gemma3_text) against the tiny models transformers made (tests/fixtures/hf/, written by
-experiments/reference/make_hf_fixtures.py): our safetensors export holds transformers' own
-tensor names and values and our reader reads it back to the same config and bit-identical
-parameters; Qwen2, Qwen3 and Gemma 3 GGUFs read back through model/llama_gguf.py; what a
-format has no place for is refused in one line."""
+gemma3_text, and phi3 for RoPE on part of each head and LongRoPE) against the tiny models
+transformers made (tests/fixtures/hf/, written by experiments/reference/make_hf_fixtures.py): our
+safetensors export holds transformers' own tensor names and values (Phi-3's fused ones included)
+and our reader reads it back to the same config and bit-identical parameters; Qwen2, Qwen3 and
+Gemma 3 GGUFs read back through model/llama_gguf.py; what a format has no place for is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from model.tokenizer import tokenizer_from_gguf
 from tests import gguf_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3_partial",
+         "phi3_longrope")
 # config.json keys whose values transformers' own save_pretrained wrote and ours must repeat
 SAME_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -50,18 +52,22 @@ def _flat(tree, prefix=""):
             yield prefix + k, np.asarray(v)
 
 
-def source(cfg, params, label="fixture", gguf=None):
+def source(cfg, params, label="fixture", gguf=None, hf_folder=None):
     return exporter.Source(label, cfg, lambda p: np.asarray(_lookup(params, p), np.float32),
-                           gguf)
+                           gguf, hf_folder=hf_folder)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_safetensors_round_trip(arch, tmp_path):
+    """(LongRoPE's folder keeps its longest context, which is not the one it runs with by
+    default: the folder's own.)"""
     cfg, params = load_hf(FIXTURES / arch)
-    summary = exporter.export(source(cfg, params), "safetensors", tmp_path / "out")
+    summary = exporter.export(source(cfg, params, hf_folder=FIXTURES / arch), "safetensors",
+                              tmp_path / "out")
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     theirs = json.loads((FIXTURES / arch / "config.json").read_text())
-    for key in SAME_KEYS:
+    longrope = cfg.rope_short_factors is not None
+    for key in SAME_KEYS + (("original_max_position_embeddings",) if longrope else ()):
         if key in theirs:  # the type too: transformers' configs check their fields' types
             assert ours.get(key) == theirs[key], (arch, key)
             assert type(ours.get(key)) is type(theirs[key]), (arch, key)
@@ -79,6 +85,18 @@ def test_safetensors_round_trip(arch, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_longrope_names_its_attention_factor_where_the_context_would_change_it(tmp_path):
+    """Exported with a context of 16 (a run's max_len, no folder beside it), transformers would
+    derive LongRoPE's attention factor 1 from 16 / 24 positions: the model's own is written
+    out, and the folder reads back as the model at that context."""
+    cfg, params = load_hf(FIXTURES / "phi3_longrope")
+    short = dataclasses.replace(cfg, max_len=16)
+    exporter.export(source(short, params), "safetensors", tmp_path / "out")
+    rope = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert rope["attention_factor"] == cfg.rope_attention_factor > 1
+    assert load_hf(tmp_path / "out")[0] == short
 
 
 def _conventional(cfg):

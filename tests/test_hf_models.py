@@ -406,17 +406,16 @@ def test_phi3_folders_we_cannot_read_are_one_line(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
 def test_export_names_the_family_whose_fields_a_model_uses(arch):
-    """Each fixture transformers made is exported as its own model_type; a GELU MLP, which no
-    exported family has, is refused naming the field."""
+    """Each fixture transformers made is exported as its own model_type (phi3's fields beyond
+    Mistral's are RoPE on part of each head and LongRoPE); a GELU MLP, which no exported family
+    has, is refused naming the field."""
     cfg = load_hf(FIXTURES / arch)[0]
     assert family(cfg) == arch
     with pytest.raises(ExportError, match="^mlp='gelu': no exported family"):
         family(dataclasses.replace(cfg, mlp="gelu"))
-    with pytest.raises(ExportError, match="^rotary_dim=4: no exported family has RoPE on part"):
-        family(dataclasses.replace(cfg, rotary_dim=4))
-    with pytest.raises(ExportError, match="^rope_short_factors: no exported family has LongRoPE"):
-        family(dataclasses.replace(load_hf(FIXTURES / "phi3_longrope")[0], rotary_dim=None,
-                                   rope_short_factors=(1.0,) * 8, rope_long_factors=(2.0,) * 8))
+    # RoPE on part of each head, LongRoPE: Phi-3's fields
+    assert family(dataclasses.replace(cfg, rotary_dim=4)) == "phi3"
+    assert family(load_hf(FIXTURES / "phi3_longrope")[0]) == "phi3"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])  # phi3: parts of fused tensors
