@@ -7,7 +7,7 @@
   python -m experiments.export --model path/to/hf_folder --format gguf --out exports/mine
 
 safetensors: DIR/model.safetensors (Hugging Face tensor names, [out, in] kernels, float32),
-config.json of the model's family (llama, mistral, qwen2, qwen3 or gemma3_text),
+config.json of the model's family (llama, mistral, qwen2, qwen3, gemma3_text or phi3),
 generation_config.json, tokenizer.json and tokenizer_config.json;
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` load it. gguf: DIR/model.gguf (architecture llama or

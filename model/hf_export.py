@@ -135,6 +135,11 @@ def _phi3_fields(cfg: ModelConfig, max_positions: int) -> dict:
     out = {"hidden_act": "silu", "sliding_window": cfg.sliding_window, "resid_pdrop": 0.0,
            "embd_pdrop": 0.0, "attention_bias": False}
     if cfg.rope_short_factors is not None:
+        if cfg.head_dim * cfg.n_heads != cfg.d_model:
+            # transformers counts LongRoPE's factors from hidden_size / num_attention_heads
+            raise ExportError(f"head_size={cfg.head_size}: phi3's config.json takes LongRoPE "
+                              f"only with the head size d_model / n_heads "
+                              f"({cfg.d_model // cfg.n_heads})")
         original = cfg.rope_original_max_len
         rope.update(rope_type="longrope", short_factor=list(cfg.rope_short_factors),
                     long_factor=list(cfg.rope_long_factors),

@@ -99,6 +99,18 @@ def test_longrope_names_its_attention_factor_where_the_context_would_change_it(t
     assert load_hf(tmp_path / "out")[0] == short
 
 
+def test_longrope_with_its_own_head_size_is_refused(tmp_path):
+    """transformers counts LongRoPE's factors from hidden_size / num_attention_heads: a phi3
+    folder of another head size would not load there, so it is refused, nothing written."""
+    cfg, params = load_hf(FIXTURES / "phi3_longrope")
+    odd = dataclasses.replace(cfg, head_size=8, rotary_dim=6, rope_short_factors=(1.0,) * 3,
+                              rope_long_factors=(2.0,) * 3)
+    with pytest.raises(ConfigError, match=r"head_size=8: phi3's config.json takes LongRoPE only "
+                                          r"with the head size d_model / n_heads \(16\)"):
+        exporter.export(source(odd, params), "safetensors", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _conventional(cfg):
     """The fixture's Gemma with the conventions a GGUF cannot state but its readers assume:
     every sixth layer global, queries scaled by 1/sqrt(head size)."""

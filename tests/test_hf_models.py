@@ -261,6 +261,16 @@ def test_cached_decoding_follows_the_full_forward(arch):
     assert np.asarray(out[0]).tolist() == seq
 
 
+def test_the_layout_probe_fits_a_short_context(tmp_path):
+    """chat's layout probe at a context shorter than its usual prompt and new tokens (`chat
+    --context 12`) runs in what fits, not refused."""
+    from experiments.pretrained import decoding, loading
+
+    pre = loading.with_context(loading.load(str(FIXTURES / "phi3_longrope")), 12)
+    choice = decoding.remembered_layout(pre, tmp_path / "probe.json", "host")
+    assert isinstance(choice["per_layer"], bool) and choice["probe_tokens"] == 9
+
+
 @pytest.mark.parametrize("mode,rules", [("w8a8", ("blocks/*",)), ("smoothquant", ("blocks/*",)),
                                         ("w8a8", ("embed",))])
 def test_int8_stays_near_float(mode, rules):

@@ -278,8 +278,9 @@ def remembered_layout(pre: Pretrained, cache_file: Path, host: str) -> dict:
         known = {}
     if isinstance(known.get(key), dict) and isinstance(known[key].get("per_layer"), bool):
         return {**known[key], "remembered": True}
-    prompt = list(range(1, 1 + min(32, pre.cfg.max_len // 4)))
-    choice = probe_layout(pre, prompt)
+    # a short context (`--context`) gets a probe that fits it
+    prompt = list(range(1, 1 + max(1, min(32, pre.cfg.max_len // 4))))
+    choice = probe_layout(pre, prompt, new_tokens=max(1, min(16, pre.cfg.max_len - len(prompt))))
     known[key] = choice
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(cache_file.name + ".tmp")

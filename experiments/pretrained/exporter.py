@@ -1,5 +1,5 @@
 """Export a model to a Hugging Face folder (safetensors, the config of its family: llama,
-mistral, qwen2, qwen3 or gemma3_text) or to a GGUF file (llama or gemma3).
+mistral, qwen2, qwen3, gemma3_text or phi3) or to a GGUF file (llama, qwen2, qwen3 or gemma3).
 
 Two sources: a training run's newest intact checkpoint (`run_source`), or a pretrained model as
 it ships (`pretrained_source`: a registered name, a .gguf file or a Hugging Face folder, whose
