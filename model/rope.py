@@ -8,10 +8,15 @@ import numpy as np
 from model.config import ModelConfig
 
 
+def _wavelength_powers(base: float, dim: int) -> np.ndarray:
+    """[dim / 2] float32 base ** (2i / dim), the divisors of transformers' rotary frequencies."""
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    return np.float32(base) ** exps
+
+
 def rope_freqs(base: float, head_dim: int) -> np.ndarray:
     """[head_dim / 2] float32 rotary frequencies as transformers computes them."""
-    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(base) ** exps)).astype(np.float32)
+    return (np.float32(1.0) / _wavelength_powers(base, head_dim)).astype(np.float32)
 
 
 def llama3_freqs(cfg: ModelConfig) -> np.ndarray:
@@ -40,10 +45,9 @@ def longrope_freqs(cfg: ModelConfig) -> np.ndarray:
     is the same for any sequence the context holds when that is the shorter)."""
     factors = (cfg.rope_long_factors if cfg.max_len > cfg.rope_original_max_len
                else cfg.rope_short_factors)
-    exps = (np.arange(0, cfg.rope_dim, 2, dtype=np.int64).astype(np.float32)
-            / np.float32(cfg.rope_dim))
     ext = np.asarray(factors, np.float32)
-    return (np.float32(1.0) / (ext * np.float32(cfg.rope_base) ** exps)).astype(np.float32)
+    powers = _wavelength_powers(cfg.rope_base, cfg.rope_dim)
+    return (np.float32(1.0) / (ext * powers)).astype(np.float32)
 
 
 def attention_rope(cfg: ModelConfig) -> tuple[np.ndarray | None, float]:
